@@ -1,0 +1,48 @@
+"""Backpressure: rollout workers must not run arbitrarily far ahead of the trainer.
+
+backlog = (samples all workers have published, from their heartbeats)
+        - (samples the trainer has retired: trained on or dropped as stale, from progress.json)
+Reading one small file per worker keeps the cost proportional to the number of workers.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import time
+from typing import Callable
+
+from buffer.layout import RunLayout
+from buffer.storage import read_json
+
+log = logging.getLogger(__name__)
+
+
+def backlog(fs, layout: RunLayout) -> int:
+    written = 0
+    if fs.exists(layout.workers_dir):
+        for path in fs.ls(layout.workers_dir, detail=False):
+            if path.endswith(".json"):
+                try:
+                    written += int(json.loads(fs.cat_file(path)).get("samples_written", 0))
+                except (FileNotFoundError, ValueError):
+                    continue  # a heartbeat being replaced or removed; the next look sees it
+    progress = read_json(fs, layout.progress) or {}
+    return written - int(progress.get("samples_retired", 0))
+
+
+def wait_for_room(fs, layout: RunLayout, limit: int, timeout_s: float,
+                  should_stop: Callable[[], bool], poll_s: float = 0.5) -> float:
+    """Block while the backlog exceeds `limit`; returns seconds waited."""
+    start = time.monotonic()
+    noted = False
+    while (size := backlog(fs, layout)) > limit and not should_stop():
+        waited = time.monotonic() - start
+        if waited > timeout_s:
+            raise TimeoutError(f"backlog of {size} samples stayed above buffer.max_backlog_samples="
+                               f"{limit} for {timeout_s:.0f} s: is the trainer consuming? "
+                               f"(its progress: {layout.progress})")
+        if not noted:
+            log.info("backlog %d samples > %d: waiting for the trainer", size, limit)
+            noted = True
+        time.sleep(poll_s)
+    return time.monotonic() - start

@@ -1,0 +1,116 @@
+"""The on-disk layout of a run. Every path of a run folder is computed here and nowhere else.
+
+    ROOT/
+      init_model/                  the built-in tiny model (HF folder), when launch.local made it
+      data/train.parquet           the built-in task in verl's RL dataset format
+      experience/<worker>/<seq>.arrow     published shards (temporaries: .<seq>.arrow.tmp-<pid>)
+      weights/v<version>/          published actor versions (HF safetensors + manifest.json)
+      weights/LATEST               the newest complete version number, replaced atomically
+      workers/<worker>.json        heartbeats
+      progress.json                the trainer's consumption count (for worker backpressure)
+      metrics.jsonl                one JSON object per trainer step
+      logs/<process>.log           per-process logs under launch.local
+      DONE                         written by the trainer when it has finished its steps
+"""
+from __future__ import annotations
+
+import dataclasses
+import re
+
+SHARD_SUFFIX = ".arrow"
+TMP_MARK = ".tmp-"
+_VERSION_DIR = re.compile(r"^v(\d{6,})$")
+_WORKER_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,127}$")
+
+
+def check_worker_id(worker_id: str) -> str:
+    if not _WORKER_ID.match(worker_id):
+        raise ValueError(f"worker id {worker_id!r}: use letters, digits, '_', '.', '-' (max 128)")
+    return worker_id
+
+
+@dataclasses.dataclass(frozen=True)
+class RunLayout:
+    root: str
+
+    def _p(self, *parts: str) -> str:
+        return "/".join([self.root.rstrip("/"), *parts])
+
+    # inputs made by launch.local for the built-in task
+    @property
+    def init_model(self) -> str:
+        return self._p("init_model")
+
+    @property
+    def train_parquet(self) -> str:
+        return self._p("data", "train.parquet")
+
+    # experience
+    @property
+    def experience_dir(self) -> str:
+        return self._p("experience")
+
+    def worker_shard_dir(self, worker_id: str) -> str:
+        return self._p("experience", check_worker_id(worker_id))
+
+    def shard(self, worker_id: str, seq: int) -> str:
+        return self._p("experience", check_worker_id(worker_id), f"{seq:09d}{SHARD_SUFFIX}")
+
+    def shard_tmp(self, worker_id: str, seq: int, pid: int) -> str:
+        return self._p("experience", check_worker_id(worker_id),
+                       f".{seq:09d}{SHARD_SUFFIX}{TMP_MARK}{pid}")
+
+    @staticmethod
+    def shard_seq(name: str) -> int | None:
+        """Sequence number of a published shard file name, None for anything else."""
+        base = name.rsplit("/", 1)[-1]
+        if base.startswith(".") or not base.endswith(SHARD_SUFFIX):
+            return None
+        stem = base[: -len(SHARD_SUFFIX)]
+        return int(stem) if stem.isdigit() else None
+
+    # weights
+    @property
+    def weights_dir(self) -> str:
+        return self._p("weights")
+
+    def version_dir(self, version: int) -> str:
+        return self._p("weights", f"v{version:06d}")
+
+    def version_tmp(self, version: int, pid: int) -> str:
+        return self._p("weights", f".v{version:06d}{TMP_MARK}{pid}")
+
+    @staticmethod
+    def version_of(name: str) -> int | None:
+        m = _VERSION_DIR.match(name.rsplit("/", 1)[-1])
+        return int(m.group(1)) if m else None
+
+    @property
+    def latest_pointer(self) -> str:
+        return self._p("weights", "LATEST")
+
+    def manifest(self, version: int) -> str:
+        return self._p("weights", f"v{version:06d}", "manifest.json")
+
+    # status, metrics and logs
+    @property
+    def workers_dir(self) -> str:
+        return self._p("workers")
+
+    def heartbeat(self, worker_id: str) -> str:
+        return self._p("workers", f"{check_worker_id(worker_id)}.json")
+
+    @property
+    def progress(self) -> str:
+        return self._p("progress.json")
+
+    @property
+    def metrics(self) -> str:
+        return self._p("metrics.jsonl")
+
+    def log(self, process: str) -> str:
+        return self._p("logs", f"{process}.log")
+
+    @property
+    def done_marker(self) -> str:
+        return self._p("DONE")

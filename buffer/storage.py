@@ -1,0 +1,74 @@
+"""Atomic publication on a shared filesystem, through fsspec.
+
+`rename` is the only atomic publish that Lustre and NFS give: write to a temporary name in the
+same folder, flush and fsync, then rename. A reader that lists the folder sees either nothing or
+the whole file.
+"""
+from __future__ import annotations
+
+import json
+import os
+
+import fsspec
+from fsspec.implementations.local import LocalFileSystem
+
+
+def filesystem(root: str) -> tuple[fsspec.AbstractFileSystem, str]:
+    """The fsspec filesystem for a run root (a local path or a URL) and the root's path in it."""
+    fs, path = fsspec.core.url_to_fs(root)
+    return fs, path
+
+
+def is_local(fs: fsspec.AbstractFileSystem) -> bool:
+    return isinstance(fs, LocalFileSystem)
+
+
+def _fsync_dir(path: str) -> None:
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass  # some network filesystems refuse fsync on directories; the rename is still atomic
+    finally:
+        os.close(fd)
+
+
+def atomic_write(fs: fsspec.AbstractFileSystem, path: str, data: bytes, tmp: str | None = None) -> None:
+    """Write `data` to `path` so that readers never see a partial file."""
+    tmp = tmp or f"{path}.tmp-{os.getpid()}"
+    parent = path.rsplit("/", 1)[0]
+    fs.makedirs(parent, exist_ok=True)
+    if is_local(fs):
+        with open(tmp, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+        _fsync_dir(parent)
+    else:
+        fs.pipe_file(tmp, data)
+        fs.mv(tmp, path)
+
+
+def atomic_write_json(fs: fsspec.AbstractFileSystem, path: str, obj) -> None:
+    atomic_write(fs, path, (json.dumps(obj, sort_keys=True) + "\n").encode())
+
+
+def read_json(fs: fsspec.AbstractFileSystem, path: str):
+    """Parsed JSON at `path`, or None when the file does not exist."""
+    try:
+        return json.loads(fs.cat_file(path))
+    except FileNotFoundError:
+        return None
+
+
+def fsync_tree(path: str) -> None:
+    """fsync every file and folder under a local path (before renaming the folder into place)."""
+    for dirpath, _, files in os.walk(path):
+        for name in files:
+            with open(os.path.join(dirpath, name), "rb+") as f:
+                os.fsync(f.fileno())
+        _fsync_dir(dirpath)

@@ -1,0 +1,107 @@
+"""Weight versions on the shared filesystem: the trainer publishes, workers subscribe.
+
+A version is staged in a hidden temporary folder, fsynced, renamed to `weights/v<N>/`, and only
+then announced by atomically replacing `weights/LATEST`. A reader that follows LATEST therefore
+never sees a partial version; it still verifies checksums against the manifest before loading.
+Only the newest `keep` versions are kept on disk.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import time
+from pathlib import Path
+from typing import Iterator
+
+import torch
+
+from buffer.layout import RunLayout
+from buffer.storage import atomic_write_json, filesystem, fsync_tree, read_json
+from protocol.weights import FileEntry, ManifestError, TensorEntry, WeightManifest, sha256_file, verify_files
+
+log = logging.getLogger(__name__)
+
+
+class WeightStore:
+    def __init__(self, root: str):
+        self.fs, root_path = filesystem(root)
+        self.layout = RunLayout(root_path)
+
+    # --- trainer side -------------------------------------------------------------------
+    def stage(self, version: int) -> str:
+        """A fresh local staging folder for `version`; fill it, then call `publish`."""
+        tmp = self.layout.version_tmp(version, os.getpid())
+        shutil.rmtree(tmp, ignore_errors=True)
+        os.makedirs(tmp)
+        return tmp
+
+    def publish(self, staged: str, version: int, step: int, keep: int) -> WeightManifest:
+        """Write the manifest for the files in `staged`, rename into place, announce, prune."""
+        files, tensors = [], {}
+        from safetensors import safe_open
+        for name in sorted(os.listdir(staged)):
+            path = os.path.join(staged, name)
+            files.append(FileEntry(name, os.path.getsize(path), sha256_file(path)))
+            if name.endswith(".safetensors"):
+                with safe_open(path, framework="pt") as f:
+                    for key in f.keys():
+                        sl = f.get_slice(key)
+                        tensors[key] = TensorEntry(name, sl.get_dtype(), list(sl.get_shape()))
+        manifest = WeightManifest(version=version, step=step, created_at=time.time(),
+                                  files=files, tensors=tensors)
+        Path(staged, "manifest.json").write_text(manifest.to_json())
+        fsync_tree(staged)
+        final = self.layout.version_dir(version)
+        if os.path.exists(final):
+            raise FileExistsError(f"{final} already exists: weight versions are never rewritten")
+        os.rename(staged, final)
+        atomic_write_json(self.fs, self.layout.latest_pointer, {"version": version, "step": step})
+        self.prune(keep)
+        return manifest
+
+    def versions(self) -> list[int]:
+        if not self.fs.exists(self.layout.weights_dir):
+            return []
+        found = (RunLayout.version_of(p) for p in self.fs.ls(self.layout.weights_dir, detail=False))
+        return sorted(v for v in found if v is not None)
+
+    def prune(self, keep: int) -> None:
+        for v in self.versions()[:-keep]:
+            shutil.rmtree(self.layout.version_dir(v), ignore_errors=True)
+
+    # --- worker side --------------------------------------------------------------------
+    def latest(self) -> int | None:
+        pointer = read_json(self.fs, self.layout.latest_pointer)
+        return None if pointer is None else int(pointer["version"])
+
+    def wait_latest(self, timeout_s: float, poll_s: float = 0.5) -> int:
+        start = time.monotonic()
+        while (v := self.latest()) is None:
+            if time.monotonic() - start > timeout_s:
+                raise TimeoutError(f"no weight version appeared in {self.layout.latest_pointer} "
+                                   f"within {timeout_s:.0f} s: has the trainer started?")
+            time.sleep(poll_s)
+        return v
+
+    def manifest(self, version: int) -> WeightManifest:
+        path = self.layout.manifest(version)
+        try:
+            text = self.fs.cat_file(path).decode()
+        except FileNotFoundError:
+            raise ManifestError(f"{path}: missing (version pruned or never published)") from None
+        manifest = WeightManifest.from_json(text, where=path)
+        if manifest.version != version:
+            raise ManifestError(f"{path}: says version {manifest.version}, expected {version}")
+        return manifest
+
+    def tensors(self, version: int) -> Iterator[tuple[str, torch.Tensor]]:
+        """Verify the version's checksums, then yield its tensors one at a time (bounded memory)."""
+        from safetensors import safe_open
+        manifest = self.manifest(version)
+        folder = self.layout.version_dir(version)
+        verify_files(manifest, folder)
+        for file in sorted({t.file for t in manifest.tensors.values()}):
+            with safe_open(os.path.join(folder, file), framework="pt") as f:
+                for key in f.keys():
+                    yield key, f.get_tensor(key)

@@ -1,0 +1,76 @@
+"""Configuration of a rollout worker (`python -m rollout.worker`). Names follow verl's."""
+from __future__ import annotations
+
+import dataclasses
+
+from buffer.config import BufferConfig
+from protocol.config import F, ConfigError
+
+
+@dataclasses.dataclass
+class DataConfig:
+    train_files: list[str] = F(doc="verl-format parquet files of prompts (data.train_files)",
+                               factory=list)
+    prompt_key: str = F("prompt", "column holding the chat messages [{role, content}]")
+    max_prompt_length: int = F(512, "tokens; longer prompts are skipped (counted in the log)", ge=1)
+    max_response_length: int = F(512, "tokens generated at most per response", ge=1)
+    shuffle: bool = F(True, "shuffle prompts each epoch (seeded per worker)")
+
+    def check(self) -> None:
+        if not self.train_files:
+            raise ConfigError("data.train_files: at least one parquet file is required")
+
+
+@dataclasses.dataclass
+class RolloutSamplingConfig:
+    name: str = F("hf", "engine: 'hf' (transformers, runs on CPU) or 'vllm' (GPU)",
+                  choices=("hf", "vllm"))
+    n: int = F(8, "responses sampled per prompt (the GRPO group size)", ge=1)
+    temperature: float = F(1.0, "sampling temperature; the trainer recomputes logprobs at it", gt=0)
+    top_p: float = F(1.0, "nucleus sampling mass", gt=0, le=1)
+    prompts_per_batch: int = F(16, "prompts submitted to the engine at once", ge=1)
+    dtype: str = F("auto", "weights dtype in the engine: auto|float32|bfloat16|float16",
+                   choices=("auto", "float32", "bfloat16", "float16"))
+    gpu_memory_utilization: float = F(0.85, "vLLM: fraction of GPU memory to use", gt=0, le=1)
+    tensor_model_parallel_size: int = F(1, "vLLM: tensor-parallel degree", ge=1)
+    enforce_eager: bool = F(True, "vLLM: skip torch.compile and CUDA graphs (faster start)")
+
+
+@dataclasses.dataclass
+class ModelConfig:
+    path: str = F("", "HF model folder; informational for workers, which always start from the "
+                  "newest version the trainer published")
+
+
+@dataclasses.dataclass
+class ActorRolloutRefConfig:
+    model: ModelConfig = F(factory=ModelConfig)
+    rollout: RolloutSamplingConfig = F(factory=RolloutSamplingConfig)
+
+
+@dataclasses.dataclass
+class RewardFunctionConfig:
+    path: str | None = F(None, "python file with a custom reward function; default: verl's "
+                         "reward for the row's data_source, or the built-in task's")
+    name: str = F("compute_score", "function name in that file: "
+                  "f(data_source, solution_str, ground_truth, extra_info) -> float | dict")
+
+
+@dataclasses.dataclass
+class WorkerSection:
+    id: str = F("", "worker id (letters, digits, _ . -); default: <hostname>-<pid>")
+    seed: int = F(0, "sampling and prompt-order seed; mixed with the worker id")
+    max_batches: int = F(0, "stop after this many batches (0: run until stopped)", ge=0)
+    weights_timeout_s: float = F(900.0, "seconds to wait for the trainer's first weight version",
+                                 gt=0)
+    device: str = F("auto", "torch device for the hf engine: auto|cpu|cuda")
+
+
+@dataclasses.dataclass
+class WorkerConfig:
+    root: str = F(doc="run folder shared with the trainer (local path or fsspec URL)")
+    data: DataConfig = F(factory=DataConfig)
+    actor_rollout_ref: ActorRolloutRefConfig = F(factory=ActorRolloutRefConfig)
+    custom_reward_function: RewardFunctionConfig = F(factory=RewardFunctionConfig)
+    buffer: BufferConfig = F(factory=BufferConfig)
+    worker: WorkerSection = F(factory=WorkerSection)

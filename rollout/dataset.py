@@ -1,0 +1,95 @@
+"""Prompts from verl-format RL parquet files.
+
+A row is {data_source, prompt: [{role, content}], ability, reward_model: {style, ground_truth},
+extra_info: {index, ...}}. Rows are checked when loaded; a bad row names the file, the row and
+the field.
+"""
+from __future__ import annotations
+
+import dataclasses
+import logging
+import random
+from pathlib import Path
+
+import pyarrow.parquet as pq
+
+log = logging.getLogger(__name__)
+
+
+class DatasetError(ValueError):
+    pass
+
+
+@dataclasses.dataclass
+class Prompt:
+    prompt_id: str
+    data_source: str
+    token_ids: list[int]
+    ground_truth: object
+    extra_info: dict
+
+
+def _row_field(row: dict, field: str, where: str):
+    value = row
+    for part in field.split("."):
+        if not isinstance(value, dict) or part not in value:
+            raise DatasetError(f"{where}: missing field {field!r}")
+        value = value[part]
+    return value
+
+
+def load_prompts(files: list[str], tokenizer, prompt_key: str, max_prompt_length: int) -> list[Prompt]:
+    prompts, skipped = [], 0
+    for file in files:
+        if not Path(file).exists():
+            raise DatasetError(f"data.train_files: {file} does not exist")
+        try:
+            rows = pq.read_table(file).to_pylist()
+        except Exception as e:  # pyarrow raises several types for a non-parquet file
+            raise DatasetError(f"data.train_files: {file} is not a readable parquet file: {e}") from None
+        for i, row in enumerate(rows):
+            where = f"{file} row {i}"
+            messages = _row_field(row, prompt_key, where)
+            if not isinstance(messages, list) or not all(
+                    isinstance(m, dict) and "role" in m and "content" in m for m in messages):
+                raise DatasetError(f"{where}: field {prompt_key!r} must be a list of {{role, content}}")
+            extra = row.get("extra_info") or {}
+            ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+            if hasattr(ids, "keys"):  # transformers 5 returns a BatchEncoding
+                ids = ids["input_ids"]
+            if len(ids) > max_prompt_length:
+                skipped += 1
+                continue
+            prompts.append(Prompt(
+                prompt_id=str(extra.get("index", f"{Path(file).name}:{i}")),
+                data_source=str(_row_field(row, "data_source", where)),
+                token_ids=list(ids),
+                ground_truth=_row_field(row, "reward_model.ground_truth", where),
+                extra_info=extra))
+    if skipped:
+        log.warning("skipped %d prompts longer than data.max_prompt_length=%d", skipped, max_prompt_length)
+    if not prompts:
+        raise DatasetError(f"data.train_files: no usable prompts in {files}")
+    return prompts
+
+
+class PromptStream:
+    """Endless prompt order: shuffled epochs, seeded so each worker draws a different order."""
+
+    def __init__(self, prompts: list[Prompt], shuffle: bool, seed: int):
+        self.prompts = prompts
+        self.shuffle = shuffle
+        self.rng = random.Random(seed)
+        self.order: list[int] = []
+        self.epoch = 0
+
+    def take(self, k: int) -> list[Prompt]:
+        out = []
+        while len(out) < k:
+            if not self.order:
+                self.order = list(range(len(self.prompts)))
+                if self.shuffle:
+                    self.rng.shuffle(self.order)
+                self.epoch += 1
+            out.append(self.prompts[self.order.pop()])
+        return out

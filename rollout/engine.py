@@ -1,0 +1,121 @@
+"""Generation engines behind one interface: transformers (CPU, the embedded default) and vLLM.
+
+An engine samples `n` completions per prompt with the log-probability of every sampled token
+under the sampling distribution (temperature applied), and loads new HF-named weights in place.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Iterable, Protocol
+
+import torch
+
+
+@dataclasses.dataclass
+class Completion:
+    token_ids: list[int]
+    logprobs: list[float]
+    finish_reason: str  # "stop" when the eos token ended it, else "length"
+
+
+@dataclasses.dataclass
+class SamplingSettings:
+    n: int
+    temperature: float
+    top_p: float
+    max_tokens: int
+    seed: int
+
+
+class Engine(Protocol):
+    def generate(self, prompts: list[list[int]], params: SamplingSettings) -> list[list[Completion]]:
+        """For each prompt, `params.n` completions."""
+
+    def load_weights(self, tensors: Iterable[tuple[str, torch.Tensor]]) -> int:
+        """Copy HF-named tensors into the running model; returns how many were loaded."""
+
+    def close(self) -> None: ...
+
+
+def _dtype(name: str):
+    return {"auto": None, "float32": torch.float32, "bfloat16": torch.bfloat16,
+            "float16": torch.float16}[name]
+
+
+class HFEngine:
+    """transformers `generate` with sampling; the CPU path of the product."""
+
+    def __init__(self, model_dir: str, dtype: str = "auto", device: str = "auto"):
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+        if device == "auto":
+            device = "cuda" if torch.cuda.is_available() else "cpu"
+        self.device = torch.device(device)
+        self.tokenizer = AutoTokenizer.from_pretrained(model_dir)
+        self.model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=_dtype(dtype) or "auto")
+        self.model.to(self.device).eval()
+        self.eos_id = self.tokenizer.eos_token_id
+        self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.eos_id
+        self.tied = bool(getattr(self.model.config, "tie_word_embeddings", False))
+
+    def _left_pad(self, prompts: list[list[int]]):
+        width = max(len(p) for p in prompts)
+        ids = torch.full((len(prompts), width), self.pad_id, dtype=torch.long)
+        mask = torch.zeros((len(prompts), width), dtype=torch.long)
+        for i, p in enumerate(prompts):
+            ids[i, width - len(p):] = torch.tensor(p)
+            mask[i, width - len(p):] = 1
+        return ids.to(self.device), mask.to(self.device)
+
+    @torch.no_grad()
+    def generate(self, prompts: list[list[int]], params: SamplingSettings) -> list[list[Completion]]:
+        from transformers import GenerationConfig
+        torch.manual_seed(params.seed)
+        ids, mask = self._left_pad(prompts)
+        gen = GenerationConfig(do_sample=True, temperature=params.temperature, top_p=params.top_p,
+                               top_k=0, max_new_tokens=params.max_tokens,
+                               num_return_sequences=params.n, eos_token_id=self.eos_id,
+                               pad_token_id=self.pad_id, output_scores=True,
+                               return_dict_in_generate=True)
+        out = self.model.generate(input_ids=ids, attention_mask=mask, generation_config=gen)
+        new_tokens = out.sequences[:, ids.shape[1]:]
+        # out.scores are the processed logits the sampler drew from (temperature/top-p applied),
+        # so their log-softmax is the behaviour policy mu of each token.
+        logprobs = torch.stack(out.scores, dim=1).float().log_softmax(-1)
+        token_lp = logprobs.gather(-1, new_tokens.unsqueeze(-1)).squeeze(-1)
+        results: list[list[Completion]] = []
+        for i in range(len(prompts)):
+            group = []
+            for j in range(params.n):
+                row = i * params.n + j
+                toks = new_tokens[row].tolist()
+                hit = self.eos_id in toks
+                stop = toks.index(self.eos_id) + 1 if hit else len(toks)
+                group.append(Completion(toks[:stop], token_lp[row, :stop].tolist(),
+                                        "stop" if hit else "length"))
+            results.append(group)
+        return results
+
+    @torch.no_grad()
+    def load_weights(self, tensors: Iterable[tuple[str, torch.Tensor]]) -> int:
+        state = self.model.state_dict()
+        loaded = set()
+        for name, tensor in tensors:
+            if name not in state:
+                raise KeyError(f"weight {name!r} is not a parameter of the running model")
+            state[name].copy_(tensor.to(state[name].dtype))
+            loaded.add(name)
+        missing = set(state) - loaded - ({"lm_head.weight"} if self.tied else set())
+        if missing:
+            raise KeyError(f"weight version lacks {len(missing)} tensors, e.g. {sorted(missing)[:3]}")
+        return len(loaded)
+
+    def close(self) -> None:
+        self.model = None
+
+
+def build_engine(model_dir: str, cfg, device: str) -> Engine:
+    """`cfg` is the worker's actor_rollout_ref.rollout section."""
+    if cfg.name == "hf":
+        return HFEngine(model_dir, cfg.dtype, device)
+    from rollout.vllm_engine import VLLMEngine
+    return VLLMEngine(model_dir, cfg)

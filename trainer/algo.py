@@ -1,0 +1,61 @@
+"""The RL maths of one step, delegated to verl's implementations where verl has them.
+
+Three policies meet here (see NOTES: decoupled PPO, truncated IS):
+  mu       the behaviour policy: the engine weights that sampled, logprobs stored per token;
+  pi_old   the trainer's weights before this step (recomputed here, no gradient);
+  pi_theta the weights being optimised.
+The PPO ratio is pi_theta/pi_old (verl's clipped loss); stale or engine-mismatched samples are
+reweighted per token by w = min(pi_old/mu, C), no gradient through w (Yao et al., truncated IS).
+"""
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from trainer.batch import Batch
+
+
+def response_logprobs(model, batch: Batch) -> torch.Tensor:
+    """log pi(response token) at the sampling temperature, shape (B, R)."""
+    logits = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask,
+                   use_cache=False).logits
+    index = batch.logit_index.unsqueeze(-1).expand(-1, -1, logits.shape[-1])
+    picked = logits.gather(1, index).float() / batch.temperature.view(-1, 1, 1)
+    logprobs = picked.log_softmax(-1).gather(-1, batch.response_ids.unsqueeze(-1)).squeeze(-1)
+    return logprobs * batch.response_mask
+
+
+def advantages(batch: Batch, estimator: str, norm_by_std: bool) -> torch.Tensor:
+    from verl.trainer.ppo import core_algos
+    index = np.array(batch.group_ids, dtype=object)
+    if estimator == "grpo":
+        adv, _ = core_algos.compute_grpo_outcome_advantage(
+            batch.token_level_rewards, batch.response_mask, index, norm_adv_by_std_in_grpo=norm_by_std)
+    else:
+        adv, _ = core_algos.get_adv_estimator_fn(estimator)(
+            token_level_rewards=batch.token_level_rewards, response_mask=batch.response_mask,
+            index=index)
+    return adv
+
+
+def truncated_is_weights(old_logprobs: torch.Tensor, behaviour_logprobs: torch.Tensor,
+                         mask: torch.Tensor, cap: float) -> torch.Tensor:
+    """w = min(pi_old/mu, C) per token; computed in log space, clamped against overflow."""
+    log_ratio = (old_logprobs - behaviour_logprobs).clamp(max=20.0)
+    return torch.exp(log_ratio).clamp(max=cap).detach() * mask
+
+
+def actor_loss_config(clip_ratio: float, dp_size: int, batch_num_tokens: int, global_batch_size: int):
+    """verl's ActorConfig carries clip settings and the global sizes agg_loss normalises by."""
+    from verl.workers.config.actor import ActorConfig
+    return ActorConfig(strategy="fsdp", clip_ratio=clip_ratio, ppo_mini_batch_size=1,
+                       ppo_micro_batch_size_per_gpu=1, rollout_n=1,
+                       global_batch_info={"dp_size": dp_size, "batch_num_tokens": batch_num_tokens,
+                                          "global_batch_size": global_batch_size})
+
+
+def policy_loss(old_logprobs, logprobs, adv, mask, is_weights, loss_agg_mode: str, loss_cfg):
+    from verl.trainer.ppo import core_algos
+    return core_algos.get_policy_loss_fn("vanilla")(
+        old_log_prob=old_logprobs, log_prob=logprobs, advantages=adv, response_mask=mask,
+        loss_agg_mode=loss_agg_mode, config=loss_cfg, rollout_is_weights=is_weights)

@@ -1,0 +1,27 @@
+"""One console line per step with units, and the same numbers as JSON lines."""
+from __future__ import annotations
+
+import json
+import os
+
+
+class MetricsLog:
+    def __init__(self, path: str, total_steps: int):
+        os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+        self.file = open(path, "a", buffering=1)
+        self.total = total_steps
+
+    def write(self, metrics: dict) -> None:
+        # One write() per line: a reader tailing the file never sees half an object.
+        self.file.write(json.dumps(metrics, sort_keys=True) + "\n")
+        self.file.flush()
+        os.fsync(self.file.fileno())
+        m = metrics
+        print(f"step {m['step']}/{self.total} | weights v{m['weights/version']} | "
+              f"reward {m['reward/mean']:.3f} | staleness {m['staleness/mean']:.2f} versions | "
+              f"loss {m['actor/pg_loss']:+.4f} | grad norm {m['actor/grad_norm']:.3f} | "
+              f"{m['samples/step']} samples, {m['tokens/step']} tokens | "
+              f"step {m['time/step_s']:.2f} s (wait {m['time/wait_s']:.2f} s)", flush=True)
+
+    def close(self) -> None:
+        self.file.close()

@@ -1,0 +1,32 @@
+"""The actor: an HF causal LM sharded with FSDP2, one `fully_shard` unit per decoder layer."""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+
+def decoder_layers(model) -> list[torch.nn.Module]:
+    """The repeated blocks of an HF causal LM (Qwen2/Llama-style: model.model.layers)."""
+    inner = getattr(model, "model", None)
+    layers = getattr(inner, "layers", None)
+    if layers is None:
+        raise ValueError(f"{type(model).__name__}: no model.layers to shard; "
+                         "only decoder-only HF causal LMs are supported")
+    return list(layers)
+
+
+def build_actor(model_path: str, device: torch.device):
+    from transformers import AutoModelForCausalLM
+    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
+    model.config.use_cache = False
+    model.to(device)
+    mesh = init_device_mesh(device.type, (dist.get_world_size(),))
+    # On GPU: bf16 compute with fp32 master weights and fp32 gradient reduction.
+    mp = (MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+          if device.type == "cuda" else MixedPrecisionPolicy())
+    for layer in decoder_layers(model):
+        fully_shard(layer, mesh=mesh, mp_policy=mp)
+    fully_shard(model, mesh=mesh, mp_policy=mp)
+    return model
