@@ -85,11 +85,17 @@ class ExperienceReader:
         return [(key, path) for _, key, path in found]
 
     def _ingest(self, key: str, path: str) -> None:
+        try:
+            data = self.fs.cat_file(path)
+        except OSError as e:  # e.g. an NFS hiccup: leave it unconsumed, the next poll retries
+            self.stats["read_retries"] += 1
+            log.warning("could not read shard %s (%s); will retry", path, e)
+            return
         self.consumed.add(key)
         try:
-            samples = from_table(decode(self.fs.cat_file(path)))
+            samples = from_table(decode(data))
             check_rows(samples)
-        except (pa.ArrowInvalid, SchemaError, OSError) as e:
+        except (pa.ArrowInvalid, SchemaError) as e:
             self.stats["bad_shards"] += 1
             log.error("skipping unreadable shard %s: %s", path, e)
             return

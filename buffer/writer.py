@@ -5,6 +5,8 @@ import logging
 import os
 import time
 
+import pyarrow as pa
+
 from buffer.config import BufferConfig
 from buffer.layout import RunLayout
 from buffer.storage import atomic_write, filesystem
@@ -14,35 +16,49 @@ log = logging.getLogger(__name__)
 
 
 class ShardWriter:
-    """Publishes `experience/<worker>/<seq>.arrow`, one shard per flush, seq contiguous from 0.
+    """Publishes `experience/<worker>/<seq>.arrow`, one shard per flush, seq contiguous.
 
     A flush is triggered by sample count or by age (`flush_interval`), checked whenever a group
-    is added or `maybe_flush` is called. Groups are never split across shards.
+    is added or `maybe_flush` is called. Groups are never split across shards. The writer names
+    groups and samples after the shard they land in (`<worker>/<seq>/<group>/<k>`), so ids stay
+    unique across worker restarts. `resume` is the worker's last heartbeat: a restarted writer
+    continues its sequence and its sample count from there (plus any shard published after it),
+    even when consumed shards have been deleted.
     """
 
-    def __init__(self, root: str, worker_id: str, cfg: BufferConfig):
+    def __init__(self, root: str, worker_id: str, cfg: BufferConfig, resume: dict | None = None):
         self.fs, root_path = filesystem(root)
         self.layout = RunLayout(root_path)
         self.worker_id = worker_id
         self.cfg = cfg
         self.dir = self.layout.worker_shard_dir(worker_id)
         self.fs.makedirs(self.dir, exist_ok=True)
-        self.seq = self._next_seq()
         self.pending: list[Sample] = []
+        self.pending_groups = 0
         self.oldest_pending: float | None = None
-        self.samples_written = 0
         self.shards_written = 0
+        self._resume(resume or {})
 
-    def _next_seq(self) -> int:
-        """Resume after a restart: continue after the highest published shard."""
-        seqs = [RunLayout.shard_seq(p) for p in self.fs.ls(self.dir, detail=False)]
-        return max((s for s in seqs if s is not None), default=-1) + 1
+    def _resume(self, beat: dict) -> None:
+        next_seq = int(beat.get("next_seq", 0))
+        self.samples_written = int(beat.get("samples_written", 0))
+        listed = [RunLayout.shard_seq(p) for p in self.fs.ls(self.dir, detail=False)]
+        listed = sorted(s for s in listed if s is not None and s >= next_seq)
+        for seq in listed:  # published after the last heartbeat, before a crash
+            with self.fs.open(self.layout.shard(self.worker_id, seq), "rb") as f:
+                meta = pa.ipc.open_stream(f).schema.metadata
+            self.samples_written += int(meta[b"tandem.num_samples"])
+        self.seq = max([next_seq, *(s + 1 for s in listed)])
 
     def add_group(self, group: list[Sample]) -> str | None:
         check_rows(group)
+        group_id = f"{self.worker_id}/{self.seq}/{self.pending_groups}"
+        for k, s in enumerate(group):
+            s.group_id, s.sample_id = group_id, f"{group_id}/{k}"
         if not self.pending:
             self.oldest_pending = time.monotonic()
         self.pending.extend(group)
+        self.pending_groups += 1
         return self.maybe_flush()
 
     def maybe_flush(self) -> str | None:
@@ -58,6 +74,7 @@ class ShardWriter:
             return None
         table = to_table(self.pending, {"tandem.worker_id": self.worker_id,
                                         "tandem.shard_seq": self.seq,
+                                        "tandem.num_samples": len(self.pending),
                                         "tandem.created_at": time.time()})
         path = self.layout.shard(self.worker_id, self.seq)
         atomic_write(self.fs, path, encode(table),
@@ -66,5 +83,6 @@ class ShardWriter:
         self.shards_written += 1
         log.info("published %s (%d samples)", path, len(self.pending))
         self.pending = []
+        self.pending_groups = 0
         self.seq += 1
         return path

@@ -77,10 +77,11 @@ def _coerce(value: Any, tp, key: str):
         raise ConfigError(f"{key}: expected true/false, got {value!r}")
     if tp in (int, float, str):
         try:
-            if tp is int and isinstance(value, float) and not value.is_integer():
-                raise ValueError
             if tp is int and isinstance(value, str):
-                value = yaml.safe_load(value)
+                value = yaml.safe_load(value)  # "3.5" and "true" must not become 3 and 1
+            if tp is int and (isinstance(value, bool) or
+                              (isinstance(value, float) and not value.is_integer())):
+                raise ValueError
             return tp(value)
         except (TypeError, ValueError):
             raise ConfigError(f"{key}: expected {tp.__name__}, got {value!r}") from None

@@ -62,8 +62,8 @@ assert _NAMES == SCHEMA.names, "Sample and SCHEMA must list the same columns in 
 def to_table(samples: Iterable[Sample], extra_metadata: dict[str, str] | None = None) -> pa.Table:
     rows = list(samples)
     cols = {name: [getattr(s, name) for s in rows] for name in _NAMES}
-    meta = dict(SCHEMA.metadata)
-    meta.update({k.encode(): str(v).encode() for k, v in (extra_metadata or {}).items()})
+    meta = {k.encode(): str(v).encode() for k, v in (extra_metadata or {}).items()}
+    meta.update(SCHEMA.metadata)  # the schema version cannot be overridden
     return pa.Table.from_pydict(cols, schema=SCHEMA.with_metadata(meta))
 
 

@@ -1,8 +1,10 @@
 """The built-in task, tokenizer and tiny model, so the whole pipeline runs offline on a CPU.
 
-Task: the prompt is a string of digits; the answer is a fixed function of it (copy or reverse)
-followed by end-of-sequence. The reward gives partial credit per position, so a randomly
-initialised model starts near 1/vocab and can climb by RL alone. Everything is generated
+Task: the prompt is a string of digits; the answer is a fixed function of it (copy or reverse).
+The reward gives partial credit per position, so a randomly initialised model starts near
+1/vocab and can climb by RL alone. The default recipe (copy 3 digits drawn from 0-4, group size
+16, lr 1e-3) was tuned so that it passes a mean reward of 0.5 in about 60-80 steps with samples
+two versions stale; with all ten digits, or eos in the target, learning was slow and flaky. Everything is generated
 locally: a character-level tokenizer built with `tokenizers`, a Qwen2-architecture model built
 from a small config, and a verl-format parquet of prompts.
 """
@@ -25,14 +27,17 @@ def compute_score(data_source: str, solution_str: str, ground_truth: str, extra_
     return hits / max(len(target), len(solution_str))
 
 
-def make_rows(num: int, digits: int, task: str = "tandem/reverse", seed: int = 0) -> list[dict]:
-    """verl RL dataset rows for `num` random digit strings of length `digits`."""
+def make_rows(num: int, digits: int, task: str = "tandem/copy", seed: int = 0,
+              alphabet: str = "01234") -> list[dict]:
+    """verl RL dataset rows for `num` random strings of `digits` characters from `alphabet`."""
     if task not in DATA_SOURCES:
         raise ValueError(f"task {task!r}: choose one of {sorted(DATA_SOURCES)}")
+    if not alphabet or set(alphabet) - set("0123456789"):
+        raise ValueError(f"alphabet {alphabet!r}: use digits only")
     rng = random.Random(seed)
     rows = []
     for i in range(num):
-        question = "".join(rng.choice("0123456789") for _ in range(digits))
+        question = "".join(rng.choice(alphabet) for _ in range(digits))
         rows.append({
             "data_source": task,
             "prompt": [{"role": "user", "content": question}],
@@ -85,3 +90,30 @@ def write_model(out_dir: str | Path, seed: int = 0, hidden: int = 64, layers: in
     model.save_pretrained(tmp)
     tok.save_pretrained(tmp)
     tmp.replace(out_dir)
+
+
+def main(argv: list[str] | None = None) -> int:
+    import argparse
+    p = argparse.ArgumentParser(prog="python -m rollout.builtin_task",
+                                description="Write the built-in task as a verl-format parquet "
+                                            "(and, with --model, the tiny initial model folder).")
+    p.add_argument("--out", required=True, help="parquet file to write")
+    p.add_argument("--rows", type=int, default=2000, help="prompts (default 2000)")
+    p.add_argument("--digits", type=int, default=3, help="digits per prompt (default 3)")
+    p.add_argument("--task", default="tandem/copy", choices=sorted(DATA_SOURCES))
+    p.add_argument("--alphabet", default="01234", help="digits the prompts are drawn from")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--model", help="also write the random-init tiny model + tokenizer here")
+    args = p.parse_args(argv)
+    if args.rows < 1 or args.digits < 1:
+        p.error("--rows and --digits must be at least 1")
+    write_parquet(args.out, make_rows(args.rows, args.digits, args.task, args.seed, args.alphabet))
+    print(f"wrote {args.rows} rows of {args.task} to {args.out}")
+    if args.model:
+        write_model(args.model, seed=args.seed)
+        print(f"wrote the tiny model to {args.model}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -19,7 +19,7 @@ import zlib
 
 from buffer.backpressure import wait_for_room
 from buffer.layout import RunLayout
-from buffer.storage import atomic_write_json, filesystem
+from buffer.storage import atomic_write_json, filesystem, read_json
 from buffer.weights import WeightStore
 from buffer.writer import ShardWriter
 from protocol.config import parse_cli
@@ -40,7 +40,8 @@ class RolloutWorker:
         self.layout = RunLayout(root_path)
         self.layout.heartbeat(self.id)  # validates the id before any work
         self.store = WeightStore(cfg.root)
-        self.writer = ShardWriter(cfg.root, self.id, cfg.buffer)
+        self.writer = ShardWriter(cfg.root, self.id, cfg.buffer,
+                                  resume=read_json(self.fs, self.layout.heartbeat(self.id)))
         self.score = reward.resolve(cfg.custom_reward_function.path, cfg.custom_reward_function.name)
         self.stopping = False
         self.version: int | None = None
@@ -82,15 +83,14 @@ class RolloutWorker:
         self.versions_loaded.append(latest)
         log.info("loaded weights v%d in place: %d tensors in %.3f s", latest, count, time.monotonic() - t0)
 
-    def _samples(self, prompt: Prompt, group: list[Completion], batch: int, idx: int,
-                 started: float) -> list[Sample]:
-        group_id = f"{self.id}/{batch}/{idx}"
+    def _samples(self, prompt: Prompt, group: list[Completion], started: float) -> list[Sample]:
+        """Scored samples of one group; the shard writer assigns their group and sample ids."""
         out = []
-        for k, c in enumerate(group):
+        for c in group:
             text = self.engine.tokenizer.decode(c.token_ids, skip_special_tokens=True)
             r = self.score(prompt.data_source, text, prompt.ground_truth, prompt.extra_info)
             out.append(Sample(
-                sample_id=f"{group_id}/{k}", group_id=group_id, prompt_id=prompt.prompt_id,
+                sample_id="", group_id="", prompt_id=prompt.prompt_id,
                 worker_id=self.id, weight_version=self.version, prompt_ids=prompt.token_ids,
                 response_ids=c.token_ids, behaviour_logprobs=c.logprobs, reward=r,
                 finish_reason=c.finish_reason,
@@ -109,8 +109,8 @@ class RolloutWorker:
         groups = self.engine.generate([p.token_ids for p in prompts], params)
         self.gen_seconds += time.monotonic() - t0
         rewards = []
-        for idx, (prompt, group) in enumerate(zip(prompts, groups)):
-            samples = self._samples(prompt, group, self.batches, idx, started)
+        for prompt, group in zip(prompts, groups):
+            samples = self._samples(prompt, group, started)
             self.tokens += sum(len(s.response_ids) for s in samples)
             rewards += [s.reward for s in samples]
             self.writer.add_group(samples)
@@ -123,7 +123,7 @@ class RolloutWorker:
             "state": state, "weight_version": self.version,
             "versions_loaded": self.versions_loaded, "batches": self.batches,
             "samples_written": self.writer.samples_written,
-            "shards_written": self.writer.shards_written,
+            "shards_written": self.writer.shards_written, "next_seq": self.writer.seq,
             "tokens_per_s": self.tokens / self.gen_seconds if self.gen_seconds else 0.0,
             "last_beat": time.time()})
 

@@ -1,0 +1,66 @@
+"""Shared helpers for the tandem tests.
+
+`make_group` builds one GRPO group of `protocol.experience.Sample` rows with deterministic,
+ragged content. It is a plain function (not a fixture) so that helper scripts started as
+subprocesses can import it too: `sys.path.insert(0, TESTS_DIR); from conftest import make_group`.
+"""
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+TESTS_DIR = Path(__file__).resolve().parent
+
+if str(REPO_ROOT) not in sys.path:  # subprocess helpers import this file directly
+    sys.path.insert(0, str(REPO_ROOT))
+
+from protocol.experience import Sample  # noqa: E402
+
+
+def sample_id(worker_id: str, batch, idx: int, k: int) -> str:
+    return f"{worker_id}/{batch}/{idx}/{k}"
+
+
+def group_id(worker_id: str, batch, idx: int) -> str:
+    return f"{worker_id}/{batch}/{idx}"
+
+
+def make_group(worker_id: str, batch, idx: int, version: int, n: int,
+               prompt_len: int = 7, response_len: int = 5) -> list[Sample]:
+    """`n` samples of one prompt draw, sample ids "{worker}/{batch}/{idx}/{k}".
+
+    Response lengths differ per member (response_len + k) so list columns are ragged; logprobs
+    and temperature are not exactly representable in float32, so float32 tolerance matters.
+    """
+    prompt = [(idx * 31 + j) % 50_000 + 1 for j in range(prompt_len)]
+    out = []
+    for k in range(n):
+        length = response_len + k
+        out.append(Sample(
+            sample_id=sample_id(worker_id, batch, idx, k),
+            group_id=group_id(worker_id, batch, idx),
+            prompt_id=f"{worker_id}/{batch}/{idx}",  # survives the writer's renaming of ids
+            worker_id=worker_id,
+            weight_version=version,
+            prompt_ids=list(prompt),
+            response_ids=[(k * 7 + j) % 50_000 + 3 for j in range(length)],
+            behaviour_logprobs=[-0.1 * (j % 13) - 0.0123456789 * k - 0.001 for j in range(length)],
+            reward=0.1 * k - 0.3,
+            finish_reason="stop" if k % 2 == 0 else "length",
+            temperature=0.7,
+            data_source="tests/arith",
+            created_at=1_700_000_000.123456 + idx,
+            finished_at=1_700_000_001.654321 + idx + k,
+        ))
+    return out
+
+
+def subprocess_env() -> dict[str, str]:
+    """Environment for helper subprocesses: the repo importable, no stray output buffering."""
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(
+        [str(REPO_ROOT)] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
+    env["PYTHONUNBUFFERED"] = "1"
+    return env
