@@ -25,14 +25,14 @@ from rollout import builtin_task
 BUILTIN_TRAINER = ["actor_rollout_ref.actor.optim.lr=1e-3", "actor_rollout_ref.actor.optim.weight_decay=0",
                    "data.train_batch_size=16", "trainer.max_staleness=4", "buffer.poll_interval=0.2"]
 BUILTIN_WORKER = ["actor_rollout_ref.rollout.n=16", "actor_rollout_ref.rollout.prompts_per_batch=16",
-                  "buffer.flush_samples=128", "buffer.flush_interval=5", "buffer.max_backlog_samples=512"]
+                  "buffer.flush_samples=128", "buffer.flush_interval=5", "buffer.max_backlog_samples=256"]
 
 
 def parse_args(argv):
     p = argparse.ArgumentParser(prog="python -m launch.local", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--root", required=True, help="run folder (created; must not hold an earlier run)")
-    p.add_argument("--steps", type=int, default=150, help="trainer steps (default 150)")
+    p.add_argument("--steps", type=int, default=200, help="trainer steps (default 200)")
     p.add_argument("--workers", type=int, default=2, help="rollout worker processes (default 2)")
     p.add_argument("--nproc", type=int, default=2, help="trainer ranks under torchrun (default 2)")
     p.add_argument("--model", help="HF model folder (default: build the built-in tiny model)")
