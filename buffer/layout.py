@@ -7,6 +7,8 @@
       weights/v<version>/          published actor versions (HF safetensors + manifest.json)
       weights/LATEST               the newest complete version number, replaced atomically
       workers/<worker>.json        heartbeats
+      control.json                 pool commands (protocol/control.py), written by launch.control
+      pool/<supervisor>.json       a pool supervisor's applied commands, target and workers
       progress.json                the trainer's consumption count (for worker backpressure)
       metrics.jsonl                one JSON object per trainer step
       logs/<process>.log           per-process logs under launch.local
@@ -99,6 +101,13 @@ class RunLayout:
 
     def heartbeat(self, worker_id: str) -> str:
         return self._p("workers", f"{check_worker_id(worker_id)}.json")
+
+    @property
+    def control(self) -> str:
+        return self._p("control.json")
+
+    def pool_state(self, supervisor_id: str) -> str:
+        return self._p("pool", f"{check_worker_id(supervisor_id)}.json")
 
     @property
     def progress(self) -> str:

@@ -1,7 +1,10 @@
 """The whole loop as real processes: launch.local with a 2-rank trainer and 2 workers."""
 import json
+import os
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pyarrow as pa
@@ -39,3 +42,46 @@ def test_local_pipeline_runs_steps_and_reloads_weights(tmp_path):
     assert versions and versions <= set(range(steps + 1))
     assert not list((root / "experience").rglob(".*tmp-*"))
     assert "reward/mean: first" in proc.stdout
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+def test_ctrl_c_stops_every_process(tmp_path):
+    root = tmp_path / "run"
+    proc = subprocess.Popen([sys.executable, "-m", "launch.local", "--root", str(root),
+                             "--steps", "500", "--timeout", "300"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 240
+        while not (root / "metrics.jsonl").exists() or not (root / "metrics.jsonl").read_text():
+            assert proc.poll() is None and time.monotonic() < deadline, "no trainer step in 240 s"
+            time.sleep(0.5)
+        pids = [json.loads(p.read_text())["pid"] for p in (root / "workers").glob("*.json")]
+        assert len(pids) == 2
+        proc.send_signal(signal.SIGINT)
+        out, err = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(timeout=30)
+    assert proc.returncode == 130, err[-2000:]
+    assert "interrupted" in err
+    assert not any(_pid_alive(p) for p in pids)
+    for beat in (root / "workers").glob("*.json"):
+        assert json.loads(beat.read_text())["state"] == "stopped"  # drained, not killed
+
+
+def test_a_failing_worker_stops_the_run_and_is_named(tmp_path):
+    proc = subprocess.run([sys.executable, "-m", "launch.local", "--root", str(tmp_path / "run"),
+                           "--steps", "50", "--timeout", "300",
+                           "--worker", "custom_reward_function.path=/nonexistent/reward.py"],
+                          capture_output=True, text=True, timeout=400)
+    assert proc.returncode == 1
+    assert "worker w" in proc.stderr and "exited with code" in proc.stderr
+    assert "/nonexistent/reward.py" in proc.stderr  # the log tail names the bad setting
