@@ -43,6 +43,8 @@ def parse_args(argv):
     p.add_argument("--worker", action="append", default=[], metavar="KEY=VALUE",
                    help="extra worker override, repeatable")
     p.add_argument("--timeout", type=float, default=3600, help="seconds before giving up (default 3600)")
+    p.add_argument("--trainer-gpus", help="CUDA_VISIBLE_DEVICES of the trainer, e.g. 0")
+    p.add_argument("--worker-gpus", help="GPUs for the workers, one each in turn, e.g. 1,2")
     args = p.parse_args(argv)
     if args.steps < 1 or args.workers < 1 or args.nproc < 1:
         p.error("--steps, --workers and --nproc must be at least 1")
@@ -63,11 +65,13 @@ def prepare(layout: RunLayout, args) -> tuple[str, str]:
 
 
 class Child:
-    def __init__(self, name: str, cmd: list[str], log_path: str):
+    def __init__(self, name: str, cmd: list[str], log_path: str, gpus: str | None = None):
         self.name, self.log_path = name, log_path
         Path(log_path).parent.mkdir(parents=True, exist_ok=True)
         self.log = open(log_path, "ab")
         env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", TOKENIZERS_PARALLELISM="false")
+        if gpus is not None:
+            env["CUDA_VISIBLE_DEVICES"] = gpus
         self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, env=env,
                                      start_new_session=True)
 
@@ -103,12 +107,15 @@ def start_children(layout: RunLayout, args, model: str, data: str) -> tuple[Chil
                                 f"--nproc_per_node={args.nproc}", "-m", "trainer.main",
                                 f"root={layout.root}", f"actor_rollout_ref.model.path={model}",
                                 f"trainer.total_training_steps={args.steps}",
-                                *BUILTIN_TRAINER, *args.trainer], layout.log("trainer"))
+                                *BUILTIN_TRAINER, *args.trainer], layout.log("trainer"),
+                    args.trainer_gpus)
+    worker_gpus = args.worker_gpus.split(",") if args.worker_gpus else None
     workers = [Child(f"worker w{i}", [py, "-m", "rollout.worker", f"root={layout.root}",
                                       f"worker.id=w{i}", f"worker.seed={i}",
                                       f"data.train_files=[{data}]",
                                       f"data.max_response_length={args.digits}",
-                                      *BUILTIN_WORKER, *args.worker], layout.log(f"worker-w{i}"))
+                                      *BUILTIN_WORKER, *args.worker], layout.log(f"worker-w{i}"),
+                     worker_gpus[i % len(worker_gpus)] if worker_gpus else None)
                for i in range(args.workers)]
     return trainer, workers
 
