@@ -1,10 +1,13 @@
 #!/usr/bin/env bash
-# Everything the GPU issues need, in one device call. Usage: bash benchmarks/gpu_all.sh OUT_DIR
+# Everything the GPU issues need, in one device call. Usage: bash benchmarks/gpu_all.sh OUT_DIR [tests|bench|e2e]...
 set -uo pipefail
-out=${1:?OUT_DIR}
-export PYTHONPATH=$PWD:${PYTHONPATH:-}
-python -c "import vllm, verl.trainer.ppo.core_algos; print('vllm', vllm.__version__)" 2>&1 | tail -2
-VLLM_ENABLE_V1_MULTIPROCESSING=0 timeout 400 python -m pytest -m gpu tests/gpu -rA -s -p no:cacheprovider \
-    2>&1 | tail -n 40 | tee "$out/gpu_tests.txt"
-timeout 500 python benchmarks/rollout_bench.py --out "$out/rollout_bench.json" 2>&1 | tail -n 30 > "$out/rollout_bench.log"
-tail -n 25 "$out/rollout_bench.log"
+out=${1:?OUT_DIR}; shift
+export PYTHONPATH=$PWD:${PYTHONPATH:-} VLLM_ENABLE_V1_MULTIPROCESSING=0
+for what in "$@"; do
+  case $what in
+    tests) timeout 300 python -m pytest -m gpu tests/gpu -rA -s -p no:cacheprovider > "$out/gpu_tests.txt" 2>&1 ;;
+    bench) timeout 330 python benchmarks/rollout_bench.py --out "$out/rollout_bench.json" > "$out/rollout_bench.log" 2>&1 ;;
+    e2e) timeout 400 bash benchmarks/gpu_e2e.sh "$out" > "$out/e2e.log" 2>&1 ;;
+  esac
+  echo "$what: exit $?"
+done
