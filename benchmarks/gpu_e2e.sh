@@ -2,7 +2,7 @@
 # End-to-end on a 2-GPU machine: trainer on GPU 0, one vLLM rollout worker on GPU 1,
 # Qwen2.5-0.5B-shaped model built locally, 20 trainer steps with in-place reloads.
 # Usage: bash benchmarks/gpu_e2e.sh OUT_DIR
-set -euo pipefail
+set -uo pipefail
 out=${1:?OUT_DIR}
 work=/tmp/gpu_e2e
 rm -rf "$work" && mkdir -p "$work"

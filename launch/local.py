@@ -95,10 +95,14 @@ class Child:
         return self.proc.returncode
 
     def tail(self, lines: int = 15) -> str:
+        """The log's last lines, preceded by its error lines (torchrun prints its own summary
+        after the child's traceback, which would otherwise hide the cause)."""
         try:
-            return "\n".join(Path(self.log_path).read_text(errors="replace").splitlines()[-lines:])
+            text = Path(self.log_path).read_text(errors="replace").splitlines()
         except OSError:
             return ""
+        errors = [line for line in text[:-lines] if "Error" in line or "error:" in line][-5:]
+        return "\n".join([*errors, "...", *text[-lines:]] if errors else text[-lines:])
 
 
 def start_children(layout: RunLayout, args, model: str, data: str) -> tuple[Child, list[Child]]:

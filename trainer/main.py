@@ -134,7 +134,7 @@ class Trainer:
         # 3. Clipped policy gradient, truncated-IS weighted, accumulated over micro-batches.
         #    agg_loss normalises by the global token count, so the sum is the global mean.
         loss_cfg = algo.actor_loss_config(actor.clip_ratio, self.world, info["tokens"], info["seqs"])
-        totals = torch.zeros(4, dtype=torch.float64)
+        totals = torch.zeros(4, dtype=torch.float64, device=self.device)  # NCCL reduces on GPU
         for c, old_lp, a in zip(chunks, old, adv.split(micro)):
             lp = algo.response_logprobs(self.model, c)
             w = algo.truncated_is_weights(old_lp, c.behaviour_logprobs, c.response_mask,
@@ -143,7 +143,8 @@ class Trainer:
             loss.backward()
             n_tok = float(c.response_mask.sum())
             totals += torch.tensor([loss.item(), m["actor/ppo_kl"] * n_tok,
-                                    m["actor/pg_clipfrac"] * n_tok, float(w.sum())], dtype=torch.float64)
+                                    m["actor/pg_clipfrac"] * n_tok, float(w.sum())],
+                                   dtype=torch.float64, device=self.device)
         grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), actor.grad_clip)
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
