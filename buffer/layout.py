@@ -12,6 +12,9 @@
       progress.json                the trainer's consumption count (for worker backpressure)
       metrics.jsonl                one JSON object per trainer step
       logs/<process>.log           per-process logs under launch.local
+      logs/slurm-<role>-%j.out     SLURM job output (launch.submit; %j/%A_%a filled in by SLURM)
+      env/<node>.json              versions and checks recorded by launch.check_env on each node
+      .check_env/                  launch.check_env's scratch files (removed after each check)
       DONE                         written by the trainer when it has finished its steps
 """
 from __future__ import annotations
@@ -119,6 +122,21 @@ class RunLayout:
 
     def log(self, process: str) -> str:
         return self._p("logs", f"{process}.log")
+
+    def slurm_output(self, role: str) -> str:
+        """sbatch --output pattern of a role's jobs (SLURM fills in %j, or %A_%a for arrays)."""
+        return self._p("logs", f"slurm-{check_worker_id(role)}-%j.out")
+
+    @property
+    def env_dir(self) -> str:
+        return self._p("env")
+
+    def env_report(self, node: str) -> str:
+        return self._p("env", f"{check_worker_id(node)}.json")
+
+    @property
+    def check_scratch(self) -> str:
+        return self._p(".check_env")
 
     @property
     def done_marker(self) -> str:
