@@ -29,6 +29,10 @@ class RolloutSamplingConfig:
     temperature: float = F(1.0, "sampling temperature; the trainer recomputes logprobs at it", gt=0)
     top_p: float = F(1.0, "nucleus sampling mass", gt=0, le=1)
     prompts_per_batch: int = F(16, "prompts submitted to the engine at once", ge=1)
+    interruptible: bool = F(False, "generate in segments of segment_tokens; between segments "
+                            "load new weights and resume unfinished responses on them (as AReaL "
+                            "does); off: weights switch only between batches")
+    segment_tokens: int = F(64, "tokens per segment when interruptible", ge=1)
     dtype: str = F("auto", "weights dtype in the engine: auto|float32|bfloat16|float16",
                    choices=("auto", "float32", "bfloat16", "float16"))
     gpu_memory_utilization: float = F(0.85, "vLLM: fraction of GPU memory to use", gt=0, le=1)

@@ -8,6 +8,18 @@ validated as a worker config before anything starts). `add N` raises the target,
 lowers it; the newest workers are drained (SIGTERM: finish the batch, flush, exit 0). Applied
 command ids and the target are saved before they take effect, so a command is applied once
 even across supervisor restarts. One worker per GPU when `pool.gpus` is set.
+
+With `pool.backend=slurm` the workers are SLURM jobs instead of local processes (the supervisor
+runs wherever sbatch works, e.g. a login node):
+
+    python -m rollout.pool root=/shared/run pool.backend=slurm pool.slurm.partition=rollout \
+        pool.initial_workers=4 data.train_files=[/shared/train.parquet]
+
+`add N` submits N one-worker rollout jobs (launch/slurm/rollout.sbatch); `remove N` drains the
+newest: `scancel --signal=TERM` reaches the worker, which finishes its batch, flushes and exits 0,
+so the job ends COMPLETED with exit code 0 (a job still pending is simply cancelled). Job ids,
+and the final state and exit code of each ended job, are kept in the pool state file; a
+restarted supervisor adopts the jobs it finds there.
 """
 from __future__ import annotations
 
@@ -31,14 +43,29 @@ log = logging.getLogger("rollout.pool")
 
 
 @dataclasses.dataclass
+class SlurmPoolSection:
+    partition: str = F("", "partition of the rollout jobs (empty: the cluster's default)")
+    gpus_per_job: int = F(0, "GPUs per rollout job, one worker each (0: a CPU worker)", ge=0, le=1)
+    cpus_per_task: int = F(1, "CPUs per rollout job", ge=1)
+    time: str = F("1-00:00:00", "time limit of each rollout job")
+    job_name: str = F("", "job name (default tandem-<pool.id>)")
+    sbatch_args: list[str] = F(doc="extra sbatch options, e.g. [--account=rl]", factory=list)
+    resignal_interval: float = F(5.0, "seconds between SIGTERMs to a draining job that still runs "
+                                      "(its worker may have started after the first)", gt=0)
+
+
+@dataclasses.dataclass
 class PoolSection:
     id: str = F("pool", "supervisor id, unique per node (names its workers <id>-w<k>)")
+    backend: str = F("local", "local: worker processes on this node; slurm: one SLURM job per worker",
+                     choices=["local", "slurm"])
     initial_workers: int = F(1, "workers started when the supervisor first starts", ge=0)
     max_workers: int = F(64, "upper bound on the target, whatever the commands say", ge=1)
     gpus: list[int] = F(doc="GPU indices to bind workers to, one each (empty: no GPUs)", factory=list)
     poll_interval: float = F(1.0, "seconds between reads of the control file", gt=0)
     drain_timeout_s: float = F(300.0, "seconds a draining worker may take before SIGKILL", gt=0)
     max_restarts: int = F(3, "restarts of crashed workers before the supervisor gives up", ge=0)
+    slurm: SlurmPoolSection = F(factory=SlurmPoolSection)
 
 
 @dataclasses.dataclass
@@ -221,6 +248,140 @@ class Pool:
             self._observer.join(timeout=5)
 
 
+@dataclasses.dataclass
+class Job:
+    job_id: str
+    worker_id: str
+    draining_since: float | None = None  # time.time(): survives a supervisor restart
+    last_signal: float | None = None
+
+
+class SlurmPool(Pool):
+    """The pool with SLURM jobs as workers: one single-worker rollout job per worker."""
+
+    def __init__(self, cfg: PoolConfig, worker_args: list[str]):
+        super().__init__(cfg, worker_args)
+        from launch import slurm
+        self.slurm = slurm
+        self.run_root = self.root if not is_local(self.fs) else os.path.abspath(self.root)
+        self.jobs = [Job(**j) for j in self.state.get("jobs", [])]  # adopted after a restart
+        self.state.setdefault("finished", [])
+        if self.jobs:
+            log.info("adopting jobs %s from %s", [j.job_id for j in self.jobs],
+                     self.layout.pool_state(self.cfg.id))
+
+    def spec(self, worker_id: str):
+        sc = self.cfg.slurm
+        return self.slurm.JobSpec(
+            root=self.run_root, partition=sc.partition or None, gpus_per_node=sc.gpus_per_job,
+            cpus_per_task=sc.cpus_per_task, time=sc.time, job_name=sc.job_name or f"tandem-{self.cfg.id}",
+            worker_prefix=worker_id, sbatch_args=list(sc.sbatch_args))
+
+    def save(self) -> None:
+        self.state["jobs"] = [dataclasses.asdict(j) for j in self.jobs]
+        self.state["workers"] = [{"worker_id": j.worker_id, "job_id": j.job_id,
+                                  "state": "draining" if j.draining_since else "running"}
+                                 for j in self.jobs]
+        self.state["updated"] = time.time()
+        atomic_write_json(self.fs, self.layout.pool_state(self.cfg.id), self.state)
+
+    def start_worker(self) -> None:
+        index = self.state["next_index"]
+        self.state["next_index"] = index + 1
+        worker_id = f"{self.cfg.id}-w{index}"
+        spec = self.spec(worker_id)
+        if is_local(self.fs):  # sbatch does not make the output file's folder
+            os.makedirs(os.path.dirname(self.slurm.output_path(spec, "rollout")), exist_ok=True)
+        job_id = self.slurm.submit(self.slurm.render_rollout(spec, self.worker_args))
+        self.jobs.append(Job(job_id, worker_id))
+        self.save()  # the job id is on record before anything else can fail
+        log.info("submitted %s as SLURM job %s", worker_id, job_id)
+
+    def drain(self, job: Job, states: dict[str, str] | None = None) -> None:
+        if job.draining_since is not None:
+            return
+        state = (states if states is not None else self.slurm.queue_states([job.job_id])).get(job.job_id)
+        now = time.time()
+        job.draining_since = job.last_signal = now
+        if state == "PENDING":
+            self.slurm.cancel(job.job_id)  # nothing runs yet: nothing to drain
+            log.info("cancelled pending job %s (%s)", job.job_id, job.worker_id)
+        else:
+            self.slurm.cancel(job.job_id, "TERM")
+            log.info("draining %s: SIGTERM to job %s", job.worker_id, job.job_id)
+
+    def reap(self) -> dict[str, str]:
+        try:
+            states = self.slurm.queue_states([j.job_id for j in self.jobs])
+        except self.slurm.SlurmError as e:
+            log.warning("squeue: %s; retrying", e)
+            return {j.job_id: "UNKNOWN" for j in self.jobs}
+        now = time.time()
+        for job in list(self.jobs):
+            state = states.get(job.job_id)
+            if state is not None:
+                if job.draining_since is None:
+                    continue
+                if now - job.draining_since > self.cfg.drain_timeout_s:
+                    log.error("job %s did not drain in %.0f s; cancelling it", job.job_id,
+                              self.cfg.drain_timeout_s)
+                    self.slurm.cancel(job.job_id)
+                    job.draining_since = now  # give SLURM's own TERM/KILL a new period
+                elif state == "RUNNING" and now - job.last_signal > self.cfg.slurm.resignal_interval:
+                    self.slurm.cancel(job.job_id, "TERM")  # the worker may have started since
+                    job.last_signal = now
+                continue
+            info = self.slurm.job_info(job.job_id)
+            final, code = info.get("JobState", "UNKNOWN"), info.get("ExitCode", "?")
+            self.jobs.remove(job)
+            self.state["finished"].append({"job_id": job.job_id, "worker_id": job.worker_id,
+                                           "state": final, "exit_code": code,
+                                           "drained": job.draining_since is not None, "ended": now})
+            if final == "COMPLETED" or (job.draining_since is not None and final in ("CANCELLED", "UNKNOWN")):
+                log.info("job %s (%s) ended: %s, exit code %s", job.job_id, job.worker_id, final, code)
+            else:
+                self.restarts += 1
+                log.error("job %s (%s) ended %s with exit code %s (restart %d of %d); see %s",
+                          job.job_id, job.worker_id, final, code, self.restarts, self.cfg.max_restarts,
+                          info.get("StdOut", "its output file"))
+                if self.restarts > self.cfg.max_restarts:
+                    self.save()
+                    raise RuntimeError(f"rollout jobs failed {self.restarts} times; see their output")
+        return states
+
+    def reconcile(self) -> None:
+        states = self.reap()
+        live = [j for j in self.jobs if j.draining_since is None]
+        for _ in range(self.state["target"] - len(live)):
+            self.start_worker()
+        for job in live[self.state["target"]:][::-1]:
+            self.drain(job, states)
+        self.save()
+
+    def shutdown(self) -> None:
+        """On SIGTERM/SIGINT drain every job; after DONE the workers stop by themselves. Either
+        way wait (up to pool.drain_timeout_s) for the jobs to end, to record how they ended."""
+        try:
+            if self.stopping:
+                states = self.slurm.queue_states([j.job_id for j in self.jobs])
+                for job in self.jobs:
+                    self.drain(job, states)
+            deadline = time.monotonic() + self.cfg.drain_timeout_s + 30
+            while self.jobs and time.monotonic() < deadline:
+                self.reap()
+                self.save()
+                if self.jobs:
+                    time.sleep(self.cfg.poll_interval)
+        except (self.slurm.SlurmError, RuntimeError) as e:
+            log.error("shutdown: %s", e)
+        if self.jobs:
+            log.warning("jobs still in SLURM at exit: %s", [j.job_id for j in self.jobs])
+        self.save()
+        if self._observer is not None:
+            self._observer.stop()
+            self._observer.join(timeout=5)
+
+
 def parse(argv: list[str]) -> tuple[PoolConfig, list[str]]:
     """Split `pool.*` (and root) from the worker's keys; validate both before starting."""
     overrides, yaml_file, wants_help = split_argv(argv)
@@ -247,6 +408,16 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as e:
         print(f"python -m rollout.pool: config error: {e}", file=sys.stderr)
         return 2
+    if cfg.pool.backend == "slurm":
+        from launch import slurm
+        try:
+            pool = SlurmPool(cfg, worker_args)
+            pool.spec("x").check("rollout")
+            pool.run()
+        except (slurm.SlurmError, ValueError) as e:
+            print(f"python -m rollout.pool: {e}", file=sys.stderr)
+            return 1
+        return 0
     Pool(cfg, worker_args).run()
     return 0
 

@@ -3,12 +3,15 @@
     python -m rollout.worker root=RUN data.train_files=[RUN/data/train.parquet] worker.id=w0
 
 Loop: between batches, load the newest weight version in place if there is one; draw
-`prompts_per_batch` prompts; sample `n` responses each; score; append each group to the shard
-writer (which publishes atomically by count or age). SIGTERM/SIGINT (what SLURM sends first)
-finish the current batch, flush, and exit 0.
+`prompts_per_batch` prompts; sample `n` responses each; then, while the engine generates the next
+batch, score and append each group to the shard writer (which publishes atomically by count or
+age). With `interruptible`, weights also switch between segments of a batch. SIGTERM/SIGINT (what
+SLURM sends first) finish the current batch, flush, and exit 0.
 """
 from __future__ import annotations
 
+import concurrent.futures
+import dataclasses
 import logging
 import os
 import signal
@@ -32,6 +35,14 @@ from rollout.engine import Completion, SamplingSettings, build_engine
 log = logging.getLogger("rollout.worker")
 
 
+@dataclasses.dataclass
+class GeneratedBatch:
+    prompts: list[Prompt]
+    groups: list[list[Completion]]
+    versions: list[list[int]]  # per completion: the oldest weight version that generated it
+    started: float
+
+
 class RolloutWorker:
     def __init__(self, cfg: WorkerConfig):
         self.cfg = cfg
@@ -49,6 +60,7 @@ class RolloutWorker:
         self.batches = 0
         self.tokens = 0
         self.gen_seconds = 0.0
+        self.resumed_on_new_weights = 0  # responses continued on newer weights (interruptible)
         self.seed = cfg.worker.seed * 1_000_003 + zlib.crc32(self.id.encode())
 
     def _on_signal(self, signum, _frame) -> None:
@@ -69,36 +81,39 @@ class RolloutWorker:
                          self.cfg.data.max_prompt_length),
             self.cfg.data.shuffle, self.seed)
 
-    def maybe_reload(self) -> None:
+    def maybe_reload(self) -> bool:
+        """Load the newest published version in place, if it is newer; True when loaded."""
         latest = self.store.latest()
         if latest is None or latest == self.version:
-            return
+            return False
         t0 = time.monotonic()
         try:
             count = self.engine.load_weights(self.store.tensors(latest))
         except FileNotFoundError as e:  # pruned while we read: the next batch sees a newer one
             log.warning("weight version %d vanished while loading (%s); retrying later", latest, e)
-            return
+            return False
         self.version = latest
         self.versions_loaded.append(latest)
         log.info("loaded weights v%d in place: %d tensors in %.3f s", latest, count, time.monotonic() - t0)
+        return True
 
-    def _samples(self, prompt: Prompt, group: list[Completion], started: float) -> list[Sample]:
+    def _samples(self, prompt: Prompt, group: list[Completion], versions: list[int],
+                 started: float) -> list[Sample]:
         """Scored samples of one group; the shard writer assigns their group and sample ids."""
         out = []
-        for c in group:
+        for c, version in zip(group, versions):
             text = self.engine.tokenizer.decode(c.token_ids, skip_special_tokens=True)
             r = self.score(prompt.data_source, text, prompt.ground_truth, prompt.extra_info)
             out.append(Sample(
                 sample_id="", group_id="", prompt_id=prompt.prompt_id,
-                worker_id=self.id, weight_version=self.version, prompt_ids=prompt.token_ids,
+                worker_id=self.id, weight_version=version, prompt_ids=prompt.token_ids,
                 response_ids=c.token_ids, behaviour_logprobs=c.logprobs, reward=r,
                 finish_reason=c.finish_reason,
                 temperature=self.cfg.actor_rollout_ref.rollout.temperature,
                 data_source=prompt.data_source, created_at=started, finished_at=time.time()))
         return out
 
-    def run_batch(self) -> float:
+    def generate_batch(self) -> GeneratedBatch:
         rc = self.cfg.actor_rollout_ref.rollout
         prompts = self.prompts.take(rc.prompts_per_batch)
         params = SamplingSettings(n=rc.n, temperature=rc.temperature, top_p=rc.top_p,
@@ -106,16 +121,58 @@ class RolloutWorker:
                                   seed=self.seed + self.batches)
         started = time.time()
         t0 = time.monotonic()
-        groups = self.engine.generate([p.token_ids for p in prompts], params)
+        if rc.interruptible:
+            groups, versions = self._generate_interruptible(prompts, params, rc.segment_tokens)
+        else:
+            groups = self.engine.generate([p.token_ids for p in prompts], params)
+            versions = [[self.version] * len(g) for g in groups]
         self.gen_seconds += time.monotonic() - t0
+        self.batches += 1
+        return GeneratedBatch(prompts, groups, versions, started)
+
+    def _generate_interruptible(self, prompts: list[Prompt], params: SamplingSettings,
+                                segment: int) -> tuple[list[list[Completion]], list[list[int]]]:
+        """Generate in segments of `segment` tokens; between segments, load new weights and
+        resume every unfinished response on them (the prefix is re-prefilled). Each token keeps
+        the logprob of the policy that sampled it; a sample is tagged with its oldest version."""
+        first = dataclasses.replace(params, max_tokens=min(segment, params.max_tokens))
+        groups = self.engine.generate([p.token_ids for p in prompts], first)
+        versions = [[self.version] * len(g) for g in groups]
+        for round_ in range(1, -(-params.max_tokens // segment)):
+            todo = [(i, k) for i, g in enumerate(groups) for k, c in enumerate(g)
+                    if c.finish_reason == "length" and len(c.token_ids) < params.max_tokens]
+            if not todo:
+                break
+            if self.maybe_reload():
+                self.resumed_on_new_weights += len(todo)
+            budget = min(segment, params.max_tokens - round_ * segment)
+            step = dataclasses.replace(params, n=1, max_tokens=budget, seed=params.seed + round_)
+            outs = self.engine.generate(
+                [prompts[i].token_ids + groups[i][k].token_ids for i, k in todo], step)
+            for (i, k), [more] in zip(todo, outs):
+                c = groups[i][k]
+                groups[i][k] = Completion(c.token_ids + more.token_ids, c.logprobs + more.logprobs,
+                                          more.finish_reason)
+        return groups, versions
+
+    def finish_batch(self, batch: GeneratedBatch) -> float:
+        """Score and publish one generated batch; returns its mean reward."""
         rewards = []
-        for prompt, group in zip(prompts, groups):
-            samples = self._samples(prompt, group, started)
+        for prompt, group, versions in zip(batch.prompts, batch.groups, batch.versions):
+            samples = self._samples(prompt, group, versions, batch.started)
             self.tokens += sum(len(s.response_ids) for s in samples)
             rewards += [s.reward for s in samples]
             self.writer.add_group(samples)
-        self.batches += 1
         return sum(rewards) / len(rewards)
+
+    def run_batch(self) -> float:
+        return self.finish_batch(self.generate_batch())
+
+    def _log_batch(self, mean_reward: float) -> None:
+        self.heartbeat("running")
+        log.info("batch %d: weights v%d, reward %.3f, %d samples written, %.0f tok/s",
+                 self.batches, self.version, mean_reward, self.writer.samples_written,
+                 self.tokens / max(self.gen_seconds, 1e-9))
 
     def heartbeat(self, state: str) -> None:
         atomic_write_json(self.fs, self.layout.heartbeat(self.id), {
@@ -125,6 +182,7 @@ class RolloutWorker:
             "samples_written": self.writer.samples_written,
             "shards_written": self.writer.shards_written, "next_seq": self.writer.seq,
             "tokens_per_s": self.tokens / self.gen_seconds if self.gen_seconds else 0.0,
+            "resumed_on_new_weights": self.resumed_on_new_weights,
             "last_beat": time.time()})
 
     def should_stop(self) -> bool:
@@ -137,17 +195,24 @@ class RolloutWorker:
     def run(self) -> None:
         self.start()
         self.heartbeat("running")
-        while not self.should_stop():
-            wait_for_room(self.fs, self.layout, self.cfg.buffer.max_backlog_samples,
-                          self.cfg.buffer.backlog_timeout_s, self.should_stop)
-            if self.should_stop():
-                break
-            self.maybe_reload()
-            mean_reward = self.run_batch()
-            self.heartbeat("running")
-            log.info("batch %d: weights v%d, reward %.3f, %d samples written, %.0f tok/s",
-                     self.batches, self.version, mean_reward, self.writer.samples_written,
-                     self.tokens / max(self.gen_seconds, 1e-9))
+        # The engine generates batch k+1 while one owned thread scores and publishes batch k.
+        finisher = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="finish")
+        pending = None
+        try:
+            while not self.should_stop():
+                wait_for_room(self.fs, self.layout, self.cfg.buffer.max_backlog_samples,
+                              self.cfg.buffer.backlog_timeout_s, self.should_stop)
+                if self.should_stop():
+                    break
+                self.maybe_reload()
+                batch = self.generate_batch()
+                if pending is not None:
+                    self._log_batch(pending.result())
+                pending = finisher.submit(self.finish_batch, batch)
+            if pending is not None:
+                self._log_batch(pending.result())
+        finally:
+            finisher.shutdown(wait=True)
         self.writer.flush()
         self.heartbeat("stopped")
         log.info("worker %s stopped: %d samples in %d shards; weight versions loaded: %s",
