@@ -1,0 +1,244 @@
+"""Check a node before a run: versions, the shared run folder, disk, ports, GPUs, clock.
+
+    python -m launch.check_env --root /shared/runs/r1 --port node001:29500 --port node001:50051
+
+One line per check: PASS / FAIL (a problem that breaks a run), WARN (likely trouble), INFO (a
+report). Exit 1 on any FAIL. Each node's versions and results are recorded in the run folder
+(ROOT/env/<node>.json) and compared with what the other nodes recorded there, so run it on
+every node (e.g. `srun --ntasks-per-node=1 python -m launch.check_env --root ...`).
+"""
+from __future__ import annotations
+
+import argparse
+import importlib.metadata
+import json
+import os
+import shutil
+import socket
+import sys
+import time
+import uuid
+
+from buffer.layout import RunLayout
+
+COMPARED = ("python", "torch", "cuda", "nccl", "vllm", "verl", "transformers")
+
+
+class Report:
+    def __init__(self):
+        self.lines: list[tuple[str, str, str]] = []
+
+    def add(self, status: str, check: str, detail: str) -> None:
+        self.lines.append((status, check, detail))
+        print(f"{status:<4} {check}: {detail}", flush=True)
+
+    @property
+    def failed(self) -> bool:
+        return any(s == "FAIL" for s, _, _ in self.lines)
+
+
+def _dist_version(name: str) -> str | None:
+    try:
+        return importlib.metadata.version(name)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def versions() -> dict[str, str | None]:
+    out: dict[str, str | None] = {"python": sys.version.split()[0]}
+    try:
+        import torch
+        out["torch"] = torch.__version__
+        out["cuda"] = torch.version.cuda
+        nccl = None
+        if torch.cuda.is_available():
+            try:
+                v = torch.cuda.nccl.version()
+                nccl = ".".join(map(str, v)) if isinstance(v, tuple) else str(v)
+            except Exception:  # noqa: BLE001 - a build without NCCL
+                nccl = None
+        out["nccl"] = nccl
+    except ImportError:
+        out.update(torch=None, cuda=None, nccl=None)
+    for name in ("vllm", "verl", "transformers"):
+        out[name] = _dist_version(name)
+    return out
+
+
+def check_versions(rep: Report, vers: dict) -> None:
+    for name in COMPARED:
+        rep.add("INFO", f"version {name}", vers.get(name) or "not installed")
+
+
+def check_other_nodes(rep: Report, layout: RunLayout, node: str, vers: dict) -> None:
+    try:
+        names = sorted(os.listdir(layout.env_dir))
+    except OSError:
+        names = []
+    others = {}
+    for name in names:
+        if not name.endswith(".json") or name == f"{node}.json":
+            continue
+        try:
+            with open(os.path.join(layout.env_dir, name)) as f:
+                others[name[:-5]] = json.load(f).get("versions", {})
+        except (OSError, ValueError):
+            continue
+    if not others:
+        rep.add("INFO", "versions across nodes", "no other node has recorded its versions yet")
+        return
+    diffs = [f"{k}: {vers.get(k)} here, {v.get(k)} on {other}"
+             for other, v in sorted(others.items()) for k in COMPARED if v.get(k) != vers.get(k)]
+    if diffs:
+        rep.add("WARN", "versions across nodes", "mismatch: " + "; ".join(diffs))
+    else:
+        rep.add("PASS", "versions across nodes", f"same as {len(others)} other node(s): {', '.join(sorted(others))}")
+
+
+def check_folder(rep: Report, layout: RunLayout, max_skew_s: float) -> bool:
+    """Writable, atomic rename, clock skew; returns whether the folder is writable."""
+    scratch = os.path.join(layout.check_scratch, f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:8]}")
+    try:
+        os.makedirs(scratch, exist_ok=True)
+        probe = os.path.join(scratch, "probe")
+        before = time.time()
+        with open(probe, "wb") as f:
+            f.write(b"tandem")
+            f.flush()
+            os.fsync(f.fileno())
+        after = time.time()
+    except OSError as e:
+        rep.add("FAIL", "run folder writable", f"cannot write in {layout.root}: {e.strerror or e} "
+                f"({type(e).__name__}); the run folder must be writable from every node")
+        return False
+    try:
+        rep.add("PASS", "run folder writable", layout.root)
+        # atomic rename over an existing file (how shards and weights/LATEST are published)
+        a, b = os.path.join(scratch, ".new"), os.path.join(scratch, "target")
+        try:
+            with open(b, "w") as f:
+                f.write("old")
+            with open(a, "w") as f:
+                f.write("new")
+            os.replace(a, b)
+            with open(b) as f:
+                ok = f.read() == "new" and not os.path.exists(a)
+            rep.add("PASS" if ok else "FAIL", "atomic rename",
+                    "rename over an existing file replaces it" if ok else
+                    f"rename in {scratch} did not replace the target atomically")
+        except OSError as e:
+            rep.add("FAIL", "atomic rename", f"rename in {layout.root} failed: {e}")
+        # clock skew: the file server stamps mtime; compare with this node's clock
+        mtime = os.stat(probe).st_mtime
+        skew = 0.0 if before - 1 <= mtime <= after + 1 else (mtime - after if mtime > after else mtime - before)
+        status = "PASS" if abs(skew) <= max_skew_s else "FAIL"
+        rep.add(status, "clock skew", f"{skew:+.2f} s between this node's clock and the run folder's "
+                f"file times (limit {max_skew_s:g} s){'' if status == 'PASS' else '; sync clocks (NTP/chrony)'}")
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+        try:
+            os.rmdir(layout.check_scratch)
+        except OSError:
+            pass
+    return True
+
+
+def check_disk(rep: Report, root: str, min_free_gb: float) -> None:
+    path = root
+    while not os.path.exists(path) and os.path.dirname(path) != path:
+        path = os.path.dirname(path)
+    try:
+        free = shutil.disk_usage(path).free / 2**30
+    except OSError as e:
+        rep.add("FAIL", "free disk", f"cannot stat {path}: {e}")
+        return
+    rep.add("PASS" if free >= min_free_gb else "FAIL", "free disk",
+            f"{free:.1f} GiB free under {path} (need {min_free_gb:g})")
+
+
+def _host_port(spec: str) -> tuple[str, int]:
+    host, sep, port = spec.rpartition(":")
+    if not sep:
+        host, port = "127.0.0.1", spec
+    host = host.strip("[]") or "127.0.0.1"
+    if not port.isdigit() or not 1 <= int(port) <= 65535:
+        raise ValueError(f"--port {spec!r}: give PORT or HOST:PORT")
+    return host, int(port)
+
+
+def check_ports(rep: Report, specs: list[str], timeout_s: float) -> None:
+    if not specs:
+        rep.add("INFO", "ports", "none given (--port HOST:PORT for the trainer's rendezvous and gRPC ports)")
+    for spec in specs:
+        try:
+            host, port = _host_port(spec)
+        except ValueError as e:
+            rep.add("FAIL", f"port {spec}", str(e))
+            continue
+        t0 = time.monotonic()
+        try:
+            with socket.create_connection((host, port), timeout=timeout_s):
+                pass
+            rep.add("PASS", f"port {host}:{port}", f"reachable (TCP connect in {1000 * (time.monotonic() - t0):.0f} ms)")
+        except OSError as e:
+            reason = "timed out" if isinstance(e, (socket.timeout, TimeoutError)) else (e.strerror or str(e))
+            rep.add("FAIL", f"port {host}:{port}", f"unreachable: {reason} (is the process listening there, "
+                    "on an interface this node can reach, and no firewall between?)")
+
+
+def check_gpus(rep: Report, expect: int | None) -> dict:
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    try:
+        import torch
+        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        names = [torch.cuda.get_device_name(i) for i in range(count)]
+    except Exception as e:  # noqa: BLE001 - a broken driver is a finding, not a crash
+        count, names = 0, []
+        rep.add("WARN", "GPUs", f"torch.cuda failed: {e}")
+    detail = f"{count} visible" + (f": {', '.join(names)}" if names else "") + \
+        (f" (CUDA_VISIBLE_DEVICES={visible})" if visible is not None else "")
+    if expect is not None:
+        rep.add("PASS" if count >= expect else "FAIL", "GPUs", f"{detail}; expected {expect}")
+    else:
+        rep.add("INFO", "GPUs", detail if count else f"{detail}; CPU only (fine for the built-in task)")
+    return {"count": count, "names": names, "cuda_visible_devices": visible}
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m launch.check_env", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--root", required=True, help="run folder (on the shared filesystem)")
+    p.add_argument("--port", action="append", default=[], metavar="[HOST:]PORT",
+                   help="a port that must accept TCP connections, repeatable (rendezvous, gRPC)")
+    p.add_argument("--gpus", type=int, help="GPUs this node must see (default: report only)")
+    p.add_argument("--min-free-gb", type=float, default=1.0, help="free disk needed (default 1 GiB)")
+    p.add_argument("--max-skew", type=float, default=5.0, help="clock skew allowed in s (default 5)")
+    p.add_argument("--connect-timeout", type=float, default=3.0, help="seconds per port (default 3)")
+    p.add_argument("--node", default=socket.gethostname(), help="name to record under (default: hostname)")
+    args = p.parse_args(argv)
+    layout = RunLayout(os.path.abspath(args.root))
+    rep = Report()
+    vers = versions()
+    check_versions(rep, vers)
+    writable = check_folder(rep, layout, args.max_skew)
+    check_disk(rep, layout.root, args.min_free_gb)
+    check_ports(rep, args.port, args.connect_timeout)
+    gpus = check_gpus(rep, args.gpus)
+    check_other_nodes(rep, layout, args.node, vers)
+    if writable:
+        from buffer.storage import atomic_write_json, filesystem
+        fs, _ = filesystem(layout.root)
+        record = {"node": args.node, "time": time.time(), "versions": vers, "gpus": gpus,
+                  "checks": [{"status": s, "check": c, "detail": d} for s, c, d in rep.lines]}
+        try:
+            atomic_write_json(fs, layout.env_report(args.node), record)
+            rep.add("INFO", "recorded", layout.env_report(args.node))
+        except OSError as e:
+            rep.add("FAIL", "recorded", f"cannot write {layout.env_report(args.node)}: {e}")
+    n_fail = sum(s == "FAIL" for s, _, _ in rep.lines)
+    print(f"{'FAIL' if n_fail else 'PASS'} check_env: {n_fail} failed check(s)", flush=True)
+    return 1 if n_fail else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
