@@ -10,6 +10,7 @@
       control.json                 pool commands (protocol/control.py), written by launch.control
       pool/<supervisor>.json       a pool supervisor's applied commands, target and workers
       progress.json                the trainer's consumption count (for worker backpressure)
+      checkpoints/step_<N>/        trainer checkpoints (DCP shards, trainer_state.json, pool.arrow)
       metrics.jsonl                one JSON object per trainer step
       logs/<process>.log           per-process logs under launch.local
       logs/slurm-<role>-%j.out     SLURM job output (launch.submit; %j/%A_%a filled in by SLURM)
@@ -25,6 +26,7 @@ import re
 SHARD_SUFFIX = ".arrow"
 TMP_MARK = ".tmp-"
 _VERSION_DIR = re.compile(r"^v(\d{6,})$")
+_CHECKPOINT_DIR = re.compile(r"^step_(\d{8,})$")
 _WORKER_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,127}$")
 
 
@@ -137,6 +139,22 @@ class RunLayout:
     @property
     def check_scratch(self) -> str:
         return self._p(".check_env")
+
+    # trainer checkpoints: step_<N>/ appears (by rename) only when every rank has written
+    @property
+    def checkpoints_dir(self) -> str:
+        return self._p("checkpoints")
+
+    def checkpoint(self, step: int) -> str:
+        return self._p("checkpoints", f"step_{step:08d}")
+
+    def checkpoint_tmp(self, step: int) -> str:
+        return self._p("checkpoints", f".step_{step:08d}{TMP_MARK}")
+
+    @staticmethod
+    def checkpoint_step(name: str) -> int | None:
+        m = _CHECKPOINT_DIR.match(name.rstrip("/").rsplit("/", 1)[-1])
+        return int(m.group(1)) if m else None
 
     @property
     def done_marker(self) -> str:

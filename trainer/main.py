@@ -22,7 +22,7 @@ from buffer.reader import ExperienceReader, Group
 from buffer.storage import atomic_write_json, filesystem
 from buffer.weights import WeightStore
 from protocol.config import parse_cli
-from trainer import algo
+from trainer import algo, checkpoint
 from trainer.batch import collate
 from trainer.config import TrainerConfig
 from trainer.metrics import MetricsLog
@@ -72,13 +72,54 @@ class Trainer:
         self.store = WeightStore(cfg.root)
         self.fs, _ = filesystem(cfg.root)
         self.version = 0
+        self.step = 0
         self.reader = self.metrics = None
+        resume = self._resume_path()
         if self.rank == 0:
-            if self.store.versions():
+            if resume is None and self.store.versions():
                 raise FileExistsError(f"{self.store.layout.weights_dir} already holds weight versions "
-                                      "from an earlier run; start with a new run folder")
+                                      "but there is no checkpoint to resume from; start with a new "
+                                      "run folder")
             self.reader = ExperienceReader(cfg.root, cfg.buffer, cfg.trainer.max_staleness)
             self.metrics = MetricsLog(self.store.layout.metrics, cfg.trainer.total_training_steps)
+        if resume is not None:
+            self._resume(resume)
+
+    def _resume_path(self) -> str | None:
+        mode = self.cfg.trainer.resume_mode
+        if mode == "disable":
+            return None
+        if mode == "auto":
+            return checkpoint.latest_complete(self.store.layout)
+        if not os.path.isdir(mode):
+            raise FileNotFoundError(f"trainer.resume_mode: {mode} is not a checkpoint folder")
+        return mode
+
+    def _resume(self, path: str) -> None:
+        """Restore weights, optimizer, step and the experience ledger; continue the version count."""
+        state, pool = checkpoint.load(self.model, self.optimizer, path)
+        self.step = state["step"]
+        # Versions published after the checkpoint by the crashed run keep their numbers; the
+        # restored weights are published next under a fresh one (`run` does it first).
+        versions = self.store.versions()
+        self.version = max([state["version"], *versions]) + (1 if versions else 0)
+        if self.rank == 0:
+            self.reader.consumed = set(state["consumed"])
+            self.reader.stats.update(state["stats"])
+            self.reader.pool.extend(pool)
+        log.info("resumed from %s at step %d; publishing the restored weights as v%d",
+                 path, self.step, self.version)
+
+    def save_checkpoint(self) -> None:
+        state = pool = None
+        if self.rank == 0:
+            state = {"step": self.step, "version": self.version,
+                     "consumed": sorted(self.reader.consumed), "stats": dict(self.reader.stats)}
+            pool = list(self.reader.pool)
+        t0 = time.monotonic()
+        path = checkpoint.save(self.model, self.optimizer, self.store.layout, self.step, state, pool,
+                               self.cfg.trainer.max_ckpt_to_keep)
+        log.info("checkpoint %s written in %.2f s", path, time.monotonic() - t0)
 
     # --- data: rank 0 reads, every rank gets whole groups ------------------------------------
     def next_share(self) -> tuple[list, dict]:
@@ -165,9 +206,10 @@ class Trainer:
 
     def run(self) -> None:
         tc = self.cfg.trainer
-        self.publish(step=0)  # v0: the initial weights, so every sample names a published version
-        consumed = 0
-        for step in range(1, tc.total_training_steps + 1):
+        # v0 (or, on resume, the restored weights): every sample names a published version.
+        self.publish(step=self.step)
+        for step in range(self.step + 1, tc.total_training_steps + 1):
+            self.step = step
             t0 = time.monotonic()
             samples, info = self.next_share()
             metrics = {"step": step, "weights/version": self.version}
@@ -175,15 +217,17 @@ class Trainer:
             if step % tc.publish_freq == 0 or step == tc.total_training_steps:
                 self.version += 1
                 metrics.update(self.publish(step))
-            consumed += info["seqs"]
             if self.rank == 0:
                 metrics.update({k: v for k, v in info.items() if k not in ("wait_s", "seqs", "tokens")})
-                metrics.update({"samples/consumed": consumed, "samples/step": info["seqs"],
+                metrics.update({"samples/consumed": self.reader.stats["consumed_samples"],
+                                "samples/step": info["seqs"],
                                 "tokens/step": info["tokens"], "time/wait_s": info["wait_s"],
                                 "time/step_s": time.monotonic() - t0, "time/unix": time.time(),
                                 "buffer/dropped_stale_samples": self.reader.stats["dropped_stale_samples"],
                                 "buffer/bad_shards": self.reader.stats["bad_shards"]})
                 self.metrics.write(metrics)
+            if tc.save_freq and step % tc.save_freq == 0:
+                self.save_checkpoint()
         if self.rank == 0:
             atomic_write_json(self.fs, self.store.layout.done_marker,
                               {"steps": tc.total_training_steps, "version": self.version})

@@ -1,0 +1,79 @@
+"""Trainer checkpoints that are visible only when complete, and resumable on any number of ranks.
+
+Every rank writes its shard of the model and optimizer with torch.distributed.checkpoint into a
+hidden temporary folder; rank 0 adds `trainer_state.json` (step, weight version, the experience
+ledger: consumed shards and reader counters) and `pool.arrow` (groups read but not yet trained).
+After a barrier, rank 0 renames the folder to `step_<N>`: that rename is the commit, so a
+checkpoint killed half-written is never found by `resume_mode=auto`. DCP reshards on load, so a
+run saved on 2 ranks resumes on 1 (or 4).
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+from buffer.layout import RunLayout
+from buffer.reader import Group
+from buffer.storage import fsync_tree
+from protocol.experience import decode, encode, from_table, to_table
+
+
+def latest_complete(layout: RunLayout) -> str | None:
+    if not os.path.isdir(layout.checkpoints_dir):
+        return None
+    steps = [RunLayout.checkpoint_step(n) for n in os.listdir(layout.checkpoints_dir)]
+    complete = [s for s in sorted(x for x in steps if x is not None)
+                if os.path.isfile(os.path.join(layout.checkpoint(s), "trainer_state.json"))]
+    return layout.checkpoint(complete[-1]) if complete else None
+
+
+def save(model, optimizer, layout: RunLayout, step: int, state: dict | None,
+         pool: list[Group] | None, keep: int) -> str:
+    """Collective. `state` and `pool` are rank 0's; other ranks pass None."""
+    tmp = layout.checkpoint_tmp(step)
+    if dist.get_rank() == 0:
+        shutil.rmtree(tmp, ignore_errors=True)  # debris of a save that was killed
+        os.makedirs(tmp)
+    dist.barrier()
+    model_sd, optim_sd = get_state_dict(model, optimizer)
+    dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=tmp)
+    final = layout.checkpoint(step)
+    if dist.get_rank() == 0:
+        with open(os.path.join(tmp, "trainer_state.json"), "w") as f:
+            json.dump(state, f)
+        samples = [s for g in pool or [] for s in g.samples]
+        with open(os.path.join(tmp, "pool.arrow"), "wb") as f:
+            f.write(encode(to_table(samples)))
+    dist.barrier()  # every rank's shard is on disk
+    if dist.get_rank() == 0:
+        fsync_tree(tmp)
+        os.rename(tmp, final)
+        for old in sorted(RunLayout.checkpoint_step(n) for n in os.listdir(layout.checkpoints_dir)
+                          if RunLayout.checkpoint_step(n) is not None)[:-keep]:
+            shutil.rmtree(layout.checkpoint(old), ignore_errors=True)
+    dist.barrier()
+    return final
+
+
+def load(model, optimizer, path: str) -> tuple[dict, list[Group]]:
+    """Collective: restore model and optimizer in place; returns (trainer state, pool)."""
+    if not os.path.isfile(os.path.join(path, "trainer_state.json")):
+        raise FileNotFoundError(f"{path}: not a complete tandem checkpoint (no trainer_state.json)")
+    model_sd, optim_sd = get_state_dict(model, optimizer)
+    state = {"model": model_sd, "optim": optim_sd}
+    dcp.load(state, checkpoint_id=path)
+    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    with open(os.path.join(path, "trainer_state.json")) as f:
+        trainer_state = json.load(f)
+    with open(os.path.join(path, "pool.arrow"), "rb") as f:
+        samples = from_table(decode(f.read()))
+    groups: dict[str, list] = {}
+    for s in samples:
+        groups.setdefault(s.group_id, []).append(s)
+    return trainer_state, [Group(gid, m[0].weight_version, m) for gid, m in groups.items()]
+
