@@ -1,0 +1,260 @@
+"""The two roles as SLURM jobs on a real one-node SLURM (scripts/slurm/start.sh), with the
+elastic pool's SLURM backend growing and draining the rollout side during the run.
+
+The cluster is started by a session fixture (installs Debian's slurm packages when missing; needs
+root and apt) and stopped afterwards, unless it was already running before the tests."""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from buffer.layout import RunLayout
+from launch.local import BUILTIN_TRAINER, BUILTIN_WORKER
+from rollout import builtin_task
+
+REPO = Path(__file__).resolve().parents[1]
+BASE = os.environ.get("TANDEM_SLURM_BASE", "/tmp/tandem-slurm")
+STEPS = 50
+
+
+def _env(**extra) -> dict:
+    env = dict(os.environ, PYTHONUNBUFFERED="1", SLURM_CONF=f"{BASE}/etc/slurm.conf",
+               SLURM_BASE=BASE, **extra)
+    env["PYTHONPATH"] = os.pathsep.join([str(REPO), *filter(None, [env.get("PYTHONPATH")])])
+    return env
+
+
+def _slurm_up() -> bool:
+    if shutil.which("scontrol") is None:
+        return False
+    try:
+        return subprocess.run(["scontrol", "ping"], env=_env(), capture_output=True, text=True,
+                              timeout=20).stdout.count("UP") > 0 and \
+            subprocess.run(["sinfo", "-h", "-o", "%T"], env=_env(), capture_output=True, text=True,
+                           timeout=20).stdout.strip() in ("idle", "mixed", "allocated")
+    except (subprocess.TimeoutExpired, OSError):
+        return False
+
+
+@pytest.fixture(scope="session")
+def slurm():
+    """A running one-node SLURM with partitions rollout and trainer; SLURM_CONF set for clients."""
+    if os.geteuid() != 0:
+        pytest.skip("SLURM test cluster: scripts/slurm/start.sh needs root (daemons, /etc/munge)")
+    if shutil.which("slurmctld") is None and shutil.which("apt-get") is None:
+        pytest.skip("SLURM test cluster: slurm is not installed and apt-get is not available")
+    was_up = _slurm_up()
+    out = subprocess.run(["bash", str(REPO / "scripts/slurm/start.sh")], env=_env(),
+                         capture_output=True, text=True, timeout=600)
+    if out.returncode != 0:
+        tail = (out.stdout + out.stderr)[-3000:]
+        if "apt-get" in tail and ("Could not resolve" in tail or "Unable to locate" in tail):
+            pytest.skip(f"SLURM test cluster: packages cannot be installed here:\n{tail}")
+        pytest.fail(f"scripts/slurm/start.sh failed (exit {out.returncode}):\n{tail}")
+    old = os.environ.get("SLURM_CONF")
+    os.environ["SLURM_CONF"] = f"{BASE}/etc/slurm.conf"
+    yield BASE
+    if old is None:
+        os.environ.pop("SLURM_CONF", None)
+    else:
+        os.environ["SLURM_CONF"] = old
+    if not was_up:  # stop only what this session started
+        subprocess.run(["bash", str(REPO / "scripts/slurm/stop.sh")], env=_env(),
+                       capture_output=True, text=True, timeout=180)
+
+
+def _run(cmd, **kw) -> subprocess.CompletedProcess:
+    return subprocess.run(cmd, env=_env(), capture_output=True, text=True, timeout=kw.pop("timeout", 120), **kw)
+
+
+def _submit(role: str, *args: str) -> str:
+    out = _run([sys.executable, "-m", "launch.submit", role, *args])
+    assert out.returncode == 0, f"launch.submit {role} failed: {out.stderr}"
+    job_id = out.stdout.strip()
+    assert job_id.isdigit(), out.stdout
+    return job_id
+
+
+def _squeue(job_id: str) -> tuple[str, str] | None:
+    """(state, partition) of a job squeue still lists, else None."""
+    out = _run(["squeue", "-h", "-j", job_id, "-o", "%T %P"])
+    line = out.stdout.strip()
+    return tuple(line.split()[:2]) if line else None
+
+
+def _job(job_id: str) -> dict:
+    out = _run(["scontrol", "show", "job", "-o", job_id])
+    return dict(t.split("=", 1) for t in out.stdout.split() if "=" in t)
+
+
+def _wait(cond, timeout: float, what: str, interval: float = 0.5, dump=None):
+    deadline = time.monotonic() + timeout
+    while True:
+        value = cond()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what}" +
+                                 (f"\n{dump()}" if dump else ""))
+        time.sleep(interval)
+
+
+def _metrics(layout: RunLayout) -> list[dict]:
+    try:
+        with open(layout.metrics) as f:
+            return [json.loads(line) for line in f if line.endswith("\n")]
+    except FileNotFoundError:
+        return []
+
+
+def _logs(layout: RunLayout) -> str:
+    parts = []
+    for p in sorted(Path(layout.root, "logs").glob("*")):
+        lines = p.read_text(errors="replace").splitlines()
+        parts.append(f"== {p.name}\n" + "\n".join(lines[-15:]))
+    return "\n".join(parts)
+
+
+def test_submit_errors_are_clear(slurm, tmp_path):
+    # a partition that does not exist: sbatch's own message comes through, exit 1
+    out = _run([sys.executable, "-m", "launch.submit", "rollout", "--root", str(tmp_path / "r"),
+                "--partition", "nosuchpartition", "data.train_files=[x.parquet]"])
+    assert out.returncode == 1
+    assert "sbatch failed" in out.stderr and "partition" in out.stderr.lower(), out.stderr
+    # no sbatch on PATH
+    env = _env(PATH=os.path.dirname(sys.executable))
+    out = subprocess.run([sys.executable, "-m", "launch.submit", "trainer", "--root", str(tmp_path / "r"),
+                          "actor_rollout_ref.model.path=m"],
+                         env=env, capture_output=True, text=True, timeout=60)
+    assert out.returncode == 1 and "sbatch not found" in out.stderr, out.stderr
+    # a bad role key is named before anything is submitted
+    out = _run([sys.executable, "-m", "launch.submit", "trainer", "--root", str(tmp_path / "r"),
+                "actor_rollout_ref.model.path=m", "trainer.no_such_key=1"])
+    assert out.returncode == 2 and "no_such_key" in out.stderr
+
+
+def test_dry_run_renders_both_roles(tmp_path):
+    root = str(tmp_path / "r")
+    out = _run([sys.executable, "-m", "launch.submit", "trainer", "--root", root, "--partition", "big",
+                "--nodes", "4", "--gpus-per-node", "8", "--port", "29555", "--dry-run",
+                "actor_rollout_ref.model.path=m", "trainer.total_training_steps=7"])
+    assert out.returncode == 0, out.stderr
+    s = out.stdout
+    for want in ("#SBATCH --partition=big", "#SBATCH --nodes=4", "#SBATCH --gpus-per-node=8",
+                 "--nproc_per_node=8", "--rdzv_backend=c10d", "--rdzv_endpoint=${head_addr}:${rdzv_port}",
+                 "rdzv_port=29555", "--nnodes=${SLURM_NNODES}", "srun", f"root={root}",
+                 "trainer.total_training_steps=7"):
+        assert want in s, f"{want!r} not in trainer script:\n{s}"
+    out = _run([sys.executable, "-m", "launch.submit", "rollout", "--root", root, "--partition", "cheap",
+                "--nodes", "2", "--gpus-per-node", "4", "--array", "0-3%2", "--time", "2:00:00",
+                "--flush-interval", "30", "--dry-run", "data.train_files=[t.parquet]"])
+    assert out.returncode == 0, out.stderr
+    s = out.stdout
+    for want in ("#SBATCH --partition=cheap", "#SBATCH --nodes=2", "#SBATCH --ntasks-per-node=4",
+                 "#SBATCH --gpus-per-node=4", "#SBATCH --array=0-3%2", "#SBATCH --time=2:00:00",
+                 "slurm-rollout-%A_%a.out", "TANDEM_BIND_GPU=1", "-m rollout.worker",
+                 "buffer.flush_interval=30", "'data.train_files=[t.parquet]'"):
+        assert want in s, f"{want!r} not in rollout script:\n{s}"
+
+
+@pytest.mark.slow
+def test_roles_as_slurm_jobs_with_elastic_rollouts(slurm, tmp_path):
+    layout = RunLayout(str(tmp_path / "run"))
+    builtin_task.write_model(layout.init_model)
+    builtin_task.write_parquet(layout.train_parquet, builtin_task.make_rows(2000, 3))
+    worker_keys = [f"data.train_files=[{layout.train_parquet}]", "data.max_response_length=3",
+                   *BUILTIN_WORKER]
+    jobs: list[str] = []
+    pool = None
+    t0 = time.monotonic()
+    try:
+        trainer = _submit("trainer", "--root", layout.root, "--partition", "trainer", "--nodes", "1",
+                          "--nproc-per-node", "2", "--time", "20:00",
+                          f"actor_rollout_ref.model.path={layout.init_model}",
+                          f"trainer.total_training_steps={STEPS}", *BUILTIN_TRAINER,
+                          # a worker that joins mid-run loads LATEST; keep every version so the
+                          # trainer's pruning cannot delete it under a slow-starting worker
+                          f"trainer.keep_versions={STEPS + 1}")
+        jobs.append(trainer)
+        rollout = _submit("rollout", "--root", layout.root, "--partition", "rollout", "--nodes", "1",
+                          "--time", "20:00", "--flush-interval", "5", *worker_keys)
+        jobs.append(rollout)
+        assert _squeue(trainer)[1] == "trainer" and _squeue(rollout)[1] == "rollout"
+
+        # the elastic side: a SLURM-backed pool, empty until told otherwise
+        pool_log = open(tmp_path / "pool.log", "wb")
+        pool = subprocess.Popen(
+            [sys.executable, "-m", "rollout.pool", f"root={layout.root}", "pool.id=el",
+             "pool.backend=slurm", "pool.slurm.partition=rollout", "pool.slurm.time=20:00",
+             "pool.initial_workers=0", "pool.poll_interval=0.5", "pool.drain_timeout_s=120",
+             *worker_keys], env=_env(), stdout=pool_log, stderr=subprocess.STDOUT)
+        dump = lambda: _logs(layout) + "\n== pool.log\n" + (tmp_path / "pool.log").read_text()[-3000:]
+
+        _wait(lambda: len(_metrics(layout)) >= 3, 240, "the first trainer steps", dump=dump)
+        state_path = Path(layout.pool_state("el"))
+
+        # add 1 -> one more rollout job, running in partition rollout
+        _run([sys.executable, "-m", "launch.control", "--root", layout.root, "add", "1"], check=True)
+        new = _wait(lambda: (json.loads(state_path.read_text()).get("jobs") or [None])[0]
+                    if state_path.exists() else None, 60, "the pool to submit a job", dump=dump)
+        job_id, worker_id = new["job_id"], new["worker_id"]
+        jobs.append(job_id)
+        assert _wait(lambda: _squeue(job_id) == ("RUNNING", "rollout"), 60,
+                     f"job {job_id} running in squeue", dump=dump)
+        running = _run(["squeue", "-h", "-o", "%i", "-p", "rollout", "-t", "RUNNING"]).stdout.split()
+        assert {rollout, job_id} <= set(running)
+        added_at = len(_metrics(layout))
+        # its worker is really up (engine loaded, first heartbeat) before we take it away
+        beat = Path(layout.heartbeat(worker_id))
+        _wait(lambda: beat.exists(), 120, f"worker {worker_id} to start", dump=dump)
+
+        # remove 1 -> that job drains: SIGTERM, flush, exit 0; COMPLETED in SLURM's record
+        _run([sys.executable, "-m", "launch.control", "--root", layout.root, "remove", "1"], check=True)
+        _wait(lambda: _squeue(job_id) is None, 120, f"job {job_id} to drain and end", dump=dump)
+        info = _job(job_id)
+        assert info.get("JobState") == "COMPLETED" and info.get("ExitCode") == "0:0", info
+        final = json.loads(beat.read_text())
+        assert final["state"] == "stopped", final
+        out_file = Path(layout.root, "logs", f"slurm-rollout-{job_id}.out").read_text()
+        assert "SIGTERM received" in out_file, out_file[-2000:]
+        finished = _wait(lambda: json.loads(state_path.read_text()).get("finished"), 30,
+                         "the pool to record the ended job")
+        assert finished[0]["job_id"] == job_id and finished[0]["exit_code"] == "0:0" \
+            and finished[0]["state"] == "COMPLETED" and finished[0]["drained"], finished
+        assert _squeue(rollout) is not None  # the other rollout job is untouched
+
+        # the run completes: trainer done, the remaining rollout job stops on DONE with exit 0
+        _wait(lambda: _squeue(trainer) is None and _squeue(rollout) is None, 420,
+              "the trainer and rollout jobs to finish", interval=1.0, dump=dump)
+        for j in (trainer, rollout):
+            info = _job(j)
+            assert info.get("JobState") == "COMPLETED" and info.get("ExitCode") == "0:0", (j, info, dump())
+        assert pool.wait(timeout=60) == 0
+    finally:
+        if pool is not None and pool.poll() is None:
+            pool.terminate()
+            try:
+                pool.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                pool.kill()
+                pool.wait(timeout=30)
+        for j in jobs:
+            if _squeue(j) is not None:
+                _run(["scancel", j])
+
+    rows = _metrics(layout)
+    assert [r["step"] for r in rows] == list(range(1, STEPS + 1))
+    versions = [r["weights/version"] for r in rows]
+    assert versions == sorted(versions) and versions[-1] > versions[0] + STEPS // 2
+    first = sum(r["reward/mean"] for r in rows[:10]) / 10
+    last = sum(r["reward/mean"] for r in rows[-10:]) / 10
+    assert last > first, f"reward did not rise: first 10 steps {first:.3f}, last 10 {last:.3f}"
+    assert added_at < STEPS  # the add/remove happened while the run went on
+    print(f"SLURM run: {STEPS} steps in {time.monotonic() - t0:.0f} s; reward {first:.3f} -> {last:.3f}")
