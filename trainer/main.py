@@ -113,7 +113,7 @@ class Trainer:
     def save_checkpoint(self) -> None:
         state = pool = None
         if self.rank == 0:
-            state = {"step": self.step, "version": self.version,
+            state = {"step": self.step, "version": self.version, "model_path": self.model_path,
                      "consumed": sorted(self.reader.consumed), "stats": dict(self.reader.stats)}
             pool = list(self.reader.pool)
         t0 = time.monotonic()

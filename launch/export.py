@@ -1,0 +1,115 @@
+"""Export a trainer checkpoint as an HF model folder (config, tokenizer, safetensors).
+
+    python -m launch.export --checkpoint RUN/checkpoints/step_00000100 --out HF_DIR
+    python -m launch.export --checkpoint global_step_100/actor --out HF_DIR      # a verl FSDP one
+
+Accepts a tandem checkpoint (torch.distributed.checkpoint shards + trainer_state.json) or a verl
+FSDP actor checkpoint (`model_world_size_W_rank_R.pt`, `fsdp_config.json`, `huggingface/`),
+which is what verl's model merger takes. Runs in one process, no GPU needed. The folder appears
+only when complete (written beside it, then renamed).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import shutil
+import sys
+
+import torch
+
+from trainer.publish import copy_model_metadata
+
+_VERL_SHARD = re.compile(r"^model_world_size_(\d+)_rank_(\d+)\.pt$")
+
+
+class ExportError(ValueError):
+    pass
+
+
+def _empty_model(config_dir: str):
+    from transformers import AutoConfig, AutoModelForCausalLM
+    config = AutoConfig.from_pretrained(config_dir)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    return model.to_empty(device="cpu")
+
+
+def tandem_state(checkpoint: str) -> tuple[dict, str]:
+    """Full HF-named tensors from a tandem DCP checkpoint, and the model folder it started from."""
+    import torch.distributed.checkpoint as dcp
+    with open(os.path.join(checkpoint, "trainer_state.json")) as f:
+        model_path = json.load(f)["model_path"]
+    model = _empty_model(model_path)
+    state = {"model": model.state_dict()}
+    dcp.load(state, checkpoint_id=checkpoint, no_dist=True)
+    return state["model"], model_path
+
+
+def verl_state(actor_dir: str) -> tuple[dict, str]:
+    """Merge verl's per-rank FSDP shards (DTensor local shards, or plain tensors) into full ones."""
+    shards = {}
+    for name in os.listdir(actor_dir):
+        if m := _VERL_SHARD.match(name):
+            shards[int(m.group(2))] = (int(m.group(1)), os.path.join(actor_dir, name))
+    world = {w for w, _ in shards.values()}
+    if len(world) != 1 or sorted(shards) != list(range(next(iter(world)))):
+        raise ExportError(f"{actor_dir}: expected model_world_size_W_rank_0..W-1.pt, found ranks "
+                          f"{sorted(shards)} of sizes {sorted(world)}")
+    parts = [torch.load(shards[r][1], map_location="cpu", weights_only=False) for r in sorted(shards)]
+    full = {}
+    for key in parts[0]:
+        pieces = [p[key] for p in parts]
+        first = pieces[0]
+        if hasattr(first, "placements"):  # FSDP2 DTensor: concatenate the local shards
+            shard = next((pl for pl in first.placements if pl.is_shard()), None)
+            locals_ = [p.to_local() for p in pieces]
+            full[key] = torch.cat(locals_, dim=shard.dim) if shard else locals_[0]
+        else:
+            full[key] = first
+    return full, os.path.join(actor_dir, "huggingface")
+
+
+def export(checkpoint: str, out: str) -> str:
+    if os.path.isfile(os.path.join(checkpoint, "trainer_state.json")):
+        state, config_dir = tandem_state(checkpoint)
+    elif os.path.isfile(os.path.join(checkpoint, "fsdp_config.json")):
+        state, config_dir = verl_state(checkpoint)
+    else:
+        raise ExportError(f"--checkpoint {checkpoint}: neither a tandem checkpoint "
+                          "(trainer_state.json) nor a verl FSDP actor folder (fsdp_config.json)")
+    model = _empty_model(config_dir)
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    missing = [k for k in missing if not (k == "lm_head.weight" and model.config.tie_word_embeddings)]
+    if missing or unexpected:
+        raise ExportError(f"{checkpoint}: tensors do not match the model config in {config_dir}: "
+                          f"missing {missing[:3]}, unexpected {unexpected[:3]}")
+    if model.config.tie_word_embeddings:
+        model.tie_weights()
+    if os.path.exists(out):
+        raise ExportError(f"--out {out} already exists; choose a new folder")
+    tmp = f"{out.rstrip('/')}.tmp-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    model.save_pretrained(tmp)
+    copy_model_metadata(config_dir, tmp)  # tokenizer and generation config; never old weights
+    os.replace(tmp, out)
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m launch.export", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--checkpoint", required=True, help="checkpoint folder (tandem or verl FSDP actor)")
+    p.add_argument("--out", required=True, help="HF model folder to create")
+    args = p.parse_args(argv)
+    try:
+        print(f"exported {args.checkpoint} -> {export(args.checkpoint, args.out)}")
+    except (ExportError, FileNotFoundError, KeyError) as e:
+        print(f"launch.export: {e}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
