@@ -7,8 +7,11 @@ subprocesses can import it too: `sys.path.insert(0, TESTS_DIR); from conftest im
 from __future__ import annotations
 
 import os
+import subprocess
 import sys
 from pathlib import Path
+
+import pytest
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 TESTS_DIR = Path(__file__).resolve().parent
@@ -64,3 +67,55 @@ def subprocess_env() -> dict[str, str]:
         [str(REPO_ROOT)] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
     env["PYTHONUNBUFFERED"] = "1"
     return env
+
+
+# --- fixed experience for trainer tests: identical data for every run ------------------------
+STEPS, GROUPS, N = 8, 4, 4
+
+
+@pytest.fixture(scope="session")
+def experience(tmp_path_factory):
+    """Shards generated once by the real tiny model, so trainer runs can be compared."""
+    from buffer.config import BufferConfig
+    from buffer.writer import ShardWriter
+    from rollout import builtin_task
+    from rollout.engine import HFEngine, SamplingSettings
+    base = tmp_path_factory.mktemp("experience")
+    builtin_task.write_model(base / "model")
+    engine = HFEngine(str(base / "model"))
+    prompts = [[3 + (i * 3 + j) % 5 for j in range(1 + i % 3)] + [13] for i in range(STEPS * GROUPS)]
+    groups = engine.generate(prompts, SamplingSettings(n=N, temperature=1.0, top_p=1.0,
+                                                       max_tokens=3, seed=0))
+    writer = ShardWriter(str(base / "data"), "w0", BufferConfig(flush_samples=GROUPS * N))
+    for i, (p, g) in enumerate(zip(prompts, groups)):
+        writer.add_group([Sample("", "", str(i), "w0", 0, p, c.token_ids, c.logprobs,
+                                 float((i + k) % 3) / 2, c.finish_reason, 1.0, "tandem/copy", 0.0, 0.0)
+                          for k, c in enumerate(g)])
+    writer.flush()
+    return base
+
+
+def run_folder(experience, name):
+    import shutil
+    root = experience / name
+    shutil.copytree(experience / "data" / "experience", root / "experience")
+    return root
+
+
+def trainer_proc(root, model, nproc, *extra, steps=STEPS, groups=GROUPS):
+    return subprocess.Popen(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
+         "-m", "trainer.main", f"root={root}", f"actor_rollout_ref.model.path={model}",
+         f"trainer.total_training_steps={steps}", f"data.train_batch_size={groups}",
+         "trainer.max_staleness=1000", "actor_rollout_ref.actor.optim.lr=1e-2",
+         "trainer.data_timeout_s=60", "buffer.poll_interval=0.1", *extra],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,
+        env=dict(os.environ, OMP_NUM_THREADS="1"))
+
+
+def final_weights(root):
+    from safetensors.torch import load_file
+    from buffer.layout import RunLayout
+    layout = RunLayout(str(root))
+    latest = max(int(p.name[1:]) for p in Path(layout.weights_dir).glob("v*"))
+    return load_file(os.path.join(layout.version_dir(latest), "model.safetensors"))

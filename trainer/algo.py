@@ -9,20 +9,52 @@ reweighted per token by w = min(pi_old/mu, C), no gradient through w (Yao et al.
 """
 from __future__ import annotations
 
+import math
+
 import numpy as np
 import torch
 
 from trainer.batch import Batch
 
 
-def response_logprobs(model, batch: Batch) -> torch.Tensor:
-    """log pi(response token) at the sampling temperature, shape (B, R)."""
+def response_logprobs(model, batch: Batch, with_entropy: bool = False):
+    """log pi(response token) at the sampling temperature, shape (B, R); with the entropy of
+    each position's distribution as well when asked (else None)."""
     logits = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask,
                    use_cache=False).logits
     index = batch.logit_index.unsqueeze(-1).expand(-1, -1, logits.shape[-1])
     picked = logits.gather(1, index).float() / batch.temperature.view(-1, 1, 1)
     logprobs = picked.log_softmax(-1).gather(-1, batch.response_ids.unsqueeze(-1)).squeeze(-1)
-    return logprobs * batch.response_mask
+    entropy = None
+    if with_entropy:
+        from verl.utils.torch_functional import entropy_from_logits
+        entropy = entropy_from_logits(picked) * batch.response_mask
+    return logprobs * batch.response_mask, entropy
+
+
+def kl_and_entropy_terms(logprobs, ref_logprobs, entropy, mask, kl_type: str, loss_agg_mode: str,
+                         loss_cfg) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """verl's KL penalty against the reference policy and the entropy, aggregated like the loss."""
+    from verl.trainer.ppo import core_algos
+    kl = ent = None
+    if ref_logprobs is not None:
+        kl = core_algos.agg_loss(core_algos.kl_penalty(logprobs, ref_logprobs, kl_penalty=kl_type),
+                                 mask, loss_agg_mode, **loss_cfg.global_batch_info)
+    if entropy is not None:
+        ent = core_algos.agg_loss(entropy, mask, loss_agg_mode, **loss_cfg.global_batch_info)
+    return kl, ent
+
+
+def lr_at(step: int, total: int, base_lr: float, warmup_ratio: float, style: str,
+          min_lr_ratio: float) -> float:
+    """Linear warmup over warmup_ratio*total steps, then constant or cosine down to min_lr_ratio."""
+    warmup = int(warmup_ratio * total)
+    if warmup and step <= warmup:
+        return base_lr * step / warmup
+    if style == "constant":
+        return base_lr
+    progress = (step - warmup) / max(1, total - warmup)
+    return base_lr * (min_lr_ratio + (1 - min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress)))
 
 
 def advantages(batch: Batch, estimator: str, norm_by_std: bool) -> torch.Tensor:

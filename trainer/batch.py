@@ -33,6 +33,16 @@ class Batch:
     def rows(self, start: int, stop: int) -> "Batch":
         return Batch(**{f.name: getattr(self, f.name)[start:stop] for f in dataclasses.fields(self)})
 
+    def trimmed(self) -> "Batch":
+        """The same rows without the columns that are padding for every row (after `rows`)."""
+        t = int(self.attention_mask.sum(1).max())
+        r = int(self.response_mask.sum(1).max())
+        return dataclasses.replace(
+            self, input_ids=self.input_ids[:, :t], attention_mask=self.attention_mask[:, :t],
+            logit_index=self.logit_index[:, :r], response_ids=self.response_ids[:, :r],
+            response_mask=self.response_mask[:, :r], behaviour_logprobs=self.behaviour_logprobs[:, :r],
+            token_level_rewards=self.token_level_rewards[:, :r])
+
     def __len__(self) -> int:
         return self.input_ids.shape[0]
 

@@ -12,6 +12,10 @@ class OptimConfig:
     lr: float = F(1e-6, "AdamW learning rate", gt=0)
     weight_decay: float = F(0.01, "AdamW weight decay", ge=0)
     betas: list[float] = F(doc="AdamW betas", factory=lambda: [0.9, 0.999])
+    lr_warmup_steps_ratio: float = F(0.0, "fraction of total steps with linear warmup", ge=0, le=1)
+    warmup_style: str = F("constant", "after warmup: 'constant' or 'cosine' decay",
+                          choices=("constant", "cosine"))
+    min_lr_ratio: float = F(0.0, "cosine floor as a fraction of lr", ge=0, le=1)
 
     def check(self) -> None:
         if len(self.betas) != 2 or not all(0 <= b < 1 for b in self.betas):
@@ -26,12 +30,22 @@ class ActorConfig:
                            choices=("token-mean", "seq-mean-token-sum", "seq-mean-token-mean",
                                     "seq-mean-token-sum-norm"))
     ppo_micro_batch_size_per_gpu: int = F(32, "samples per forward/backward on each rank", ge=1)
+    use_dynamic_bsz: bool = F(False, "micro-batches by token budget instead of sample count")
+    ppo_max_token_len_per_gpu: int = F(16384, "with use_dynamic_bsz: tokens (prompt+response, "
+                                       "padded) per micro-batch on each rank", ge=1)
+    use_kl_loss: bool = F(False, "add a KL loss against the frozen initial model (reference)")
+    kl_loss_coef: float = F(0.001, "weight of the KL loss", ge=0)
+    kl_loss_type: str = F("low_var_kl", "verl kl_penalty type",
+                          choices=("kl", "k1", "abs", "mse", "k2", "low_var_kl", "k3"))
+    entropy_coeff: float = F(0.0, "weight of the entropy bonus (subtracted from the loss)", ge=0)
     grad_clip: float = F(1.0, "max global gradient norm", gt=0)
 
 
 @dataclasses.dataclass
 class ModelConfig:
     path: str = F(doc="HF model folder of the initial actor (config, weights, tokenizer)")
+    enable_gradient_checkpointing: bool = F(False, "recompute activations in backward "
+                                            "(less memory, about a third more compute)")
 
 
 @dataclasses.dataclass

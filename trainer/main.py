@@ -64,7 +64,10 @@ class Trainer:
                              f"the number of ranks ({self.world}): groups are not split")
         torch.manual_seed(cfg.trainer.seed)
         self.model_path = cfg.actor_rollout_ref.model.path
-        self.model = build_actor(self.model_path, device)
+        grad_ckpt = cfg.actor_rollout_ref.model.enable_gradient_checkpointing
+        self.model = build_actor(self.model_path, device, gradient_checkpointing=grad_ckpt)
+        self.ref_model = (build_actor(self.model_path, device, trainable=False)
+                          if cfg.actor_rollout_ref.actor.use_kl_loss else None)
         optim = cfg.actor_rollout_ref.actor.optim
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=optim.lr,
                                            weight_decay=optim.weight_decay, betas=tuple(optim.betas))
@@ -158,35 +161,73 @@ class Trainer:
                 for r in range(self.world)]
 
     # --- one optimisation step, top to bottom ------------------------------------------------
+    def micro_batches(self, batch) -> list:
+        """Row spans per forward/backward, by sample count or token budget. Every rank runs the
+        same number (FSDP's all-gathers and reduce-scatters must pair up), so shorter lists are
+        padded with None: a zero-weight pass."""
+        actor = self.cfg.actor_rollout_ref.actor
+        spans, start = [], 0
+        lengths = batch.attention_mask.sum(1).tolist()
+        while start < len(batch):
+            stop = start + 1
+            if actor.use_dynamic_bsz:  # padded cost: rows x longest row
+                while stop < len(batch) and (stop + 1 - start) * max(lengths[start:stop + 1]) \
+                        <= actor.ppo_max_token_len_per_gpu:
+                    stop += 1
+            else:
+                stop = min(len(batch), start + actor.ppo_micro_batch_size_per_gpu)
+            spans.append((start, stop))
+            start = stop
+        count = torch.tensor([len(spans)], device=self.device)
+        dist.all_reduce(count, op=dist.ReduceOp.MAX)
+        return spans + [None] * (int(count) - len(spans))
+
     def train_step(self, samples: list, info: dict) -> dict:
         actor = self.cfg.actor_rollout_ref.actor
         algorithm = self.cfg.algorithm
         batch = collate(samples, self.pad_id).to(self.device)
-        micro = actor.ppo_micro_batch_size_per_gpu
-        chunks = [batch.rows(i, i + micro) for i in range(0, len(batch), micro)]
+        spans = self.micro_batches(batch)
+        # A None span re-runs row 0 with weight 0, only to keep the collectives in step.
+        chunks = [(batch.rows(*sp).trimmed(), 1.0) if sp else (batch.rows(0, 1).trimmed(), 0.0)
+                  for sp in spans]
 
-        # 1. pi_old: the current weights' logprobs before the update (the PPO anchor).
+        # 1. pi_old: the current weights' logprobs before the update (the PPO anchor); pi_ref.
         with torch.no_grad():
-            old = [algo.response_logprobs(self.model, c) for c in chunks]
+            old = [algo.response_logprobs(self.model, c)[0] for c, _ in chunks]
+            ref = [algo.response_logprobs(self.ref_model, c)[0] if self.ref_model else None
+                   for c, _ in chunks]
 
         # 2. Group-relative advantages; a group never spans ranks, so this is local.
         adv = algo.advantages(batch, algorithm.adv_estimator, algorithm.norm_adv_by_std_in_grpo)
 
-        # 3. Clipped policy gradient, truncated-IS weighted, accumulated over micro-batches.
-        #    agg_loss normalises by the global token count, so the sum is the global mean.
+        # 3. Clipped policy gradient, truncated-IS weighted, accumulated over micro-batches,
+        #    plus the optional KL and entropy terms. agg_loss normalises by the global token
+        #    count, so the accumulated gradient is that of the global mean.
         loss_cfg = algo.actor_loss_config(actor.clip_ratio, self.world, info["tokens"], info["seqs"])
-        totals = torch.zeros(4, dtype=torch.float64, device=self.device)  # NCCL reduces on GPU
-        for c, old_lp, a in zip(chunks, old, adv.split(micro)):
-            lp = algo.response_logprobs(self.model, c)
+        totals = torch.zeros(6, dtype=torch.float64, device=self.device)  # NCCL reduces on GPU
+        for (c, weight), old_lp, ref_lp, sp in zip(chunks, old, ref, spans):
+            rows = slice(*sp) if sp else slice(0, 1)
+            a = adv[rows, :c.response_mask.shape[1]]
+            lp, entropy = algo.response_logprobs(self.model, c, with_entropy=actor.entropy_coeff > 0)
             w = algo.truncated_is_weights(old_lp, c.behaviour_logprobs, c.response_mask,
                                           algorithm.rollout_is_threshold)
-            loss, m = algo.policy_loss(old_lp, lp, a, c.response_mask, w, actor.loss_agg_mode, loss_cfg)
-            loss.backward()
+            pg, m = algo.policy_loss(old_lp, lp, a, c.response_mask, w, actor.loss_agg_mode, loss_cfg)
+            kl, ent = algo.kl_and_entropy_terms(lp, ref_lp, entropy, c.response_mask,
+                                                actor.kl_loss_type, actor.loss_agg_mode, loss_cfg)
+            loss = pg + (actor.kl_loss_coef * kl if kl is not None else 0.0) \
+                - (actor.entropy_coeff * ent if ent is not None else 0.0)
+            (loss * weight).backward()
             n_tok = float(c.response_mask.sum())
-            totals += torch.tensor([loss.item(), m["actor/ppo_kl"] * n_tok,
-                                    m["actor/pg_clipfrac"] * n_tok, float(w.sum())],
-                                   dtype=torch.float64, device=self.device)
+            totals += weight * torch.tensor(
+                [pg.item(), m["actor/ppo_kl"] * n_tok, m["actor/pg_clipfrac"] * n_tok,
+                 float(w.sum()), kl.item() if kl is not None else 0.0,
+                 ent.item() if ent is not None else 0.0], dtype=torch.float64, device=self.device)
         grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), actor.grad_clip)
+        lr = algo.lr_at(self.step, self.cfg.trainer.total_training_steps, actor.optim.lr,
+                        actor.optim.lr_warmup_steps_ratio, actor.optim.warmup_style,
+                        actor.optim.min_lr_ratio)
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr  # a function of the step: nothing to restore on resume
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
 
@@ -197,6 +238,9 @@ class Trainer:
                 "actor/ppo_kl": totals[1].item() / tokens,
                 "actor/pg_clipfrac": totals[2].item() / tokens,
                 "actor/is_weight_mean": totals[3].item() / tokens,
+                "actor/kl_loss": totals[4].item() / self.world,
+                "actor/entropy": totals[5].item() / self.world,
+                "actor/lr": lr,
                 "actor/grad_norm": float(grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor")
                                          else grad_norm)}
 

@@ -17,10 +17,15 @@ def decoder_layers(model) -> list[torch.nn.Module]:
     return list(layers)
 
 
-def build_actor(model_path: str, device: torch.device):
+def build_actor(model_path: str, device: torch.device, gradient_checkpointing: bool = False,
+                trainable: bool = True):
     from transformers import AutoModelForCausalLM
     model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
     model.config.use_cache = False
+    if gradient_checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    if not trainable:  # the reference policy: frozen
+        model.requires_grad_(False).eval()
     model.to(device)
     mesh = init_device_mesh(device.type, (dist.get_world_size(),))
     # On GPU: bf16 compute with fp32 master weights and fp32 gradient reduction.
