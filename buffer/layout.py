@@ -4,6 +4,8 @@
       init_model/                  the built-in tiny model (HF folder), when launch.local made it
       data/train.parquet           the built-in task in verl's RL dataset format
       experience/<worker>/<seq>.arrow     published shards (temporaries: .<seq>.arrow.tmp-<pid>)
+      quarantine/<worker>/<seq>.arrow     shards the trainer rejected, with <seq>.arrow.reason.txt
+      archive/<worker>/<seq>.arrow        consumed shards kept by retention mode 'archive'
       weights/v<version>/          published actor versions (HF safetensors + manifest.json)
       weights/LATEST               the newest complete version number, replaced atomically
       workers/<worker>.json        heartbeats
@@ -75,6 +77,36 @@ class RunLayout:
             return None
         stem = base[: -len(SHARD_SUFFIX)]
         return int(stem) if stem.isdigit() else None
+
+    @staticmethod
+    def shard_key(worker_id: str, seq: int) -> str:
+        """The consumption-ledger key of a shard ("<worker>/<seq>", as in ExperienceReader.consumed)."""
+        return f"{worker_id}/{seq}"
+
+    @staticmethod
+    def parse_shard_key(key: str) -> tuple[str, int] | None:
+        worker, _, seq = key.rpartition("/")
+        return (worker, int(seq)) if worker and seq.isdigit() else None
+
+    @property
+    def quarantine_dir(self) -> str:
+        return self._p("quarantine")
+
+    def quarantine_shard(self, worker_id: str, seq: int, dup: int = 0) -> str:
+        """Where a rejected shard goes; `dup` > 0 when that name is already taken."""
+        name = f"{seq:09d}{SHARD_SUFFIX}" + (f".{dup}" if dup else "")
+        return self._p("quarantine", check_worker_id(worker_id), name)
+
+    @staticmethod
+    def quarantine_reason(shard_path: str) -> str:
+        return shard_path + ".reason.txt"
+
+    @property
+    def archive_dir(self) -> str:
+        return self._p("archive")
+
+    def archive_shard(self, worker_id: str, seq: int) -> str:
+        return self._p("archive", check_worker_id(worker_id), f"{seq:09d}{SHARD_SUFFIX}")
 
     # weights
     @property
