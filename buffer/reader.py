@@ -3,23 +3,41 @@
 Discovery always polls (`poll_interval`); with `discovery=auto` a watchdog observer also wakes the
 reader as soon as a shard is renamed into place on this node. Across nodes on NFS/Lustre no
 events arrive, so the poll is what guarantees progress; events only cut latency.
+
+Cost of a poll. Each worker publishes `experience/<worker>/<seq>.arrow` with seq contiguous, so
+the reader remembers per worker the next seq it expects and only probes for that file (one stat
+per worker, plus one per new shard) after listing the small top folder for new workers. Every
+`full_scan_interval` seconds (and on the first poll, and when `consumed` is replaced, e.g. on a
+trainer resume) it lists every worker folder once, which catches gaps in a sequence. The consumed
+set is always the judge of what is new, so probing and full listings never change what is read:
+each shard exactly once.
+
+Integrity. Every shard is checked (sha256 trailer, schema version and column types, row
+invariants, token ids within `vocab_size`, finite values, and that the writer's recorded worker
+and seq match where the file is). A rejected shard is counted in stats['bad_shards'], moved to
+`quarantine/<worker>/` with a `.reason.txt` beside it (stats['quarantined_shards']), recorded as
+consumed, and the reader carries on.
 """
 from __future__ import annotations
 
 import collections
 import dataclasses
 import logging
+import math
+import os
 import threading
 import time
 
 import pyarrow as pa
 
 from buffer.config import BufferConfig
-from buffer.layout import RunLayout
-from buffer.storage import filesystem, is_local
-from protocol.experience import Sample, SchemaError, check_rows, decode, from_table
+from buffer.layout import SHARD_SUFFIX, RunLayout, check_worker_id
+from buffer.storage import atomic_write, filesystem, is_local
+from protocol.experience import Sample, SchemaError, from_table, load_shard
 
 log = logging.getLogger(__name__)
+
+MAX_READ_ATTEMPTS = 5  # a shard that cannot be read this many times in a row is rejected
 
 
 @dataclasses.dataclass
@@ -43,19 +61,37 @@ class _Wake:
 
 class ExperienceReader:
     def __init__(self, root: str, cfg: BufferConfig, max_staleness: int,
-                 consumed: set[str] | None = None):
+                 consumed: set[str] | None = None, vocab_size: int | None = None):
         self.fs, root_path = filesystem(root)
         self.layout = RunLayout(root_path)
         self.cfg = cfg
         self.max_staleness = max_staleness
-        self.consumed: set[str] = set(consumed or ())  # "<worker>/<seq>" of every shard read
+        self.vocab_size = vocab_size  # token ids must be < this (the trainer's model vocab)
         self.pool: collections.deque[Group] = collections.deque()
         self.stats = collections.Counter()
+        self._local = is_local(self.fs)
+        self._next: dict[str, int] | None = None  # per worker: the next seq to probe for
+        self._last_full = -math.inf
+        self._pending: dict[str, tuple[int, str]] = {}  # discovered, not yet consumed: (seq, path)
+        self._failures: dict[str, int] = {}  # key -> failed reads in a row
+        self._ignored: set[str] = set()  # folder names under experience/ that are not worker ids
+        self.consumed = consumed  # "<worker>/<seq>" of every shard read (or rejected)
         self._wake = threading.Event()
         self._observer = None
         self.fs.makedirs(self.layout.experience_dir, exist_ok=True)
-        if cfg.discovery == "auto" and is_local(self.fs):
+        if cfg.discovery == "auto" and self._local:
             self._start_watch()
+
+    @property
+    def consumed(self) -> set[str]:
+        return self._consumed
+
+    @consumed.setter
+    def consumed(self, keys) -> None:
+        """Replacing the ledger (trainer resume) makes the next poll a full listing."""
+        self._consumed = set(keys or ())
+        self._next = None
+        self._pending = {}
 
     def _start_watch(self) -> None:
         from watchdog.observers import Observer
@@ -71,33 +107,132 @@ class ExperienceReader:
             self._observer.join(timeout=5)
             self._observer = None
 
+    # --- discovery ---------------------------------------------------------------------------
     def discover(self) -> list[tuple[str, str]]:
         """(key, path) of published shards not yet consumed, oldest first per worker."""
-        found = []
-        for wdir in self.fs.ls(self.layout.experience_dir, detail=False):
-            worker = wdir.rstrip("/").rsplit("/", 1)[-1]
-            for path in self.fs.ls(wdir, detail=False):
-                seq = RunLayout.shard_seq(path)
-                key = f"{worker}/{seq}"
-                if seq is not None and key not in self.consumed:
-                    found.append((seq, key, path))
-        found.sort()
-        return [(key, path) for _, key, path in found]
+        now = time.monotonic()
+        if self._next is None or now - self._last_full >= self.cfg.full_scan_interval:
+            found = self._full_scan()
+            self._last_full = now
+        else:
+            found = self._probe()
+        # shards found earlier but not consumed yet (discover() without ingesting, read retries)
+        pending = self._pending
+        pending.update(found)
+        for key in [k for k in pending if k in self._consumed]:
+            del pending[key]
+        out = sorted((seq, key, path) for key, (seq, path) in pending.items())
+        return [(key, path) for _, key, path in out]
 
+    def _ledger_next(self) -> dict[str, int]:
+        nxt: dict[str, int] = {}
+        for key in self._consumed:
+            parsed = RunLayout.parse_shard_key(key)
+            if parsed is not None:
+                worker, seq = parsed
+                if seq + 1 > nxt.get(worker, 0):
+                    nxt[worker] = seq + 1
+        return nxt
+
+    def _worker_dirs(self) -> list[str]:
+        root = self.layout.experience_dir
+        try:
+            if self._local:
+                with os.scandir(root) as it:
+                    names = [e.name for e in it if e.is_dir()]
+            else:
+                names = [e["name"].rstrip("/").rsplit("/", 1)[-1]
+                         for e in self.fs.ls(root, detail=True) if e["type"] == "directory"]
+        except FileNotFoundError:
+            return []
+        workers = []
+        for name in names:
+            if name in self._ignored:
+                continue
+            try:
+                workers.append(check_worker_id(name))
+            except ValueError:
+                self._ignored.add(name)
+                log.warning("ignoring %s/%s: not a worker folder name", root, name)
+        return workers
+
+    def _list_worker(self, worker: str, nxt: dict[str, int], found: dict) -> None:
+        wdir = self.layout.worker_shard_dir(worker)
+        try:
+            names = os.listdir(wdir) if self._local else [
+                p.rstrip("/").rsplit("/", 1)[-1] for p in self.fs.ls(wdir, detail=False)]
+        except (FileNotFoundError, NotADirectoryError):
+            return
+        top = nxt.get(worker, 0)
+        for name in names:
+            seq = RunLayout.shard_seq(name)
+            if seq is None:
+                continue
+            top = max(top, seq + 1)
+            key = RunLayout.shard_key(worker, seq)
+            if key not in self._consumed:
+                found[key] = (seq, f"{wdir}/{name}")
+        nxt[worker] = top
+
+    def _full_scan(self) -> dict[str, tuple[int, str]]:
+        """List every worker folder (first poll, after a ledger change, and periodically)."""
+        nxt = self._ledger_next() if self._next is None else dict(self._next)
+        found: dict[str, tuple[int, str]] = {}
+        for worker in self._worker_dirs():
+            self._list_worker(worker, nxt, found)
+        self._next = nxt
+        self.stats["full_scans"] += 1
+        return found
+
+    def _probe(self) -> dict[str, tuple[int, str]]:
+        """Stat each known worker's next expected shard (and the ones after it that exist)."""
+        nxt = self._next
+        found: dict[str, tuple[int, str]] = {}
+        for worker in self._worker_dirs():
+            if worker not in nxt:  # a new worker: list its folder once
+                self._list_worker(worker, nxt, found)
+        exists = os.path.exists if self._local else self.fs.exists
+        for worker, seq in nxt.items():
+            start = seq
+            while True:
+                path = self.layout.shard(worker, seq)
+                if not exists(path):
+                    break
+                key = RunLayout.shard_key(worker, seq)
+                if key not in self._consumed:
+                    found[key] = (seq, path)
+                seq += 1
+            if seq != start:
+                nxt[worker] = seq
+        return found
+
+    # --- reading and checking ----------------------------------------------------------------
     def _ingest(self, key: str, path: str) -> None:
+        worker, seq = RunLayout.parse_shard_key(key)
         try:
             data = self.fs.cat_file(path)
-        except OSError as e:  # e.g. an NFS hiccup: leave it unconsumed, the next poll retries
-            self.stats["read_retries"] += 1
-            log.warning("could not read shard %s (%s); will retry", path, e)
+        except FileNotFoundError:  # removed between listing and reading: nothing to consume
+            self._pending.pop(key, None)
+            self._failures.pop(key, None)
+            self.stats["vanished_shards"] += 1
+            log.warning("shard %s disappeared before it was read", path)
             return
-        self.consumed.add(key)
+        except OSError as e:  # e.g. an NFS hiccup: leave it unconsumed, the next poll retries
+            failures = self._failures[key] = self._failures.get(key, 0) + 1
+            self.stats["read_retries"] += 1
+            if failures < MAX_READ_ATTEMPTS:
+                log.warning("could not read shard %s (%s); will retry", path, e)
+                return
+            self._consume(key)
+            self._reject(worker, seq, path, e, size=None)
+            return
+        self._consume(key)
         try:
-            samples = from_table(decode(data))
-            check_rows(samples)
-        except (pa.ArrowInvalid, SchemaError) as e:
-            self.stats["bad_shards"] += 1
-            log.error("skipping unreadable shard %s: %s", path, e)
+            table = load_shard(data, self.vocab_size)
+            _check_origin(table.schema.metadata or {}, worker, seq, path)
+            samples = from_table(table)
+        except (SchemaError, pa.ArrowException, ValueError, TypeError, KeyError) as e:
+            self._reject(worker, seq, path, e, size=len(data))
             return
         self.stats["shards_read"] += 1
         groups: dict[str, list[Sample]] = {}
@@ -105,6 +240,25 @@ class ExperienceReader:
             groups.setdefault(s.group_id, []).append(s)
         for gid, members in groups.items():
             self.pool.append(Group(gid, members[0].weight_version, members))
+
+    def _consume(self, key: str) -> None:
+        self._consumed.add(key)
+        self._pending.pop(key, None)
+        self._failures.pop(key, None)
+
+    def _reject(self, worker: str, seq: int, path: str, err: Exception, size: int | None) -> None:
+        """Count a bad shard and move it to quarantine/ with a reason file; never raises."""
+        self.stats["bad_shards"] += 1
+        reason = f"{type(err).__name__}: {err}"
+        log.error("rejected shard %s: %s", path, reason)
+        try:
+            dest = quarantine(self.fs, self.layout, worker, seq, path, reason, size)
+        except OSError as e:
+            log.error("could not move %s to quarantine (%s); it stays in place, skipped as "
+                      "consumed", path, e)
+            return
+        self.stats["quarantined_shards"] += 1
+        log.error("moved %s to %s", path, dest)
 
     def _drop_stale(self, current_version: int) -> None:
         keep = collections.deque()
@@ -140,3 +294,32 @@ class ExperienceReader:
                 last_note = now
             self._wake.wait(min(self.cfg.poll_interval, timeout_s - (now - start)))
             self._wake.clear()
+
+
+def _check_origin(meta: dict, worker: str, seq: int, path: str) -> None:
+    """A shard must sit where its writer put it (catches files copied in from elsewhere)."""
+    name = path.rsplit("/", 1)[-1]
+    if name != f"{seq:09d}{SHARD_SUFFIX}":
+        raise SchemaError(f"file name {name!r} is not a name a ShardWriter gives")
+    w = meta.get(b"tandem.worker_id")
+    q = meta.get(b"tandem.shard_seq")
+    if (w is not None and w.decode() != worker) or (q is not None and q.decode() != str(seq)):
+        raise SchemaError(f"foreign shard: written by worker {w and w.decode()} as seq "
+                          f"{q and q.decode()}, found as {worker}/{seq}")
+
+
+def quarantine(fs, layout: RunLayout, worker: str, seq: int, path: str, reason: str,
+               size: int | None = None) -> str:
+    """Move a rejected shard to quarantine/<worker>/ beside `<name>.reason.txt`; returns the
+    new path. The reason file is written first, so a quarantined shard always has one."""
+    dup = 0
+    while fs.exists(dest := layout.quarantine_shard(worker, seq, dup)):
+        dup += 1
+    text = (f"shard: {path}\nkey: {RunLayout.shard_key(worker, seq)}\n"
+            f"size_bytes: {size if size is not None else 'unknown'}\n"
+            f"rejected_at: {time.strftime('%Y-%m-%dT%H:%M:%SZ', time.gmtime())}\n"
+            f"reason: {reason}\n")
+    atomic_write(fs, layout.quarantine_reason(dest), text.encode())
+    fs.makedirs(dest.rsplit("/", 1)[0], exist_ok=True)
+    fs.mv(path, dest)
+    return dest

@@ -18,6 +18,9 @@ log = logging.getLogger(__name__)
 class ShardWriter:
     """Publishes `experience/<worker>/<seq>.arrow`, one shard per flush, seq contiguous.
 
+    Each shard is `protocol.experience.encode` output (IPC stream + sha256 trailer), written to a
+    temporary name, fsynced and renamed into place, so readers see all of it or nothing.
+
     A flush is triggered by sample count or by age (`flush_interval`), checked whenever a group
     is added or `maybe_flush` is called. Groups are never split across shards. The writer names
     groups and samples after the shard they land in (`<worker>/<seq>/<group>/<k>`), so ids stay
@@ -45,9 +48,13 @@ class ShardWriter:
         listed = [RunLayout.shard_seq(p) for p in self.fs.ls(self.dir, detail=False)]
         listed = sorted(s for s in listed if s is not None and s >= next_seq)
         for seq in listed:  # published after the last heartbeat, before a crash
-            with self.fs.open(self.layout.shard(self.worker_id, seq), "rb") as f:
-                meta = pa.ipc.open_stream(f).schema.metadata
-            self.samples_written += int(meta[b"tandem.num_samples"])
+            try:
+                with self.fs.open(self.layout.shard(self.worker_id, seq), "rb") as f:
+                    meta = pa.ipc.open_stream(f).schema.metadata
+                self.samples_written += int(meta[b"tandem.num_samples"])
+            except (OSError, pa.ArrowException, KeyError, ValueError, TypeError) as e:
+                # damaged, or quarantined/pruned meanwhile: never reuse its name, count nothing
+                log.warning("cannot count the samples of shard %d of %s: %s", seq, self.worker_id, e)
         self.seq = max([next_seq, *(s + 1 for s in listed)])
 
     def add_group(self, group: list[Sample]) -> str | None:
@@ -72,9 +79,12 @@ class ShardWriter:
     def flush(self) -> str | None:
         if not self.pending:
             return None
+        versions = [s.weight_version for s in self.pending]
         table = to_table(self.pending, {"tandem.worker_id": self.worker_id,
                                         "tandem.shard_seq": self.seq,
                                         "tandem.num_samples": len(self.pending),
+                                        "tandem.min_weight_version": min(versions),
+                                        "tandem.max_weight_version": max(versions),
                                         "tandem.created_at": time.time()})
         path = self.layout.shard(self.worker_id, self.seq)
         atomic_write(self.fs, path, encode(table),
