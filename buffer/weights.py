@@ -36,18 +36,32 @@ class WeightStore:
         os.makedirs(tmp)
         return tmp
 
-    def publish(self, staged: str, version: int, step: int, keep: int) -> WeightManifest:
-        """Write the manifest for the files in `staged`, rename into place, announce, prune."""
-        files, tensors = [], {}
+    @staticmethod
+    def describe(folder: str, names: list[str]) -> tuple[list[FileEntry], dict[str, TensorEntry]]:
+        """Manifest entries (size, sha256, tensor dtypes and shapes) of some files in `folder`;
+        trainer ranks describe the files they wrote in parallel."""
         from safetensors import safe_open
-        for name in sorted(os.listdir(staged)):
-            path = os.path.join(staged, name)
+        files, tensors = [], {}
+        for name in names:
+            path = os.path.join(folder, name)
             files.append(FileEntry(name, os.path.getsize(path), sha256_file(path)))
             if name.endswith(".safetensors"):
                 with safe_open(path, framework="pt") as f:
                     for key in f.keys():
                         sl = f.get_slice(key)
                         tensors[key] = TensorEntry(name, sl.get_dtype(), list(sl.get_shape()))
+        return files, tensors
+
+    def publish(self, staged: str, version: int, step: int, keep: int,
+                described: tuple[list[FileEntry], dict[str, TensorEntry]] | None = None) -> WeightManifest:
+        """Write the manifest for the files in `staged` (those not `described` already are
+        described here), rename into place, announce, prune."""
+        files, tensors = described or ([], {})
+        known = {f.name for f in files}
+        more_files, more_tensors = self.describe(
+            staged, [n for n in sorted(os.listdir(staged)) if n not in known])
+        files = sorted([*files, *more_files], key=lambda f: f.name)
+        tensors = {**tensors, **more_tensors}
         manifest = WeightManifest(version=version, step=step, created_at=time.time(),
                                   files=files, tensors=tensors)
         Path(staged, "manifest.json").write_text(manifest.to_json())

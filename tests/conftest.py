@@ -114,8 +114,7 @@ def trainer_proc(root, model, nproc, *extra, steps=STEPS, groups=GROUPS):
 
 
 def final_weights(root):
-    from safetensors.torch import load_file
-    from buffer.layout import RunLayout
-    layout = RunLayout(str(root))
-    latest = max(int(p.name[1:]) for p in Path(layout.weights_dir).glob("v*"))
-    return load_file(os.path.join(layout.version_dir(latest), "model.safetensors"))
+    """The newest published version's tensors, checksums verified."""
+    from buffer.weights import WeightStore
+    store = WeightStore(str(root))
+    return dict(store.tensors(store.versions()[-1]))

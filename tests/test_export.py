@@ -8,6 +8,7 @@ import torch
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
+from buffer.weights import WeightStore
 from rollout import builtin_task
 
 VERL_SAVER = """
@@ -76,7 +77,7 @@ def test_tandem_checkpoint_exports_the_trainers_weights(tmp_path):
     out = _export(ckpt, tmp_path / "hf")
     assert out.returncode == 0, out.stderr
     exported = AutoModelForCausalLM.from_pretrained(tmp_path / "hf").state_dict()
-    published = load_file(str(root / "weights" / "v000004" / "model.safetensors"))
+    published = dict(WeightStore(str(root)).tensors(4))
     init = load_file(str(root / "init_model" / "model.safetensors"))
     for k, v in published.items():
         assert torch.equal(exported[k], v), k

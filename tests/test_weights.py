@@ -76,3 +76,11 @@ def test_only_newest_versions_are_kept(tmp_path, model_dir):
     assert store.versions() == [3, 4]
     with pytest.raises(FileExistsError):
         _publish_scaled(store, engine, model_dir, 4, 1.0, keep=2)
+
+
+def test_publish_splits_tensors_across_ranks_by_bytes():
+    from trainer.publish import _owners
+    owners = _owners([100, 10, 10, 60, 30], world=2)
+    loads = [sum(s for s, o in zip([100, 10, 10, 60, 30], owners) if o == r) for r in range(2)]
+    assert sorted(loads) == [100, 110]
+    assert _owners([5, 5], world=1) == [0, 0]

@@ -245,8 +245,10 @@ class Trainer:
                                          else grad_norm)}
 
     def publish(self, step: int) -> dict:
+        dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}.get(
+            self.cfg.trainer.publish_dtype, torch.bfloat16 if self.device.type == "cuda" else torch.float32)
         return publish_version(self.model, self.store, self.model_path, self.version, step,
-                               self.cfg.trainer.keep_versions)
+                               self.cfg.trainer.keep_versions, dtype)
 
     def run(self) -> None:
         tc = self.cfg.trainer

@@ -1,17 +1,24 @@
-"""Gather the sharded actor into full HF-named tensors and publish a weight version."""
+"""Publish the sharded actor as full HF-named tensors: every rank writes a disjoint share.
+
+Tensors are gathered one at a time (every rank joins each all-gather; memory is bounded by the
+largest tensor plus one bucket). Tensor ownership is balanced by bytes; each rank writes its
+share as `model-r<rank>-<k>.safetensors` buckets and checksums them, in parallel; rank 0 writes
+the index and the manifest and publishes the version atomically.
+"""
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import time
 
 import torch
 import torch.distributed as dist
-from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
 from buffer.weights import WeightStore
 
 _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".safetensors.index.json", ".bin.index.json")
+BUCKET_BYTES = 1 << 30
 
 
 def copy_model_metadata(model_path: str, dest: str) -> None:
@@ -22,24 +29,63 @@ def copy_model_metadata(model_path: str, dest: str) -> None:
             shutil.copy2(src, os.path.join(dest, name))
 
 
+def _owners(sizes: list[int], world: int) -> list[int]:
+    """Greedy balance: largest tensors first, each to the rank with the fewest bytes so far."""
+    load = [0] * world
+    owner = [0] * len(sizes)
+    for i in sorted(range(len(sizes)), key=lambda i: -sizes[i]):
+        r = load.index(min(load))
+        owner[i] = r
+        load[r] += sizes[i]
+    return owner
+
+
 def publish_version(model, store: WeightStore, model_path: str, version: int, step: int,
-                    keep: int) -> dict:
-    """Collective: every rank calls it; rank 0 writes. Returns timing and size metrics."""
+                    keep: int, dtype: torch.dtype = torch.float32) -> dict:
+    """Collective: every rank calls it. Returns timing and size metrics."""
     from safetensors.torch import save_file
     t0 = time.monotonic()
-    # full_state_dict + cpu_offload: all ranks join the all-gathers, only rank 0 keeps tensors.
-    state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-    gathered = time.monotonic()
-    nbytes = 0
-    if dist.get_rank() == 0:
-        if getattr(model.config, "tie_word_embeddings", False):
-            state.pop("lm_head.weight", None)  # HF folders store tied weights once
-        state = {k: v.contiguous() for k, v in state.items()}
-        nbytes = sum(v.numel() * v.element_size() for v in state.values())
-        staged = store.stage(version)
-        save_file(state, os.path.join(staged, "model.safetensors"), metadata={"format": "pt"})
+    rank, world = dist.get_rank(), dist.get_world_size()
+    items = [(k, v) for k, v in model.state_dict().items()
+             if not (k == "lm_head.weight" and getattr(model.config, "tie_word_embeddings", False))]
+    owner = _owners([v.numel() * dtype.itemsize for _, v in items], world)
+    staged = [store.stage(version) if rank == 0 else None]
+    dist.broadcast_object_list(staged, src=0)
+    staged = staged[0]
+    mine, files, size, nbytes = {}, [], 0, 0
+
+    def flush():
+        name = f"model-r{rank:04d}-{len(files):04d}.safetensors"
+        save_file(mine, os.path.join(staged, name), metadata={"format": "pt"})
+        files.append(name)
+
+    for (name, tensor), who in zip(items, owner):
+        full = tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor  # collective
+        if who == rank:
+            mine[name] = full.detach().to(dtype).cpu().contiguous()
+            size += mine[name].numel() * dtype.itemsize
+            if size >= BUCKET_BYTES:
+                flush()
+                nbytes, mine, size = nbytes + size, {}, 0
+        del full
+    if mine:
+        flush()
+        nbytes += size
+    written = time.monotonic()
+    described = [store.describe(staged, files)]  # sha256 of this rank's files, in parallel
+    gathered = [None] * world if rank == 0 else None
+    dist.gather_object(described[0], gathered, dst=0)
+    totals = torch.tensor([nbytes], dtype=torch.float64, device=next(model.parameters()).device)
+    dist.all_reduce(totals)
+    if rank == 0:
+        all_files = [f for fs, _ in gathered for f in fs]
+        all_tensors = {k: v for _, ts in gathered for k, v in ts.items()}
+        index = {"metadata": {"total_size": int(totals.item())},
+                 "weight_map": {k: v.file for k, v in sorted(all_tensors.items())}}
+        with open(os.path.join(staged, "model.safetensors.index.json"), "w") as f:
+            json.dump(index, f, indent=1)
         copy_model_metadata(model_path, staged)
-        store.publish(staged, version, step, keep)
+        store.publish(staged, version, step, keep, described=(all_files, all_tensors))
     dist.barrier()
     return {"weights/published": version, "weights/publish_s": time.monotonic() - t0,
-            "weights/gather_s": gathered - t0, "weights/bytes": nbytes}
+            "weights/gather_write_s": written - t0, "weights/bytes": int(totals.item())}
