@@ -89,9 +89,14 @@ def _squeue(job_id: str) -> tuple[str, str] | None:
     return tuple(line.split()[:2]) if line else None
 
 
-def _job(job_id: str) -> dict:
+def _jobs(job_id: str) -> list[dict]:
+    """scontrol's records of a job: one, or one per task of an array."""
     out = _run(["scontrol", "show", "job", "-o", job_id])
-    return dict(t.split("=", 1) for t in out.stdout.split() if "=" in t)
+    return [dict(t.split("=", 1) for t in line.split() if "=" in t) for line in out.stdout.splitlines()]
+
+
+def _job(job_id: str) -> dict:
+    return _jobs(job_id)[0]
 
 
 def _wait(cond, timeout: float, what: str, interval: float = 0.5, dump=None):
@@ -183,8 +188,9 @@ def test_roles_as_slurm_jobs_with_elastic_rollouts(slurm, tmp_path):
                           # trainer's pruning cannot delete it under a slow-starting worker
                           f"trainer.keep_versions={STEPS + 1}")
         jobs.append(trainer)
+        # the rollout side as a job array of two one-worker tasks
         rollout = _submit("rollout", "--root", layout.root, "--partition", "rollout", "--nodes", "1",
-                          "--time", "20:00", "--flush-interval", "5", *worker_keys)
+                          "--array", "0-1", "--time", "20:00", "--flush-interval", "5", *worker_keys)
         jobs.append(rollout)
         assert _squeue(trainer)[1] == "trainer" and _squeue(rollout)[1] == "rollout"
 
@@ -209,7 +215,7 @@ def test_roles_as_slurm_jobs_with_elastic_rollouts(slurm, tmp_path):
         assert _wait(lambda: _squeue(job_id) == ("RUNNING", "rollout"), 60,
                      f"job {job_id} running in squeue", dump=dump)
         running = _run(["squeue", "-h", "-o", "%i", "-p", "rollout", "-t", "RUNNING"]).stdout.split()
-        assert {rollout, job_id} <= set(running)
+        assert {job_id, f"{rollout}_0", f"{rollout}_1"} <= set(running), running
         added_at = len(_metrics(layout))
         # its worker is really up (engine loaded, first heartbeat) before we take it away
         beat = Path(layout.heartbeat(worker_id))
@@ -233,9 +239,13 @@ def test_roles_as_slurm_jobs_with_elastic_rollouts(slurm, tmp_path):
         # the run completes: trainer done, the remaining rollout job stops on DONE with exit 0
         _wait(lambda: _squeue(trainer) is None and _squeue(rollout) is None, 420,
               "the trainer and rollout jobs to finish", interval=1.0, dump=dump)
-        for j in (trainer, rollout):
-            info = _job(j)
-            assert info.get("JobState") == "COMPLETED" and info.get("ExitCode") == "0:0", (j, info, dump())
+        records = _jobs(trainer) + _jobs(rollout)
+        assert len(records) == 3, records  # the trainer and both array tasks
+        for info in records:
+            assert info.get("JobState") == "COMPLETED" and info.get("ExitCode") == "0:0", (info, dump())
+        for task in (0, 1):  # each array task ran its own worker until the trainer was done
+            beat = json.loads(Path(layout.heartbeat(f"w-j{rollout}-a{task}")).read_text())
+            assert beat["state"] == "stopped" and beat["samples_written"] > 0, beat
         assert pool.wait(timeout=60) == 0
     finally:
         if pool is not None and pool.poll() is None:
