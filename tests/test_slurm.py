@@ -268,3 +268,46 @@ def test_roles_as_slurm_jobs_with_elastic_rollouts(slurm, tmp_path):
     assert last > first, f"reward did not rise: first 10 steps {first:.3f}, last 10 {last:.3f}"
     assert added_at < STEPS  # the add/remove happened while the run went on
     print(f"SLURM run: {STEPS} steps in {time.monotonic() - t0:.0f} s; reward {first:.3f} -> {last:.3f}")
+
+
+def test_pool_adopts_its_jobs_after_a_restart_and_cancels_pending_ones(slurm, tmp_path):
+    """Job ids live in the pool state file: a supervisor killed with SIGKILL and started again
+    takes over its jobs; removing a job that is still pending cancels it (nothing to drain)."""
+    root = str(tmp_path / "run")
+    state_path = Path(RunLayout(root).pool_state("p"))
+    cmd = [sys.executable, "-m", "rollout.pool", f"root={root}", "pool.id=p", "pool.backend=slurm",
+           "pool.slurm.partition=rollout", "pool.initial_workers=1", "pool.poll_interval=0.3",
+           "pool.slurm.sbatch_args=[--begin=now+1hour]",  # stays PENDING: no worker ever runs
+           "data.train_files=[unused.parquet]"]
+    procs, job_id = [], None
+    try:
+        with open(tmp_path / "pool1.log", "wb") as log1:
+            procs.append(subprocess.Popen(cmd, env=_env(), stdout=log1, stderr=subprocess.STDOUT))
+        job_id = _wait(lambda: state_path.exists() and (json.loads(state_path.read_text()).get("jobs")
+                                                        or [{}])[0].get("job_id"), 60, "a submitted job")
+        assert _squeue(job_id) == ("PENDING", "rollout")
+        procs[0].kill()  # no chance to clean up
+        procs[0].wait(timeout=30)
+        assert _squeue(job_id) is not None  # the job outlives its supervisor
+        with open(tmp_path / "pool2.log", "wb") as log2:
+            procs.append(subprocess.Popen(cmd, env=_env(), stdout=log2, stderr=subprocess.STDOUT))
+        _wait(lambda: "adopting jobs ['" + job_id + "']" in (tmp_path / "pool2.log").read_text(), 60,
+              "the restarted pool to adopt the job")
+        time.sleep(1.0)
+        state = json.loads(state_path.read_text())
+        assert [j["job_id"] for j in state["jobs"]] == [job_id] and state["next_index"] == 1, state
+        _run([sys.executable, "-m", "launch.control", "--root", root, "remove", "1"], check=True)
+        _wait(lambda: _squeue(job_id) is None, 60, f"pending job {job_id} to be cancelled")
+        assert _job(job_id).get("JobState") == "CANCELLED"
+        finished = _wait(lambda: json.loads(state_path.read_text()).get("finished"), 30, "the record")
+        assert finished == [dict(finished[0], job_id=job_id, state="CANCELLED", drained=True)]
+        assert "crashed" not in (tmp_path / "pool2.log").read_text()
+        procs[1].terminate()
+        assert procs[1].wait(timeout=60) == 0
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait(timeout=30)
+        if job_id and _squeue(job_id) is not None:
+            _run(["scancel", job_id])
