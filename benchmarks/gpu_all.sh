@@ -8,6 +8,10 @@ for what in "$@"; do
     tests) timeout 300 python -m pytest -m gpu tests/gpu -rA -s -p no:cacheprovider > "$out/gpu_tests.txt" 2>&1 ;;
     bench) timeout 330 python benchmarks/rollout_bench.py --out "$out/rollout_bench.json" > "$out/rollout_bench.log" 2>&1 ;;
     e2e) timeout 400 bash benchmarks/gpu_e2e.sh "$out" > "$out/e2e.log" 2>&1 ;;
+    trainer1) timeout 250 torchrun --standalone --nproc_per_node 1 benchmarks/trainer_bench.py \
+                --out "$out/trainer_bench_1gpu.json" > "$out/trainer_bench_1gpu.log" 2>&1 ;;
+    trainer2) timeout 250 torchrun --standalone --nproc_per_node 2 benchmarks/trainer_bench.py \
+                --out "$out/trainer_bench_2gpu.json" > "$out/trainer_bench_2gpu.log" 2>&1 ;;
   esac
   echo "$what: exit $?"
 done
