@@ -229,7 +229,7 @@ class ExperienceReader:
         self._consume(key)
         try:
             table = load_shard(data, self.vocab_size)
-            _check_origin(table.schema.metadata or {}, worker, seq, path)
+            check_origin(table.schema.metadata or {}, worker, seq, path)
             samples = from_table(table)
         except (SchemaError, pa.ArrowException, ValueError, TypeError, KeyError) as e:
             self._reject(worker, seq, path, e, size=len(data))
@@ -296,7 +296,7 @@ class ExperienceReader:
             self._wake.clear()
 
 
-def _check_origin(meta: dict, worker: str, seq: int, path: str) -> None:
+def check_origin(meta: dict, worker: str, seq: int, path: str) -> None:
     """A shard must sit where its writer put it (catches files copied in from elsewhere)."""
     name = path.rsplit("/", 1)[-1]
     if name != f"{seq:09d}{SHARD_SUFFIX}":
