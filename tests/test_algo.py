@@ -68,5 +68,5 @@ def test_trainer_logprobs_match_engine_behaviour_logprobs(tmp_path):
                for i, g in enumerate(groups) for k, c in enumerate(g)]
     batch = collate(samples)
     with torch.no_grad():
-        lp = algo.response_logprobs(engine.model, batch)
+        lp, _ = algo.response_logprobs(engine.model, batch)
     assert torch.allclose(lp * batch.response_mask, batch.behaviour_logprobs, atol=1e-4)

@@ -43,6 +43,9 @@ def test_sigkill_and_resume_on_one_rank_matches_uninterrupted_run(experience):
     for k in a:
         assert torch.allclose(a[k], b[k], atol=1e-5), k
     # and training moved the weights at all (the comparison would be empty otherwise)
+    # Retention: shards covered by the last committed checkpoint are gone from the killed run
+    # (the uninterrupted one saved no checkpoint and keeps all of them).
+    assert len(list((run / "experience").rglob("*.arrow"))) < len(list((ref / "experience").rglob("*.arrow")))
     init = load_file(str(model / "model.safetensors"))
     assert max((a[k] - init[k]).abs().max().item() for k in a) > 1e-3
 

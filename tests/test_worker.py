@@ -30,7 +30,7 @@ def _logprobs(model, prompt, response, temperature):
     s = Sample("s", "g", "p", "w", 0, prompt, response, [0.0] * len(response), 0.0, "length",
                temperature, "x", 0.0, 0.0)
     with torch.no_grad():
-        return algo.response_logprobs(model, collate([s]))[0].tolist()
+        return algo.response_logprobs(model, collate([s]))[0][0].tolist()
 
 
 def test_interruptible_generation_resumes_on_new_weights(tmp_path):

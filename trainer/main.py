@@ -18,6 +18,7 @@ import time
 import torch
 import torch.distributed as dist
 
+from buffer import retention
 from buffer.reader import ExperienceReader, Group
 from buffer.storage import atomic_write_json, filesystem
 from buffer.weights import WeightStore
@@ -83,7 +84,8 @@ class Trainer:
                 raise FileExistsError(f"{self.store.layout.weights_dir} already holds weight versions "
                                       "but there is no checkpoint to resume from; start with a new "
                                       "run folder")
-            self.reader = ExperienceReader(cfg.root, cfg.buffer, cfg.trainer.max_staleness)
+            self.reader = ExperienceReader(cfg.root, cfg.buffer, cfg.trainer.max_staleness,
+                                           vocab_size=self.model.config.vocab_size)
             self.metrics = MetricsLog(self.store.layout.metrics, cfg.trainer.total_training_steps)
         if resume is not None:
             self._resume(resume)
@@ -123,6 +125,12 @@ class Trainer:
         path = checkpoint.save(self.model, self.optimizer, self.store.layout, self.step, state, pool,
                                self.cfg.trainer.max_ckpt_to_keep)
         log.info("checkpoint %s written in %.2f s", path, time.monotonic() - t0)
+        if self.rank == 0 and self.cfg.buffer.retention != "keep":
+            # Only now are the ledger's shards covered by a committed checkpoint.
+            pruned = retention.prune_consumed(self.cfg.root, set(state["consumed"]),
+                                              mode=self.cfg.buffer.retention)
+            temps = retention.clean_stale_temps(self.cfg.root, self.cfg.buffer.tmp_timeout_s)
+            log.info("retention: %s, %d stale temporaries removed", pruned, temps)
 
     # --- data: rank 0 reads, every rank gets whole groups ------------------------------------
     def next_share(self) -> tuple[list, dict]:

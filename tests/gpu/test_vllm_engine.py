@@ -53,7 +53,7 @@ def _trainer_logprobs(model, prompts, groups, temperature):
                for i, g in enumerate(groups) for k, c in enumerate(g)]
     batch = collate(samples).to("cuda")
     with torch.no_grad():
-        lp = algo.response_logprobs(model.to("cuda").float(), batch)
+        lp, _ = algo.response_logprobs(model.to("cuda").float(), batch)
     return lp, batch
 
 
