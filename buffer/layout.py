@@ -151,6 +151,10 @@ class RunLayout:
         return self._p("progress.json")
 
     @property
+    def tensorboard_dir(self) -> str:
+        return self._p("tensorboard")
+
+    @property
     def metrics(self) -> str:
         return self._p("metrics.jsonl")
 

@@ -39,3 +39,13 @@ def test_uneven_shares_kl_entropy_and_cosine_warmup(experience):
     assert rows[0]["actor/kl_loss"] == pytest.approx(0.0, abs=1e-6)  # the actor starts at the ref
     assert rows[-1]["actor/kl_loss"] > 1e-6
     assert all(r["actor/entropy"] > 0.1 for r in rows)
+
+
+def test_tensorboard_logger_through_verl_tracking(experience):
+    root = _run(experience, "tb", 1, "trainer.logger=[console,tensorboard]", steps=2)
+    events = list((root / "tensorboard").glob("events.out.tfevents.*"))
+    assert events and events[0].stat().st_size > 0
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    acc = EventAccumulator(str(root / "tensorboard"))
+    acc.Reload()
+    assert [e.step for e in acc.Scalars("reward/mean")] == [1, 2]

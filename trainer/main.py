@@ -22,7 +22,7 @@ from buffer import retention
 from buffer.reader import ExperienceReader, Group
 from buffer.storage import atomic_write_json, filesystem
 from buffer.weights import WeightStore
-from protocol.config import parse_cli
+from protocol.config import parse_cli, to_dict
 from trainer import algo, checkpoint
 from trainer.batch import collate
 from trainer.config import TrainerConfig
@@ -86,7 +86,10 @@ class Trainer:
                                       "run folder")
             self.reader = ExperienceReader(cfg.root, cfg.buffer, cfg.trainer.max_staleness,
                                            vocab_size=self.model.config.vocab_size)
-            self.metrics = MetricsLog(self.store.layout.metrics, cfg.trainer.total_training_steps)
+            self.metrics = MetricsLog(self.store.layout.metrics, cfg.trainer.total_training_steps,
+                                      cfg.trainer.logger, cfg.trainer.project_name,
+                                      cfg.trainer.experiment_name, to_dict(cfg),
+                                      self.store.layout.tensorboard_dir)
         if resume is not None:
             self._resume(resume)
 
