@@ -28,3 +28,14 @@ class BufferConfig:
                                  "but not yet trained on or dropped by the trainer", ge=1)
     backlog_timeout_s: float = F(1800.0, "seconds a worker waits for the backlog to drain before "
                                  "failing (the trainer is presumed dead)", gt=0)
+    transport: str = F("fs", "how shards reach the trainer: 'fs' (a shared folder) or 'grpc' "
+                       "(pushed to the trainer, which spools them on its disk)", choices=("fs", "grpc"))
+    grpc_address: str = F("localhost:50051", "worker: the trainer's gRPC address host:port")
+    grpc_bind: str = F("[::]:50051", "trainer: the address the gRPC server listens on")
+    grpc_token_file: str | None = F(None, "file holding the shared token (else $TANDEM_GRPC_TOKEN)")
+    grpc_tls_cert: str | None = F(None, "trainer: TLS certificate (PEM); with grpc_tls_key enables TLS")
+    grpc_tls_key: str | None = F(None, "trainer: TLS private key (PEM)")
+    grpc_tls_ca: str | None = F(None, "worker: CA certificate (PEM) to verify the trainer; enables TLS")
+    grpc_max_message_mb: int = F(256, "largest shard message, MiB (flush_samples must fit)", ge=1)
+    grpc_max_inflight: int = F(8, "shards a worker may have unacknowledged before it blocks", ge=1)
+    grpc_timeout_s: float = F(60.0, "seconds one push may take before it is retried", gt=0)

@@ -76,6 +76,15 @@ class ShardWriter:
             return self.flush()
         return None
 
+    def _publish(self, seq: int, data: bytes) -> str:
+        """Make one shard visible to the trainer; the gRPC writer overrides this."""
+        path = self.layout.shard(self.worker_id, seq)
+        atomic_write(self.fs, path, data, tmp=self.layout.shard_tmp(self.worker_id, seq, os.getpid()))
+        return path
+
+    def close(self) -> None:
+        self.flush()
+
     def flush(self) -> str | None:
         if not self.pending:
             return None
@@ -86,9 +95,7 @@ class ShardWriter:
                                         "tandem.min_weight_version": min(versions),
                                         "tandem.max_weight_version": max(versions),
                                         "tandem.created_at": time.time()})
-        path = self.layout.shard(self.worker_id, self.seq)
-        atomic_write(self.fs, path, encode(table),
-                     tmp=self.layout.shard_tmp(self.worker_id, self.seq, os.getpid()))
+        path = self._publish(self.seq, encode(table))
         self.samples_written += len(self.pending)
         self.shards_written += 1
         log.info("published %s (%d samples)", path, len(self.pending))

@@ -51,7 +51,11 @@ class RolloutWorker:
         self.layout = RunLayout(root_path)
         self.layout.heartbeat(self.id)  # validates the id before any work
         self.store = WeightStore(cfg.root)
-        self.writer = ShardWriter(cfg.root, self.id, cfg.buffer,
+        if cfg.buffer.transport == "grpc":
+            from buffer.grpc_transport import GrpcShardWriter as writer_cls
+        else:
+            writer_cls = ShardWriter
+        self.writer = writer_cls(cfg.root, self.id, cfg.buffer,
                                   resume=read_json(self.fs, self.layout.heartbeat(self.id)))
         self.score = reward.resolve(cfg.custom_reward_function.path, cfg.custom_reward_function.name)
         self.stopping = False
@@ -70,11 +74,21 @@ class RolloutWorker:
     def start(self) -> None:
         signal.signal(signal.SIGTERM, self._on_signal)
         signal.signal(signal.SIGINT, self._on_signal)
-        self.version = self.store.wait_latest(self.cfg.worker.weights_timeout_s)
-        model_dir = self.layout.version_dir(self.version)
-        log.info("worker %s starting engine %s from %s", self.id,
-                 self.cfg.actor_rollout_ref.rollout.name, model_dir)
-        self.engine = build_engine(model_dir, self.cfg.actor_rollout_ref.rollout, self.cfg.worker.device)
+        for attempt in range(5):
+            self.version = self.store.wait_latest(self.cfg.worker.weights_timeout_s)
+            model_dir = self.layout.version_dir(self.version)
+            log.info("worker %s starting engine %s from %s", self.id,
+                     self.cfg.actor_rollout_ref.rollout.name, model_dir)
+            try:
+                self.engine = build_engine(model_dir, self.cfg.actor_rollout_ref.rollout,
+                                           self.cfg.worker.device)
+                break
+            except (OSError, ValueError):
+                # The trainer keeps only the newest versions: this one may have been pruned
+                # while it loaded. Start again from the newest; anything else is a real error.
+                if os.path.isdir(model_dir) or attempt == 4:
+                    raise
+                log.warning("weight version %d was pruned while loading; retrying", self.version)
         self.versions_loaded.append(self.version)
         self.prompts = PromptStream(
             load_prompts(self.cfg.data.train_files, self.engine.tokenizer, self.cfg.data.prompt_key,
@@ -200,8 +214,9 @@ class RolloutWorker:
         pending = None
         try:
             while not self.should_stop():
-                wait_for_room(self.fs, self.layout, self.cfg.buffer.max_backlog_samples,
-                              self.cfg.buffer.backlog_timeout_s, self.should_stop)
+                if self.cfg.buffer.transport == "fs":  # over gRPC, unacknowledged pushes bound it
+                    wait_for_room(self.fs, self.layout, self.cfg.buffer.max_backlog_samples,
+                                  self.cfg.buffer.backlog_timeout_s, self.should_stop)
                 if self.should_stop():
                     break
                 self.maybe_reload()
@@ -213,7 +228,7 @@ class RolloutWorker:
                 self._log_batch(pending.result())
         finally:
             finisher.shutdown(wait=True)
-        self.writer.flush()
+        self.writer.close()  # flush; over gRPC also wait for the acknowledgements
         self.heartbeat("stopped")
         log.info("worker %s stopped: %d samples in %d shards; weight versions loaded: %s",
                  self.id, self.writer.samples_written, self.writer.shards_written,

@@ -92,6 +92,11 @@ class Trainer:
                                       self.store.layout.tensorboard_dir)
         if resume is not None:
             self._resume(resume)
+        self.server = None
+        if self.rank == 0 and cfg.buffer.transport == "grpc":
+            from buffer.grpc_transport import ShardServer
+            self.server = ShardServer(cfg.root, cfg.buffer, self.model.config.vocab_size,
+                                      consumed=lambda: self.reader.consumed)
 
     def _resume_path(self) -> str | None:
         mode = self.cfg.trainer.resume_mode
@@ -290,6 +295,8 @@ class Trainer:
                               {"steps": tc.total_training_steps, "version": self.version})
 
     def close(self) -> None:
+        if getattr(self, "server", None) is not None:
+            self.server.stop()
         if self.reader is not None:
             self.reader.close()
         if self.metrics is not None:
