@@ -1,4 +1,5 @@
 """Trainer checkpoints: SIGKILL and resume (on fewer ranks) reaches the uninterrupted result."""
+import json
 import os
 import signal
 import time
@@ -8,6 +9,7 @@ import torch
 from safetensors.torch import load_file
 
 from buffer.layout import RunLayout
+from protocol.experience import decode, from_table
 from conftest import STEPS, final_weights as _final_weights, run_folder as _run_folder, trainer_proc as _trainer
 from trainer.checkpoint import latest_complete
 
@@ -20,7 +22,7 @@ def test_sigkill_and_resume_on_one_rank_matches_uninterrupted_run(experience):
     assert p.returncode == 0, out[-3000:]
 
     run = _run_folder(experience, "killed")
-    p = _trainer(run, model, 2, "trainer.save_freq=3")
+    p = _trainer(run, model, 2, "trainer.save_freq=3", "trainer.log_sample_ids=true")
     ckpt = Path(RunLayout(str(run)).checkpoint(3))
     deadline = time.monotonic() + 240
     try:
@@ -34,10 +36,21 @@ def test_sigkill_and_resume_on_one_rank_matches_uninterrupted_run(experience):
     resumed_from = latest_complete(RunLayout(str(run)))
     assert resumed_from is not None and not resumed_from.endswith(f"{STEPS:08d}")
 
-    p = _trainer(run, model, 1, "trainer.save_freq=3")  # 2 ranks saved it, 1 rank resumes
+    p = _trainer(run, model, 1, "trainer.save_freq=3", "trainer.log_sample_ids=true")  # 2 ranks -> 1
     out, _ = p.communicate(timeout=300)
     assert p.returncode == 0, out[-3000:]
     assert "resumed from" in out
+    # Exactly once over the run's final timeline: steps after the checkpoint ran twice (before
+    # the kill and after the resume); the later line of each step is the one that counts.
+    by_step = {}
+    for line in (run / "metrics.jsonl").read_text().splitlines():
+        row = json.loads(line)
+        by_step[row["step"]] = row["samples/ids"]
+    assert sorted(by_step) == list(range(1, STEPS + 1))
+    trained = [i for ids in by_step.values() for i in ids]
+    committed = {s.sample_id for p in (ref / "experience").rglob("*.arrow")
+                 for s in from_table(decode(p.read_bytes()))}
+    assert len(trained) == len(set(trained)) and set(trained) == committed
     a, b = _final_weights(ref), _final_weights(run)
     assert a.keys() == b.keys()
     for k in a:

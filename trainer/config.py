@@ -83,6 +83,8 @@ class TrainerSection:
                          "folder if there is one; 'disable': never; or a checkpoint folder path")
     max_ckpt_to_keep: int = F(2, "checkpoints kept on disk", ge=1)
     seed: int = F(0, "torch seed")
+    log_sample_ids: bool = F(False, "add the ids of the samples each step trained on to its "
+                             "metrics line (for audits of exactly-once consumption; verbose)")
     logger: list[str] = F(doc="metrics backends as in verl: console, tensorboard, wandb, swanlab, "
                           "mlflow (metrics.jsonl is always written)", factory=lambda: ["console"])
     project_name: str = F("tandem", "project name for the tracking backends")

@@ -164,7 +164,8 @@ class Trainer:
             "samples_retired": stats["consumed_samples"] + stats["dropped_stale_samples"],
             "version": self.version, "time": time.time()})
         samples = [s for g in groups for s in g.samples]
-        info = {
+        info = {"sample_ids": [s.sample_id for s in samples]} if self.cfg.trainer.log_sample_ids else {}
+        info |= {
             "wait_s": time.monotonic() - t0,
             "seqs": len(samples),
             "tokens": sum(len(s.response_ids) for s in samples),
@@ -281,6 +282,8 @@ class Trainer:
                 metrics.update(self.publish(step))
             if self.rank == 0:
                 metrics.update({k: v for k, v in info.items() if k not in ("wait_s", "seqs", "tokens")})
+                if "sample_ids" in metrics:
+                    metrics["samples/ids"] = metrics.pop("sample_ids")
                 metrics.update({"samples/consumed": self.reader.stats["consumed_samples"],
                                 "samples/step": info["seqs"],
                                 "tokens/step": info["tokens"], "time/wait_s": info["wait_s"],
