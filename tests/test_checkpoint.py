@@ -35,6 +35,8 @@ def test_sigkill_and_resume_on_one_rank_matches_uninterrupted_run(experience):
         p.wait(timeout=60)
     resumed_from = latest_complete(RunLayout(str(run)))
     assert resumed_from is not None and not resumed_from.endswith(f"{STEPS:08d}")
+    saved = json.loads((Path(resumed_from) / "trainer_state.json").read_text())
+    assert len(saved["rng"]["cpu"]) > 0 and saved["model_path"] == str(model)
 
     p = _trainer(run, model, 1, "trainer.save_freq=3", "trainer.log_sample_ids=true")  # 2 ranks -> 1
     out, _ = p.communicate(timeout=300)

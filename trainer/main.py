@@ -112,6 +112,9 @@ class Trainer:
         """Restore weights, optimizer, step and the experience ledger; continue the version count."""
         state, pool = checkpoint.load(self.model, self.optimizer, path)
         self.step = state["step"]
+        torch.set_rng_state(torch.tensor(state["rng"]["cpu"], dtype=torch.uint8))
+        if state["rng"]["cuda"] is not None and self.device.type == "cuda":
+            torch.cuda.set_rng_state(torch.tensor(state["rng"]["cuda"], dtype=torch.uint8))
         # Versions published after the checkpoint by the crashed run keep their numbers; the
         # restored weights are published next under a fresh one (`run` does it first).
         versions = self.store.versions()
@@ -127,6 +130,9 @@ class Trainer:
         state = pool = None
         if self.rank == 0:
             state = {"step": self.step, "version": self.version, "model_path": self.model_path,
+                     "rng": {"cpu": torch.get_rng_state().tolist(),
+                             "cuda": (torch.cuda.get_rng_state().tolist()
+                                      if self.device.type == "cuda" else None)},
                      "consumed": sorted(self.reader.consumed), "stats": dict(self.reader.stats)}
             pool = list(self.reader.pool)
         t0 = time.monotonic()
