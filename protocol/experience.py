@@ -176,8 +176,6 @@ def validate_table(table: pa.Table, vocab_size: int | None = None) -> None:
 
 def _row_mask(table: pa.Table, name: str, pred) -> pa.ChunkedArray:
     """Per row of list column `name`: does any value satisfy `pred` (only used to name a bad row)."""
-    import pyarrow.compute as pc
-
     col = table.column(name).combine_chunks()
     hit = pred(col.flatten()).to_pylist()
     offsets = col.offsets.to_pylist()

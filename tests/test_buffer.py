@@ -18,7 +18,7 @@ from buffer.layout import TMP_MARK, RunLayout
 from buffer.reader import ExperienceReader
 from buffer.storage import atomic_write, atomic_write_json, filesystem
 from buffer.writer import ShardWriter
-from conftest import TESTS_DIR, make_group, sample_id, subprocess_env
+from conftest import TESTS_DIR, make_group, subprocess_env
 from protocol.experience import (SCHEMA_VERSION_KEY, check_rows, decode, encode, from_table,
                                  to_table)
 

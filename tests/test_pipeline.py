@@ -5,9 +5,7 @@ import signal
 import subprocess
 import sys
 import time
-from pathlib import Path
 
-import pyarrow as pa
 
 from protocol.experience import decode, from_table
 

@@ -2,7 +2,6 @@
 
 Run on the device machine: python -m pytest -m gpu tests/gpu -rA
 """
-import os
 import shutil
 
 import pytest
