@@ -3,25 +3,7 @@
 # Cancels remaining jobs first (KEEP_JOBS=1 to skip) so no slurmstepd is left.
 set -uo pipefail
 
-BASE=${SLURM_BASE:-/tmp/tandem-slurm}
-CONF=$BASE/etc/slurm.conf
-RUN=$BASE/run
-MUNGE_DIR=$BASE/munge
-export SLURM_CONF=$CONF
-
-log() { echo "[slurm/stop.sh $(date +%T)] $*"; }
-
-# running_gone PID: true if PID has exited (zombies count as exited: without a
-# real init, PID 1 may reap them only every second or two)
-running_gone() { local st; st=$(awk '{print $3}' "/proc/$1/stat" 2>/dev/null) || return 0; [[ -z $st || $st == Z ]]; }
-
-# pid_alive PIDFILE COMM: true if PIDFILE names a live (non-zombie) process called COMM
-pid_alive() {
-  local pid
-  [[ -s $1 ]] || return 1
-  pid=$(<"$1")
-  [[ $pid =~ ^[0-9]+$ && -r /proc/$pid/comm && $(</proc/$pid/comm) == "$2" ]] && ! running_gone "$pid"
-}
+. "$(dirname "$0")/common.sh"
 
 stop_one() {  # stop_one PIDFILE COMM
   local f=$1 name=$2 pid
