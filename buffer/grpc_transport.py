@@ -7,10 +7,11 @@ the trainer's disk, and only then acknowledges. The filesystem reader consumes t
 both transports share one reader and its exactly-once ledger; a trainer crash loses nothing it
 acknowledged.
 
-Worker side, `GrpcShardWriter`: the `ShardWriter` interface; published shards are pushed by one
-owned background thread, at most `grpc_max_inflight` unacknowledged at a time (the writer blocks
-beyond that: flow control), resent with the same (worker, seq) after any failure, with backoff,
-until acknowledged. Resends are idempotent on the server.
+Worker side, `GrpcShardWriter`: the `ShardWriter` interface; published shards are pushed
+concurrently by an owned pool of `grpc_max_inflight` sender threads, at most that many
+unacknowledged at a time (the writer blocks beyond that: flow control), each resent with the same
+(worker, seq) after any failure, with backoff, until acknowledged. Resends are idempotent on the
+server, which handles different shards in parallel.
 """
 from __future__ import annotations
 
@@ -62,7 +63,8 @@ class _Servicer(pb_grpc.ExperienceServicer):
         self.secret = secret
         self.vocab_size = vocab_size
         self.consumed = consumed  # callable -> the reader's ledger, for idempotence after pruning
-        self.lock = threading.Lock()
+        self.lock = threading.Lock()  # guards key_locks
+        self.key_locks: dict[str, threading.Lock] = {}
         self.stats = collections.Counter()
 
     def Push(self, request, context):
@@ -78,7 +80,9 @@ class _Servicer(pb_grpc.ExperienceServicer):
         except ValueError as e:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         key = f"{request.worker_id}/{request.seq}"
-        with self.lock:  # one writer per (worker, seq) at a time
+        with self.lock:
+            key_lock = self.key_locks.setdefault(key, threading.Lock())
+        with key_lock:  # one push per (worker, seq) at a time; different shards in parallel
             if key in self.consumed() or self.fs.exists(path):
                 self.stats["duplicates"] += 1
                 return pb.Ack(worker_id=request.worker_id, seq=request.seq, duplicate=True)
@@ -90,6 +94,8 @@ class _Servicer(pb_grpc.ExperienceServicer):
             atomic_write(self.fs, path, request.data,
                          tmp=self.layout.shard_tmp(request.worker_id, request.seq, os.getpid()))
             self.stats["spooled"] += 1
+        with self.lock:
+            self.key_locks.pop(key, None)
         return pb.Ack(worker_id=request.worker_id, seq=request.seq, duplicate=False)
 
 
@@ -126,11 +132,11 @@ class GrpcShardWriter(ShardWriter):
         self.secret = token(cfg)
         self.unacked: collections.OrderedDict[int, bytes] = collections.OrderedDict()
         self.cond = threading.Condition()
-        self.closed = False
+        self.fatal = False  # the trainer refused a shard: retrying cannot help
+        self.stopping = False
         self.last_error: str | None = None
         self.stub = self._connect()
-        self.sender = threading.Thread(target=self._send_loop, name="grpc-sender", daemon=True)
-        self.sender.start()
+        self.senders = futures.ThreadPoolExecutor(cfg.grpc_max_inflight, thread_name_prefix="grpc-push")
 
     def _connect(self):
         limit = self.cfg.grpc_max_message_mb << 20
@@ -143,31 +149,28 @@ class GrpcShardWriter(ShardWriter):
         return pb_grpc.ExperienceStub(self.channel)
 
     def _publish(self, seq: int, data: bytes) -> str:
-        """Queue for sending; block while `grpc_max_inflight` shards await acknowledgement."""
+        """Hand the shard to a sender; block while `grpc_max_inflight` await acknowledgement."""
         deadline = time.monotonic() + self.cfg.backlog_timeout_s
         with self.cond:
-            while len(self.unacked) >= self.cfg.grpc_max_inflight:
+            while len(self.unacked) >= self.cfg.grpc_max_inflight and not self.fatal:
                 if not self.cond.wait(timeout=max(0.0, deadline - time.monotonic())):
                     raise TimeoutError(f"{len(self.unacked)} shards unacknowledged by "
                                        f"{self.cfg.grpc_address} for {self.cfg.backlog_timeout_s:.0f} s;"
                                        f" last error: {self.last_error}")
+            if self.fatal:
+                raise RuntimeError(f"the trainer refused a shard: {self.last_error}")
             self.unacked[seq] = data
-            self.cond.notify_all()
+        self.senders.submit(self._push_until_acked, seq, data)
         return f"grpc://{self.cfg.grpc_address}/{self.worker_id}/{seq}"
 
-    def _send_loop(self) -> None:
+    def _push_until_acked(self, seq: int, data: bytes) -> None:
+        """One sender thread per in-flight shard, so validation and fsync on the trainer overlap
+        for consecutive shards. Retries with backoff until acknowledged or refused."""
         backoff = 0.2
-        while True:
-            with self.cond:
-                while not self.unacked and not self.closed:
-                    self.cond.wait()
-                if not self.unacked:
-                    return
-                seq, data = next(iter(self.unacked.items()))
+        shard = pb.Shard(worker_id=self.worker_id, seq=seq, data=data, schema_version=SCHEMA_VERSION)
+        while not self.stopping:
             try:
-                self.stub.Push(pb.Shard(worker_id=self.worker_id, seq=seq, data=data,
-                                        schema_version=SCHEMA_VERSION),
-                               timeout=self.cfg.grpc_timeout_s,
+                self.stub.Push(shard, timeout=self.cfg.grpc_timeout_s,
                                metadata=[("authorization", f"Bearer {self.secret}")])
             except grpc.RpcError as e:
                 code = e.code()
@@ -175,31 +178,30 @@ class GrpcShardWriter(ShardWriter):
                 if code in (grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.FAILED_PRECONDITION,
                             grpc.StatusCode.INVALID_ARGUMENT):
                     log.error("trainer refused shard %d: %s", seq, self.last_error)
-                    with self.cond:  # not retryable: surface it to the worker loop
-                        self.closed = True
+                    with self.cond:  # not retryable: surfaced by the next publish or close
+                        self.fatal = True
                         self.cond.notify_all()
                     return
                 log.warning("push of shard %d failed (%s); retrying in %.1f s", seq, self.last_error, backoff)
                 time.sleep(backoff)
                 backoff = min(backoff * 2, 10.0)
                 continue
-            backoff = 0.2
             with self.cond:
                 self.unacked.pop(seq, None)
                 self.cond.notify_all()
+            return
 
     def close(self, timeout_s: float = 60.0) -> None:
-        """Flush, wait until every shard is acknowledged (bounded), stop the sender."""
+        """Flush, wait until every shard is acknowledged (bounded), stop the senders."""
         self.flush()
         deadline = time.monotonic() + timeout_s
         with self.cond:
-            while self.unacked and not (self.closed and self.last_error):
+            while self.unacked and not self.fatal:
                 if not self.cond.wait(timeout=max(0.0, deadline - time.monotonic())):
                     break
             left = len(self.unacked)
-            self.closed = True
-            self.cond.notify_all()
-        self.sender.join(timeout=5)
+        self.stopping = True
+        self.senders.shutdown(wait=True)
         self.channel.close()
         if left:
             raise TimeoutError(f"{left} shards still unacknowledged by {self.cfg.grpc_address} "
