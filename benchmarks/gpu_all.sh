@@ -10,6 +10,8 @@ for what in "$@"; do
     e2e) timeout 400 bash benchmarks/gpu_e2e.sh "$out" > "$out/e2e.log" 2>&1 ;;
     trainer1) timeout 250 torchrun --standalone --nproc_per_node 1 benchmarks/trainer_bench.py \
                 --out "$out/trainer_bench_1gpu.json" > "$out/trainer_bench_1gpu.log" 2>&1 ;;
+    trainer1m16) timeout 250 torchrun --standalone --nproc_per_node 1 benchmarks/trainer_bench.py \
+                --micro 16 --out "$out/trainer_bench_1gpu_m16.json" > "$out/trainer_bench_1gpu_m16.log" 2>&1 ;;
     trainer2) timeout 250 torchrun --standalone --nproc_per_node 2 benchmarks/trainer_bench.py \
                 --out "$out/trainer_bench_2gpu.json" > "$out/trainer_bench_2gpu.log" 2>&1 ;;
   esac

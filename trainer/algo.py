@@ -22,9 +22,12 @@ def response_logprobs(model, batch: Batch, with_entropy: bool = False):
     each position's distribution as well when asked (else None)."""
     logits = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask,
                    use_cache=False).logits
-    index = batch.logit_index.unsqueeze(-1).expand(-1, -1, logits.shape[-1])
-    picked = logits.gather(1, index).float() / batch.temperature.view(-1, 1, 1)
-    logprobs = picked.log_softmax(-1).gather(-1, batch.response_ids.unsqueeze(-1)).squeeze(-1)
+    rows = torch.arange(logits.shape[0], device=logits.device).unsqueeze(1)
+    # Only response positions, upcast once; log pi = logit - logsumexp, without materialising a
+    # full (B, R, vocab) log-softmax (the largest tensor of the step for a 150k vocabulary).
+    picked = logits[rows, batch.logit_index].float() / batch.temperature.view(-1, 1, 1)
+    target = picked.gather(-1, batch.response_ids.unsqueeze(-1)).squeeze(-1)
+    logprobs = target - torch.logsumexp(picked, dim=-1)
     entropy = None
     if with_entropy:
         from verl.utils.torch_functional import entropy_from_logits
