@@ -21,9 +21,11 @@ def test_token_budget_micro_batches_give_the_same_update(experience):
                    "actor_rollout_ref.actor.ppo_max_token_len_per_gpu=12")  # about 2 rows each
     a, b = final_weights(fixed), final_weights(dynamic)
     init = load_file(str(experience / "model" / "model.safetensors"))
-    moved = max((a[k] - init[k]).abs().max().item() for k in a)
-    differ = max((a[k] - b[k]).abs().max().item() for k in a)
-    assert moved > 1e-3 and differ < 0.01 * moved, (moved, differ)  # only float summation order
+    # Norms over all weights: Adam turns float-order noise in near-zero gradients into single
+    # elements that move by up to lr, so an element-wise max would test the noise, not the maths.
+    moved = sum(((a[k] - init[k]) ** 2).sum().item() for k in a) ** 0.5
+    differ = sum(((a[k] - b[k]) ** 2).sum().item() for k in a) ** 0.5
+    assert moved > 1e-2 and differ < 0.01 * moved, (moved, differ)
 
 
 def test_uneven_shares_kl_entropy_and_cosine_warmup(experience):
