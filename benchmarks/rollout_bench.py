@@ -36,17 +36,6 @@ def build_model(path: str) -> None:
     builtin_task.build_tokenizer().save_pretrained(path)
 
 
-def publish_initial(root: str, model_dir: str) -> None:
-    import shutil
-    from buffer.weights import WeightStore
-    from trainer.publish import copy_model_metadata
-    store = WeightStore(root)
-    staged = store.stage(0)
-    shutil.copy(os.path.join(model_dir, "model.safetensors"), staged)
-    copy_model_metadata(model_dir, staged)
-    store.publish(staged, 0, 0, keep=3)
-
-
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--work", default="/tmp/rollout_bench")
@@ -60,7 +49,8 @@ def main() -> int:
     shutil.rmtree(args.work, ignore_errors=True)
     model_dir, root = f"{args.work}/model", f"{args.work}/run"
     build_model(model_dir)  # on the CPU, before CUDA is initialised
-    publish_initial(root, model_dir)
+    from buffer.weights import WeightStore
+    WeightStore(root).publish_hf_folder(model_dir, 0, 0, keep=3)
     from rollout import builtin_task
     builtin_task.write_parquet(f"{args.work}/train.parquet", builtin_task.make_rows(args.prompts, 24))
 
@@ -104,11 +94,7 @@ def main() -> int:
         workers.append(via_worker())
 
     # Reload: publish the same bytes as v1, load it in place; compare to a plain read.
-    publish_initial_v1 = worker.store.stage(1)
-    shutil.copy(os.path.join(model_dir, "model.safetensors"), publish_initial_v1)
-    from trainer.publish import copy_model_metadata
-    copy_model_metadata(model_dir, publish_initial_v1)
-    worker.store.publish(publish_initial_v1, 1, 1, keep=3)
+    worker.store.publish_hf_folder(model_dir, 1, 1, keep=3)
     weights = os.path.join(worker.layout.version_dir(1), "model.safetensors")
     t0 = time.perf_counter()
     with open(weights, "rb") as f:

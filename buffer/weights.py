@@ -11,8 +11,8 @@ import logging
 import os
 import shutil
 import time
+from collections.abc import Iterator, Mapping
 from pathlib import Path
-from typing import Iterator
 
 import torch
 
@@ -73,6 +73,48 @@ class WeightStore:
         atomic_write_json(self.fs, self.layout.latest_pointer, {"version": version, "step": step})
         self.prune(keep)
         return manifest
+
+    def publish_hf_folder(self, folder: str | os.PathLike, version: int, step: int, keep: int, *,
+                          tensors: Mapping[str, torch.Tensor] | None = None) -> WeightManifest:
+        """Publish an HF model folder (safetensors weights + config/tokenizer files) as `version`.
+
+        The trainer publishes from its sharded model (`trainer.publish.publish_version`); this is
+        for a version whose weights already sit in an HF folder: seeding version 0 from the
+        initial model, and tests and benchmarks. The folder's `*.safetensors` (and a sharded
+        model's `model.safetensors.index.json`) are copied, never linked, so later edits of the
+        folder cannot change a published version; its config, generation config and tokenizer
+        files are copied as the trainer copies them. With `tensors`, those are written as
+        `model.safetensors` instead of the folder's weights (only its metadata is used).
+        Staged, described and published atomically like `publish`; a failure leaves no staging
+        folder behind. Raises FileNotFoundError / ValueError naming `folder` when it is not a
+        usable HF folder.
+        """
+        from safetensors.torch import save_file
+
+        from trainer.publish import copy_model_metadata
+        folder = os.fspath(folder)
+        if not os.path.isdir(folder):
+            raise FileNotFoundError(f"{folder}: no such model folder")
+        names = sorted(os.listdir(folder))
+        if "config.json" not in names:
+            raise ValueError(f"{folder}: not an HF model folder (no config.json)")
+        weights = [n for n in names if n.endswith(".safetensors")
+                   or n == "model.safetensors.index.json"]
+        if tensors is None and not any(n.endswith(".safetensors") for n in weights):
+            raise ValueError(f"{folder}: no *.safetensors weights to publish")
+        staged = self.stage(version)
+        try:
+            if tensors is None:
+                for name in weights:
+                    shutil.copyfile(os.path.join(folder, name), os.path.join(staged, name))
+            else:
+                save_file({k: v.contiguous() for k, v in tensors.items()},
+                          os.path.join(staged, "model.safetensors"), metadata={"format": "pt"})
+            copy_model_metadata(folder, staged)
+            return self.publish(staged, version, step, keep)
+        except BaseException:
+            shutil.rmtree(staged, ignore_errors=True)
+            raise
 
     def versions(self) -> list[int]:
         if not self.fs.exists(self.layout.weights_dir):

@@ -12,7 +12,6 @@ import pytest
 from buffer.weights import WeightStore
 from protocol.experience import decode, from_table
 from rollout import builtin_task
-from trainer.publish import copy_model_metadata
 
 WORKER_KEYS = ["data.max_response_length=3", "actor_rollout_ref.rollout.n=4",
                "actor_rollout_ref.rollout.prompts_per_batch=2", "buffer.flush_samples=8",
@@ -25,13 +24,7 @@ def run(tmp_path):
     root = tmp_path / "run"
     builtin_task.write_model(tmp_path / "init")
     builtin_task.write_parquet(tmp_path / "train.parquet", builtin_task.make_rows(50, 3))
-    store = WeightStore(str(root))
-    staged = store.stage(0)
-    for name in os.listdir(tmp_path / "init"):
-        if name.endswith(".safetensors"):
-            os.link(tmp_path / "init" / name, os.path.join(staged, name))
-    copy_model_metadata(str(tmp_path / "init"), staged)
-    store.publish(staged, 0, 0, keep=2)
+    WeightStore(str(root)).publish_hf_folder(tmp_path / "init", 0, 0, keep=2)
     return root, tmp_path / "train.parquet"
 
 

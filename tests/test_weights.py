@@ -1,16 +1,15 @@
 """Weight versions: atomic publish, manifest, checksum verification, in-place load, retention."""
 import json
 import os
+import shutil
 
 import pytest
 import torch
-from safetensors.torch import save_file
 
 from buffer.weights import WeightStore
-from protocol.weights import ManifestError
+from protocol.weights import ManifestError, verify_files
 from rollout import builtin_task
 from rollout.engine import HFEngine
-from trainer.publish import copy_model_metadata
 
 
 @pytest.fixture
@@ -22,10 +21,7 @@ def model_dir(tmp_path):
 def _publish_scaled(store, engine, model_dir, version, scale, keep=3):
     state = {k: (v * scale).contiguous() for k, v in engine.model.state_dict().items()
              if k != "lm_head.weight"}
-    staged = store.stage(version)
-    save_file(state, os.path.join(staged, "model.safetensors"))
-    copy_model_metadata(model_dir, staged)
-    return store.publish(staged, version, step=version * 10, keep=keep), state
+    return store.publish_hf_folder(model_dir, version, version * 10, keep, tensors=state), state
 
 
 def test_publish_manifest_and_in_place_load(tmp_path, model_dir):
@@ -76,6 +72,56 @@ def test_only_newest_versions_are_kept(tmp_path, model_dir):
     assert store.versions() == [3, 4]
     with pytest.raises(FileExistsError):
         _publish_scaled(store, engine, model_dir, 4, 1.0, keep=2)
+
+
+def test_publish_hf_folder_verifies_and_loads_back(tmp_path, model_dir):
+    from safetensors.torch import load_file
+    store = WeightStore(str(tmp_path / "run"))
+    manifest = store.publish_hf_folder(model_dir, 0, 0, keep=2)
+    folder = store.layout.version_dir(0)
+    assert store.latest() == 0 and store.manifest(0).to_json() == manifest.to_json()
+    verify_files(manifest, folder)  # every file, metadata included, matches its checksum
+    assert {f.name for f in manifest.files} >= {"model.safetensors", "config.json", "tokenizer.json"}
+    assert not any(".tmp-" in p for p in os.listdir(store.layout.weights_dir))
+    source = load_file(os.path.join(model_dir, "model.safetensors"))
+    loaded = dict(store.tensors(0))
+    assert set(loaded) == set(source) == set(manifest.tensors)
+    for name, t in source.items():
+        assert torch.equal(loaded[name], t)
+    # A sharded HF folder keeps its index, so the version is still a loadable HF folder.
+    sharded = tmp_path / "sharded"
+    HFEngine(model_dir).model.save_pretrained(sharded, max_shard_size="100KB")
+    builtin_task.build_tokenizer().save_pretrained(sharded)
+    manifest = store.publish_hf_folder(sharded, 1, 1, keep=2)
+    assert len({t.file for t in manifest.tensors.values()}) > 1
+    assert "model.safetensors.index.json" in {f.name for f in manifest.files}
+    verify_files(manifest, store.layout.version_dir(1))
+    assert {k: v for k, v in store.tensors(1)}.keys() == source.keys()
+    HFEngine(store.layout.version_dir(1))
+
+
+def test_publish_hf_folder_refuses_a_bad_folder(tmp_path, model_dir):
+    store = WeightStore(str(tmp_path / "run"))
+    missing = tmp_path / "nowhere"
+    with pytest.raises(FileNotFoundError, match=str(missing)):
+        store.publish_hf_folder(missing, 0, 0, keep=2)
+    no_weights = tmp_path / "no_weights"
+    no_weights.mkdir()
+    shutil.copy(os.path.join(model_dir, "config.json"), no_weights)
+    with pytest.raises(ValueError, match=f"{no_weights}.*safetensors"):
+        store.publish_hf_folder(no_weights, 0, 0, keep=2)
+    no_config = tmp_path / "no_config"
+    no_config.mkdir()
+    os.link(os.path.join(model_dir, "model.safetensors"), no_config / "model.safetensors")
+    with pytest.raises(ValueError, match=f"{no_config}.*config.json"):
+        store.publish_hf_folder(no_config, 0, 0, keep=2)
+    assert store.latest() is None and store.versions() == []
+    # A failure after staging (the version exists already) leaves no staging folder behind.
+    store.publish_hf_folder(model_dir, 0, 0, keep=2)
+    with pytest.raises(FileExistsError):
+        store.publish_hf_folder(model_dir, 0, 0, keep=2)
+    assert not any(".tmp-" in p for p in os.listdir(store.layout.weights_dir))
+    assert store.versions() == [0]
 
 
 def test_publish_splits_tensors_across_ranks_by_bytes():

@@ -1,10 +1,7 @@
 """Rollout worker internals with the real tiny model: interruptible generation on new weights."""
-import os
-
 import pytest
 
 import torch
-from safetensors.torch import save_file
 
 from buffer.weights import WeightStore
 from protocol.config import build
@@ -15,15 +12,6 @@ from rollout.engine import HFEngine
 from rollout.worker import RolloutWorker
 from trainer import algo
 from trainer.batch import collate
-from trainer.publish import copy_model_metadata
-
-
-def _publish(store, version, model, model_dir):
-    staged = store.stage(version)
-    state = {k: v.contiguous() for k, v in model.state_dict().items() if k != "lm_head.weight"}
-    save_file(state, os.path.join(staged, "model.safetensors"))
-    copy_model_metadata(model_dir, staged)
-    store.publish(staged, version, version, keep=5)
 
 
 def _logprobs(model, prompt, response, temperature):
@@ -40,7 +28,7 @@ def test_interruptible_generation_resumes_on_new_weights(tmp_path):
     m0, m1 = HFEngine(str(tmp_path / "m0")).model, HFEngine(str(tmp_path / "m1")).model
     root = tmp_path / "run"
     store = WeightStore(str(root))
-    _publish(store, 0, m0, str(tmp_path / "m0"))
+    store.publish_hf_folder(tmp_path / "m0", 0, 0, keep=5)
     cfg = build(WorkerConfig, {"root": str(root), "train_files": f"[{tmp_path / 't.parquet'}]",
                                "worker.id": "w", "max_response_length": "6", "n": "3",
                                "prompts_per_batch": "4", "interruptible": "true",
@@ -48,7 +36,7 @@ def test_interruptible_generation_resumes_on_new_weights(tmp_path):
     worker = RolloutWorker(cfg)
     worker.start()
     assert worker.version == 0
-    _publish(store, 1, m1, str(tmp_path / "m1"))  # appears while the batch is in flight
+    store.publish_hf_folder(tmp_path / "m1", 1, 1, keep=5)  # appears while the batch is in flight
     batch = worker.generate_batch()
     assert worker.version == 1 and worker.versions_loaded == [0, 1]
     long = [(p, c) for p, g in zip(batch.prompts, batch.groups) for c in g if len(c.token_ids) > 2]

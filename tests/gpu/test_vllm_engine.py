@@ -2,8 +2,6 @@
 
 Run on the device machine: python -m pytest -m gpu tests/gpu -rA
 """
-import shutil
-
 import pytest
 import torch
 
@@ -28,15 +26,11 @@ def setup(tmp_path_factory):
     from buffer.weights import WeightStore
     from rollout.config import RolloutSamplingConfig
     from rollout.vllm_engine import VLLMEngine
-    from trainer.publish import copy_model_metadata
     base = tmp_path_factory.mktemp("vllm")
     old = _model(base / "v0", seed=0)  # built on the CPU before CUDA is touched (NOTES pitfall)
     new = _model(base / "v1src", seed=1)
     store = WeightStore(str(base / "run"))
-    staged = store.stage(1)
-    shutil.copy(base / "v1src" / "model.safetensors", staged)
-    copy_model_metadata(str(base / "v1src"), staged)
-    store.publish(staged, 1, 1, keep=2)
+    store.publish_hf_folder(base / "v1src", 1, 1, keep=2)
     cfg = RolloutSamplingConfig(name="vllm", dtype="float32", gpu_memory_utilization=0.3)
     engine = VLLMEngine(str(base / "v0"), cfg)
     yield engine, store, old, new
