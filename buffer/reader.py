@@ -9,8 +9,9 @@ the reader remembers per worker the next seq it expects and only probes for that
 per worker, plus one per new shard) after listing the small top folder for new workers. Every
 `full_scan_interval` seconds (and on the first poll, and when `consumed` is replaced, e.g. on a
 trainer resume) it lists every worker folder once, which catches gaps in a sequence. The consumed
-set is always the judge of what is new, so probing and full listings never change what is read:
-each shard exactly once.
+ledger (buffer.ledger.Ledger: per worker a high-water mark plus the few seqs above it) is always
+the judge of what is new, so probing and full listings never change what is read: each shard
+exactly once.
 
 Integrity. Every shard is checked (sha256 trailer, schema version and column types, row
 invariants, token ids within `vocab_size`, finite values, and that the writer's recorded worker
@@ -32,6 +33,7 @@ import pyarrow as pa
 
 from buffer.config import BufferConfig
 from buffer.layout import SHARD_SUFFIX, RunLayout, check_worker_id
+from buffer.ledger import Ledger, as_ledger
 from buffer.storage import atomic_write, filesystem, is_local
 from protocol.experience import Sample, SchemaError, from_table, load_shard
 
@@ -61,7 +63,7 @@ class _Wake:
 
 class ExperienceReader:
     def __init__(self, root: str, cfg: BufferConfig, max_staleness: int,
-                 consumed: set[str] | None = None, vocab_size: int | None = None):
+                 consumed=None, vocab_size: int | None = None):
         self.fs, root_path = filesystem(root)
         self.layout = RunLayout(root_path)
         self.cfg = cfg
@@ -83,13 +85,14 @@ class ExperienceReader:
             self._start_watch()
 
     @property
-    def consumed(self) -> set[str]:
+    def consumed(self) -> Ledger:
         return self._consumed
 
     @consumed.setter
-    def consumed(self, keys) -> None:
-        """Replacing the ledger (trainer resume) makes the next poll a full listing."""
-        self._consumed = set(keys or ())
+    def consumed(self, ledger) -> None:
+        """Accepts a Ledger (copied), its to_json() dict, a list/set of keys, or None.
+        Replacing the ledger (trainer resume) makes the next poll a full listing."""
+        self._consumed = as_ledger(ledger)
         self._next = None
         self._pending = {}
 
@@ -125,14 +128,8 @@ class ExperienceReader:
         return [(key, path) for _, key, path in out]
 
     def _ledger_next(self) -> dict[str, int]:
-        nxt: dict[str, int] = {}
-        for key in self._consumed:
-            parsed = RunLayout.parse_shard_key(key)
-            if parsed is not None:
-                worker, seq = parsed
-                if seq + 1 > nxt.get(worker, 0):
-                    nxt[worker] = seq + 1
-        return nxt
+        ledger = self._consumed
+        return {worker: ledger.next_seq(worker) for worker in ledger.workers()}
 
     def _worker_dirs(self) -> list[str]:
         root = self.layout.experience_dir
@@ -169,9 +166,8 @@ class ExperienceReader:
             if seq is None:
                 continue
             top = max(top, seq + 1)
-            key = RunLayout.shard_key(worker, seq)
-            if key not in self._consumed:
-                found[key] = (seq, f"{wdir}/{name}")
+            if not self._consumed.has(worker, seq):  # no key string per old shard name
+                found[RunLayout.shard_key(worker, seq)] = (seq, f"{wdir}/{name}")
         nxt[worker] = top
 
     def _full_scan(self) -> dict[str, tuple[int, str]]:
@@ -198,9 +194,8 @@ class ExperienceReader:
                 path = self.layout.shard(worker, seq)
                 if not exists(path):
                     break
-                key = RunLayout.shard_key(worker, seq)
-                if key not in self._consumed:
-                    found[key] = (seq, path)
+                if not self._consumed.has(worker, seq):
+                    found[RunLayout.shard_key(worker, seq)] = (seq, path)
                 seq += 1
             if seq != start:
                 nxt[worker] = seq

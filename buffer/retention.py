@@ -16,18 +16,18 @@ Two housekeeping calls, both safe to run while workers publish and the reader re
 Deleting consumed shards does not make a restarted worker reuse a shard name: `ShardWriter`
 resumes its sequence from its heartbeat (`next_seq`), not from what is left on disk.
 
-Cost: both walk the worker folders that exist now, which retention keeps small; `consumed_keys`
-is only looked up (pass a set for O(1) lookups), so the cost does not grow with the length of
-the ledger.
+Cost: both walk the worker folders that exist now, which retention keeps small; the ledger is
+only looked up (a Ledger answers `in` in O(1)), so the cost does not grow with its length.
 """
 from __future__ import annotations
 
 import logging
 import os
 import time
-from typing import Iterable
+from collections.abc import Iterable
 
 from buffer.layout import TMP_MARK, RunLayout, check_worker_id
+from buffer.ledger import Ledger
 from buffer.storage import filesystem, is_local
 
 log = logging.getLogger(__name__)
@@ -52,20 +52,22 @@ def _worker_ids(fs, layout: RunLayout) -> list[str]:
     return out
 
 
-def prune_consumed(root: str, consumed_keys: Iterable[str], mode: str = "delete") -> dict[str, int]:
+def prune_consumed(root: str, consumed_keys: Ledger | Iterable[str],
+                   mode: str = "delete") -> dict[str, int]:
     """Delete (mode='delete') or move to `archive/<worker>/` (mode='archive') every published
     shard under `experience/` whose key "<worker>/<seq>" is in `consumed_keys`.
 
     `consumed_keys` must be the ledger of a *committed* checkpoint (trainer_state.json
-    "consumed", i.e. ExperienceReader.consumed as it was saved). Shards not in it are never
-    touched, nor are temporaries, quarantined shards or anything that is not a shard name.
+    "consumed" read back with Ledger.from_json, i.e. ExperienceReader.consumed as it was saved);
+    a Ledger, or an iterable of keys (converted to one). Shards not in it are never touched, nor
+    are temporaries, quarantined shards or anything that is not a shard name.
 
     Returns {"pruned": shards removed or archived, "bytes": their size, "kept": shards left
     because they are not covered}. Idempotent: a second call with the same keys prunes nothing.
     """
     if mode not in MODES:
         raise ValueError(f"retention mode {mode!r}: use one of {MODES}")
-    keys = consumed_keys if isinstance(consumed_keys, (set, frozenset)) else set(consumed_keys)
+    keys = consumed_keys if isinstance(consumed_keys, Ledger) else Ledger.from_keys(consumed_keys)
     fs, root_path = filesystem(root)
     layout = RunLayout(root_path)
     counts = {"pruned": 0, "bytes": 0, "kept": 0}

@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 
 from buffer import retention
+from buffer.ledger import Ledger
 from buffer.reader import ExperienceReader, Group
 from buffer.storage import atomic_write_json, filesystem
 from buffer.weights import WeightStore
@@ -120,7 +121,7 @@ class Trainer:
         versions = self.store.versions()
         self.version = max([state["version"], *versions]) + (1 if versions else 0)
         if self.rank == 0:
-            self.reader.consumed = set(state["consumed"])
+            self.reader.consumed = state["consumed"]  # the reader reads both ledger formats
             self.reader.stats.update(state["stats"])
             self.reader.pool.extend(pool)
         log.info("resumed from %s at step %d; publishing the restored weights as v%d",
@@ -133,7 +134,7 @@ class Trainer:
                      "rng": {"cpu": torch.get_rng_state().tolist(),
                              "cuda": (torch.cuda.get_rng_state().tolist()
                                       if self.device.type == "cuda" else None)},
-                     "consumed": sorted(self.reader.consumed), "stats": dict(self.reader.stats)}
+                     "consumed": self.reader.consumed.to_json(), "stats": dict(self.reader.stats)}
             pool = list(self.reader.pool)
         t0 = time.monotonic()
         path = checkpoint.save(self.model, self.optimizer, self.store.layout, self.step, state, pool,
@@ -141,8 +142,9 @@ class Trainer:
         log.info("checkpoint %s written in %.2f s", path, time.monotonic() - t0)
         if self.rank == 0 and self.cfg.buffer.retention != "keep":
             # Only now are the ledger's shards covered by a committed checkpoint.
-            pruned = retention.prune_consumed(self.cfg.root, set(state["consumed"]),
-                                              mode=self.cfg.buffer.retention)
+            # The saved snapshot, not the live ledger (which may grow past the checkpoint).
+            covered = Ledger.from_json(state["consumed"])
+            pruned = retention.prune_consumed(self.cfg.root, covered, mode=self.cfg.buffer.retention)
             temps = retention.clean_stale_temps(self.cfg.root, self.cfg.buffer.tmp_timeout_s)
             log.info("retention: %s, %d stale temporaries removed", pruned, temps)
 
