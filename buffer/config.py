@@ -36,6 +36,11 @@ class BufferConfig:
     grpc_tls_cert: str | None = F(None, "trainer: TLS certificate (PEM); with grpc_tls_key enables TLS")
     grpc_tls_key: str | None = F(None, "trainer: TLS private key (PEM)")
     grpc_tls_ca: str | None = F(None, "worker: CA certificate (PEM) to verify the trainer; enables TLS")
-    grpc_max_message_mb: int = F(256, "largest shard message, MiB (flush_samples must fit)", ge=1)
+    grpc_max_shard_mb: int = F(256, "trainer: largest shard it accepts, MiB (flush_samples must fit)",
+                               ge=1)
+    grpc_chunk_kb: int = F(1024, "worker: a shard is streamed in messages of this many KiB (the "
+                           "trainer hashes and writes each as it arrives)", ge=16, le=4096)
+    grpc_server_threads: int = F(16, "trainer: pushes handled at once (over all workers); more "
+                                 "wait in the gRPC queue", ge=1)
     grpc_max_inflight: int = F(8, "shards a worker may have unacknowledged before it blocks", ge=1)
     grpc_timeout_s: float = F(60.0, "seconds one push may take before it is retried", gt=0)

@@ -1,9 +1,10 @@
 """The gRPC transport (`buffer.transport=grpc`) for clusters without a shared filesystem.
 
-Trainer side, `ShardServer`: receives shards (service in protocol/experience.proto), checks the
-token, the schema version, the checksum and every column (the same `load_shard` the reader
-uses), then spools the bytes atomically into the run's own `experience/<worker>/<seq>.arrow` on
-the trainer's disk, and only then acknowledges. The filesystem reader consumes the spool, so
+Trainer side, `ShardServer`: receives shards (service in protocol/experience.proto) as a stream
+of chunks, checks the token and the schema version from the header, writes each chunk to a
+temporary file while hashing it, and publishes (fsync + rename) the run's own
+`experience/<worker>/<seq>.arrow` on the trainer's disk only if the sha256 trailer matches; only
+then it acknowledges. The filesystem reader consumes the spool, so
 both transports share one reader and its exactly-once ledger; a trainer crash loses nothing it
 acknowledged.
 
@@ -26,14 +27,17 @@ import grpc
 
 from buffer.config import BufferConfig
 from buffer.layout import RunLayout
-from buffer.storage import atomic_write, filesystem
+from buffer.storage import atomic_writer, filesystem
 from buffer.writer import ShardWriter
 from protocol import experience_pb2 as pb
-from protocol import experience_pb2_grpc as pb_grpc
-from protocol.experience import SCHEMA_VERSION, SchemaError, load_shard
+from protocol.experience import SCHEMA_VERSION, IntegrityError, StreamVerifier
+from protocol.shard_stream import PUSH_METHOD, SERVICE, chunk_data, decode_chunk, encode_chunk
 
 log = logging.getLogger(__name__)
 TOKEN_ENV = "TANDEM_GRPC_TOKEN"
+# One chunk (buffer.grpc_chunk_kb <= 4 MiB) plus protobuf framing; shards themselves are bounded
+# by buffer.grpc_max_shard_mb, checked against the header before any byte is written.
+MAX_MESSAGE_BYTES = (4 << 20) + (64 << 10)
 
 
 def token(cfg: BufferConfig) -> str:
@@ -56,60 +60,91 @@ def _read(path: str | None) -> bytes | None:
         return f.read()
 
 
-class _Servicer(pb_grpc.ExperienceServicer):
-    def __init__(self, root: str, secret: str, vocab_size: int | None, consumed):
+class _Servicer:
+    def __init__(self, root: str, secret: str, max_shard_bytes: int, consumed):
         self.fs, root_path = filesystem(root)
         self.layout = RunLayout(root_path)
         self.secret = secret
-        self.vocab_size = vocab_size
+        self.max_shard_bytes = max_shard_bytes
         self.consumed = consumed  # callable -> the reader's ledger, for idempotence after pruning
         self.lock = threading.Lock()  # guards key_locks
         self.key_locks: dict[str, threading.Lock] = {}
         self.stats = collections.Counter()
 
-    def Push(self, request, context):
+    def Push(self, request_iterator, context):
         meta = dict(context.invocation_metadata())
         if meta.get("authorization") != f"Bearer {self.secret}":
             self.stats["refused"] += 1
             context.abort(grpc.StatusCode.UNAUTHENTICATED, "missing or wrong token")
-        if request.schema_version != SCHEMA_VERSION:
-            context.abort(grpc.StatusCode.FAILED_PRECONDITION,
-                          f"schema version {request.schema_version!r}, trainer reads {SCHEMA_VERSION!r}")
-        try:
-            path = self.layout.shard(request.worker_id, request.seq)
-        except ValueError as e:
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
-        key = f"{request.worker_id}/{request.seq}"
+        head = self._header(next(request_iterator, None), context)
+        key = f"{head.worker_id}/{head.seq}"
         with self.lock:
             key_lock = self.key_locks.setdefault(key, threading.Lock())
-        with key_lock:  # one push per (worker, seq) at a time; different shards in parallel
-            if key in self.consumed() or self.fs.exists(path):
-                self.stats["duplicates"] += 1
-                return pb.Ack(worker_id=request.worker_id, seq=request.seq, duplicate=True)
-            try:
-                load_shard(request.data, self.vocab_size)
-            except SchemaError as e:
-                self.stats["rejected"] += 1
-                context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"{key}: {e}")
-            atomic_write(self.fs, path, request.data,
-                         tmp=self.layout.shard_tmp(request.worker_id, request.seq, os.getpid()))
-            self.stats["spooled"] += 1
-        with self.lock:
-            self.key_locks.pop(key, None)
-        return pb.Ack(worker_id=request.worker_id, seq=request.seq, duplicate=False)
+        try:
+            with key_lock:  # one push per (worker, seq) at a time; different shards in parallel
+                duplicate = self._spool(head, key, request_iterator, context)
+        finally:
+            with self.lock:
+                self.key_locks.pop(key, None)
+        return pb.Ack(worker_id=head.worker_id, seq=head.seq, duplicate=duplicate)
+
+    def _header(self, first, context) -> pb.ShardHeader:
+        if first is None or isinstance(first, memoryview) or first.WhichOneof("part") != "header":
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, "a push must start with a ShardHeader")
+        head = first.header
+        if head.schema_version != SCHEMA_VERSION:
+            context.abort(grpc.StatusCode.FAILED_PRECONDITION,
+                          f"schema version {head.schema_version!r}, trainer reads {SCHEMA_VERSION!r}")
+        if head.size > self.max_shard_bytes:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                          f"shard of {head.size} bytes over buffer.grpc_max_shard_mb")
+        try:
+            self.layout.shard(head.worker_id, head.seq)
+        except ValueError as e:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        return head
+
+    def _spool(self, head: pb.ShardHeader, key: str, chunks, context) -> bool:
+        """Write the chunks through a temporary file, hashing as they arrive; publish (fsync +
+        rename) only a whole, undamaged shard. Column checks are the reader's, as for shards in
+        a shared folder: one validation per shard, and bad content is quarantined the same way."""
+        path = self.layout.shard(head.worker_id, head.seq)
+        if key in self.consumed() or self.fs.exists(path):
+            self.stats["duplicates"] += 1
+            return True
+        verifier = StreamVerifier()
+        try:
+            with atomic_writer(self.fs, path, self.layout.shard_tmp(head.worker_id, head.seq,
+                                                                    os.getpid())) as f:
+                for chunk in chunks:
+                    data = chunk_data(chunk)
+                    if data is None:
+                        raise IntegrityError("a second ShardHeader inside one push")
+                    verifier.update(data)
+                    if verifier.size > head.size:
+                        break
+                    f.write(data)
+                if verifier.size != head.size:
+                    raise IntegrityError(f"header says {head.size} bytes, received {verifier.size}")
+                verifier.finish()
+        except IntegrityError as e:
+            self.stats["rejected"] += 1
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"{key}: {e}")
+        self.stats["spooled"] += 1
+        return False
 
 
 class ShardServer:
     """Owned by the trainer's rank 0; `stop()` ends it."""
 
-    def __init__(self, root: str, cfg: BufferConfig, vocab_size: int | None = None,
-                 consumed=lambda: ()):
-        limit = cfg.grpc_max_message_mb << 20
-        self.servicer = _Servicer(root, token(cfg), vocab_size, consumed)
-        self.server = grpc.server(futures.ThreadPoolExecutor(max_workers=8),
-                                  options=[("grpc.max_receive_message_length", limit),
-                                           ("grpc.max_send_message_length", limit)])
-        pb_grpc.add_ExperienceServicer_to_server(self.servicer, self.server)
+    def __init__(self, root: str, cfg: BufferConfig, consumed=lambda: ()):
+        self.servicer = _Servicer(root, token(cfg), cfg.grpc_max_shard_mb << 20, consumed)
+        self.server = grpc.server(futures.ThreadPoolExecutor(max_workers=cfg.grpc_server_threads,
+                                                             thread_name_prefix="grpc-spool"),
+                                  options=[("grpc.max_receive_message_length", MAX_MESSAGE_BYTES)])
+        push = grpc.stream_unary_rpc_method_handler(self.servicer.Push, request_deserializer=decode_chunk,
+                                                    response_serializer=pb.Ack.SerializeToString)
+        self.server.add_generic_rpc_handlers([grpc.method_handlers_generic_handler(SERVICE, {"Push": push})])
         if cfg.grpc_tls_cert:
             creds = grpc.ssl_server_credentials([(_read(cfg.grpc_tls_key), _read(cfg.grpc_tls_cert))])
             self.port = self.server.add_secure_port(cfg.grpc_bind, creds)
@@ -135,18 +170,18 @@ class GrpcShardWriter(ShardWriter):
         self.fatal = False  # the trainer refused a shard: retrying cannot help
         self.stopping = False
         self.last_error: str | None = None
-        self.stub = self._connect()
+        self.push = self._connect()
         self.senders = futures.ThreadPoolExecutor(cfg.grpc_max_inflight, thread_name_prefix="grpc-push")
 
     def _connect(self):
-        limit = self.cfg.grpc_max_message_mb << 20
-        options = [("grpc.max_send_message_length", limit), ("grpc.max_receive_message_length", limit)]
+        options = [("grpc.max_send_message_length", MAX_MESSAGE_BYTES)]
         if self.cfg.grpc_tls_ca:
             creds = grpc.ssl_channel_credentials(root_certificates=_read(self.cfg.grpc_tls_ca))
             self.channel = grpc.secure_channel(self.cfg.grpc_address, creds, options)
         else:
             self.channel = grpc.insecure_channel(self.cfg.grpc_address, options)
-        return pb_grpc.ExperienceStub(self.channel)
+        return self.channel.stream_unary(PUSH_METHOD, request_serializer=encode_chunk,
+                                         response_deserializer=pb.Ack.FromString)
 
     def _publish(self, seq: int, data: bytes) -> str:
         """Hand the shard to a sender; block while `grpc_max_inflight` await acknowledgement."""
@@ -163,14 +198,20 @@ class GrpcShardWriter(ShardWriter):
         self.senders.submit(self._push_until_acked, seq, data)
         return f"grpc://{self.cfg.grpc_address}/{self.worker_id}/{seq}"
 
+    def _chunks(self, seq: int, data: bytes):
+        yield pb.ShardChunk(header=pb.ShardHeader(worker_id=self.worker_id, seq=seq, size=len(data),
+                                                  schema_version=SCHEMA_VERSION))
+        step, view = self.cfg.grpc_chunk_kb << 10, memoryview(data)
+        for start in range(0, len(data), step):
+            yield view[start:start + step]  # encode_chunk frames it without another copy
+
     def _push_until_acked(self, seq: int, data: bytes) -> None:
-        """One sender thread per in-flight shard, so validation and fsync on the trainer overlap
+        """One sender thread per in-flight shard, so hashing and fsync on the trainer overlap
         for consecutive shards. Retries with backoff until acknowledged or refused."""
         backoff = 0.2
-        shard = pb.Shard(worker_id=self.worker_id, seq=seq, data=data, schema_version=SCHEMA_VERSION)
         while not self.stopping:
             try:
-                self.stub.Push(shard, timeout=self.cfg.grpc_timeout_s,
+                self.push(self._chunks(seq, data), timeout=self.cfg.grpc_timeout_s,
                                metadata=[("authorization", f"Bearer {self.secret}")])
             except grpc.RpcError as e:
                 code = e.code()

@@ -6,6 +6,7 @@ the whole file.
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 
@@ -36,21 +37,35 @@ def _fsync_dir(path: str) -> None:
         os.close(fd)
 
 
-def atomic_write(fs: fsspec.AbstractFileSystem, path: str, data: bytes, tmp: str | None = None) -> None:
-    """Write `data` to `path` so that readers never see a partial file."""
+@contextlib.contextmanager
+def atomic_writer(fs: fsspec.AbstractFileSystem, path: str, tmp: str | None = None):
+    """A binary file to write `path` through, piece by piece: it appears under `path` (fsynced)
+    only if the block ends without an exception; otherwise the temporary file is removed."""
     tmp = tmp or f"{path}.tmp-{os.getpid()}"
     parent = path.rsplit("/", 1)[0]
     fs.makedirs(parent, exist_ok=True)
-    if is_local(fs):
-        with open(tmp, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
+    local = is_local(fs)
+    try:
+        with (open(tmp, "wb") if local else fs.open(tmp, "wb")) as f:
+            yield f
+            if local:
+                f.flush()
+                os.fsync(f.fileno())
+    except BaseException:
+        with contextlib.suppress(OSError):
+            fs.rm_file(tmp)
+        raise
+    if local:
         os.replace(tmp, path)
         _fsync_dir(parent)
     else:
-        fs.pipe_file(tmp, data)
         fs.mv(tmp, path)
+
+
+def atomic_write(fs: fsspec.AbstractFileSystem, path: str, data: bytes, tmp: str | None = None) -> None:
+    """Write `data` to `path` so that readers never see a partial file."""
+    with atomic_writer(fs, path, tmp) as f:
+        f.write(data)
 
 
 def atomic_write_json(fs: fsspec.AbstractFileSystem, path: str, obj) -> None:

@@ -21,6 +21,15 @@ from buffer.storage import atomic_write_json, filesystem, fsync_tree, read_json
 from protocol.weights import FileEntry, ManifestError, TensorEntry, WeightManifest, sha256_file, verify_files
 
 log = logging.getLogger(__name__)
+_WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".safetensors.index.json", ".bin.index.json")
+
+
+def copy_model_metadata(model_path: str, dest: str) -> None:
+    """Config, generation config and tokenizer files: what makes a version an HF model folder."""
+    for name in os.listdir(model_path):
+        src = os.path.join(model_path, name)
+        if os.path.isfile(src) and not name.endswith(_WEIGHT_SUFFIXES):
+            shutil.copy2(src, os.path.join(dest, name))
 
 
 class WeightStore:
@@ -90,8 +99,6 @@ class WeightStore:
         usable HF folder.
         """
         from safetensors.torch import save_file
-
-        from trainer.publish import copy_model_metadata
         folder = os.fspath(folder)
         if not os.path.isdir(folder):
             raise FileNotFoundError(f"{folder}: no such model folder")

@@ -19,7 +19,7 @@ import sys
 
 import torch
 
-from trainer.publish import copy_model_metadata
+from buffer.weights import copy_model_metadata
 
 _VERL_SHARD = re.compile(r"^model_world_size_(\d+)_rank_(\d+)\.pt$")
 

@@ -193,25 +193,61 @@ def encode(table: pa.Table) -> bytes:
     return sink.getvalue()
 
 
+def _check_trailer(trailer: bytes, payload_len: int, digest_of_payload) -> None:
+    """Raise IntegrityError unless `trailer` closes a payload of `payload_len` bytes whose sha256
+    (computed lazily by `digest_of_payload()`, the expensive part) matches."""
+    magic, n, digest = _TRAILER.unpack(trailer)
+    if magic != TRAILER_MAGIC:
+        raise IntegrityError("no tandem trailer at the end of the file (truncated, written by "
+                             "another schema version, or not a tandem shard)")
+    if n != payload_len:
+        raise IntegrityError(f"trailer says {n} payload bytes, the file has "
+                             f"{payload_len} (truncated or extended)")
+    got = digest_of_payload()
+    if got != digest:
+        raise IntegrityError(f"sha256 mismatch: trailer {digest.hex()[:16]}..., "
+                             f"content {got.hex()[:16]}... (damaged bytes)")
+
+
 def payload(data: bytes) -> memoryview:
     """The IPC payload of shard bytes, after checking the trailer (raises IntegrityError)."""
     view = memoryview(data)
     if len(view) < TRAILER_SIZE:
         raise IntegrityError(f"{len(view)} bytes: too short for a tandem shard "
                              f"(truncated, or not a shard)")
-    magic, n, digest = _TRAILER.unpack(view[-TRAILER_SIZE:])
-    if magic != TRAILER_MAGIC:
-        raise IntegrityError("no tandem trailer at the end of the file (truncated, written by "
-                             "another schema version, or not a tandem shard)")
-    if n != len(view) - TRAILER_SIZE:
-        raise IntegrityError(f"trailer says {n} payload bytes, the file has "
-                             f"{len(view) - TRAILER_SIZE} (truncated or extended)")
-    body = view[:n]
-    got = hashlib.sha256(body).digest()
-    if got != digest:
-        raise IntegrityError(f"sha256 mismatch: trailer {digest.hex()[:16]}..., "
-                             f"content {got.hex()[:16]}... (damaged bytes)")
+    body = view[:-TRAILER_SIZE]
+    _check_trailer(view[-TRAILER_SIZE:], len(body), lambda: hashlib.sha256(body).digest())
     return body
+
+
+class StreamVerifier:
+    """The trailer check of `payload` for a shard that arrives in pieces (the gRPC transport):
+    each piece is hashed as it arrives, so no step needs the whole shard in memory, and the last
+    TRAILER_SIZE bytes seen are held back as the trailer."""
+
+    def __init__(self):
+        self._sha = hashlib.sha256()
+        self._tail = b""
+        self.size = 0
+
+    def update(self, piece) -> None:
+        view = memoryview(piece)
+        self.size += len(view)
+        if len(view) >= TRAILER_SIZE:  # the held-back tail is payload after all
+            self._sha.update(self._tail)
+            self._sha.update(view[:-TRAILER_SIZE])
+            self._tail = bytes(view[-TRAILER_SIZE:])
+        else:
+            joined = self._tail + bytes(view)
+            self._sha.update(joined[:-TRAILER_SIZE])
+            self._tail = joined[-TRAILER_SIZE:]
+
+    def finish(self) -> None:
+        """Raise IntegrityError unless the bytes so far are one whole, undamaged shard."""
+        if self.size < TRAILER_SIZE:
+            raise IntegrityError(f"{self.size} bytes: too short for a tandem shard "
+                                 f"(truncated, or not a shard)")
+        _check_trailer(self._tail, self.size - TRAILER_SIZE, self._sha.digest)
 
 
 def decode(data: bytes) -> pa.Table:

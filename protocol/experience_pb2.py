@@ -24,17 +24,19 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19protocol/experience.proto\x12\ttandem.v1\"M\n\x05Shard\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x0b\n\x03seq\x18\x02 \x01(\x04\x12\x16\n\x0eschema_version\x18\x03 \x01(\t\x12\x0c\n\x04\x64\x61ta\x18\x04 \x01(\x0c\"8\n\x03\x41\x63k\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x0b\n\x03seq\x18\x02 \x01(\x04\x12\x11\n\tduplicate\x18\x03 \x01(\x08\x32\x36\n\nExperience\x12(\n\x04Push\x12\x10.tandem.v1.Shard\x1a\x0e.tandem.v1.Ackb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19protocol/experience.proto\x12\ttandem.v1\"S\n\x0bShardHeader\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x0b\n\x03seq\x18\x02 \x01(\x04\x12\x16\n\x0eschema_version\x18\x03 \x01(\t\x12\x0c\n\x04size\x18\x04 \x01(\x04\"N\n\nShardChunk\x12(\n\x06header\x18\x01 \x01(\x0b\x32\x16.tandem.v1.ShardHeaderH\x00\x12\x0e\n\x04\x64\x61ta\x18\x02 \x01(\x0cH\x00\x42\x06\n\x04part\"8\n\x03\x41\x63k\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x0b\n\x03seq\x18\x02 \x01(\x04\x12\x11\n\tduplicate\x18\x03 \x01(\x08\x32=\n\nExperience\x12/\n\x04Push\x12\x15.tandem.v1.ShardChunk\x1a\x0e.tandem.v1.Ack(\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'protocol.experience_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_SHARD']._serialized_start=40
-  _globals['_SHARD']._serialized_end=117
-  _globals['_ACK']._serialized_start=119
-  _globals['_ACK']._serialized_end=175
-  _globals['_EXPERIENCE']._serialized_start=177
-  _globals['_EXPERIENCE']._serialized_end=231
+  _globals['_SHARDHEADER']._serialized_start=40
+  _globals['_SHARDHEADER']._serialized_end=123
+  _globals['_SHARDCHUNK']._serialized_start=125
+  _globals['_SHARDCHUNK']._serialized_end=203
+  _globals['_ACK']._serialized_start=205
+  _globals['_ACK']._serialized_end=261
+  _globals['_EXPERIENCE']._serialized_start=263
+  _globals['_EXPERIENCE']._serialized_end=324
 # @@protoc_insertion_point(module_scope)

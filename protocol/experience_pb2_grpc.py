@@ -34,9 +34,9 @@ class ExperienceStub:
         Args:
             channel: A grpc.Channel.
         """
-        self.Push = channel.unary_unary(
+        self.Push = channel.stream_unary(
                 '/tandem.v1.Experience/Push',
-                request_serializer=protocol_dot_experience__pb2.Shard.SerializeToString,
+                request_serializer=protocol_dot_experience__pb2.ShardChunk.SerializeToString,
                 response_deserializer=protocol_dot_experience__pb2.Ack.FromString,
                 _registered_method=True)
 
@@ -44,8 +44,10 @@ class ExperienceStub:
 class ExperienceServicer:
     """Missing associated documentation comment in .proto file."""
 
-    def Push(self, request, context):
-        """One call per shard; the call returns when the shard is durable on the trainer's disk.
+    def Push(self, request_iterator, context):
+        """One call per shard: a header, then the bytes. Returns when the shard is durable on the
+        trainer's disk (INVALID_ARGUMENT: damaged bytes or bad header; FAILED_PRECONDITION: schema
+        version; UNAUTHENTICATED: token).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -54,9 +56,9 @@ class ExperienceServicer:
 
 def add_ExperienceServicer_to_server(servicer, server):
     rpc_method_handlers = {
-            'Push': grpc.unary_unary_rpc_method_handler(
+            'Push': grpc.stream_unary_rpc_method_handler(
                     servicer.Push,
-                    request_deserializer=protocol_dot_experience__pb2.Shard.FromString,
+                    request_deserializer=protocol_dot_experience__pb2.ShardChunk.FromString,
                     response_serializer=protocol_dot_experience__pb2.Ack.SerializeToString,
             ),
     }
@@ -71,7 +73,7 @@ class Experience:
     """Missing associated documentation comment in .proto file."""
 
     @staticmethod
-    def Push(request,
+    def Push(request_iterator,
             target,
             options=(),
             channel_credentials=None,
@@ -81,11 +83,11 @@ class Experience:
             wait_for_ready=None,
             timeout=None,
             metadata=None):
-        return grpc.experimental.unary_unary(
-            request,
+        return grpc.experimental.stream_unary(
+            request_iterator,
             target,
             '/tandem.v1.Experience/Push',
-            protocol_dot_experience__pb2.Shard.SerializeToString,
+            protocol_dot_experience__pb2.ShardChunk.SerializeToString,
             protocol_dot_experience__pb2.Ack.FromString,
             options,
             channel_credentials,

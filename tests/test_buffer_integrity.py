@@ -20,8 +20,8 @@ from buffer.retention import clean_stale_temps, prune_consumed
 from buffer.storage import atomic_write, atomic_write_json, filesystem
 from buffer.writer import ShardWriter
 from conftest import REPO_ROOT, TESTS_DIR, make_group, subprocess_env
-from protocol.experience import (TRAILER_SIZE, IntegrityError, SchemaError, decode, encode,
-                                 from_table, load_shard, to_table)
+from protocol.experience import (TRAILER_SIZE, IntegrityError, SchemaError, StreamVerifier, decode,
+                                 encode, from_table, load_shard, to_table)
 
 N = 3  # samples per group
 
@@ -93,6 +93,26 @@ def test_trailer_catches_flips_truncation_and_strangers():
         decode(body)  # a bare IPC stream (schema version 1): no trailer
     with pytest.raises(IntegrityError):
         decode(b"PAR1" + b"\0" * 100)
+
+
+def _stream_check(data: bytes, piece: int) -> None:
+    v = StreamVerifier()
+    for i in range(0, len(data), piece):
+        v.update(data[i:i + piece])
+    v.finish()
+
+
+@pytest.mark.parametrize("piece", [1, 47, 48, 49, 1000, 1 << 22])
+def test_stream_verifier_agrees_with_payload_for_any_piece_size(piece):
+    """The gRPC server checks shards arriving in pieces; any split must give decode's verdict."""
+    data = encode(to_table(make_group("w0", 0, 0, 0, N)))
+    _stream_check(data, piece)
+    for bad in (_flip(bytearray(data), len(data) // 3), _flip(bytearray(data), len(data) - 5),
+                data[:-1], data + b"\0", data[:TRAILER_SIZE - 1]):
+        with pytest.raises(IntegrityError):
+            decode(bytes(bad))
+        with pytest.raises(IntegrityError):
+            _stream_check(bytes(bad), piece)
 
 
 @pytest.mark.parametrize("mutate,vocab,match", [

@@ -12,11 +12,13 @@ import pytest
 
 from buffer.config import BufferConfig
 from buffer.grpc_transport import GrpcShardWriter, ShardServer
+from buffer.layout import RunLayout
 from buffer.reader import ExperienceReader
 from conftest import TESTS_DIR, make_group, subprocess_env
 from protocol import experience_pb2 as pb
 from protocol import experience_pb2_grpc as pb_grpc
 from protocol.experience import SCHEMA_VERSION, encode, to_table
+from protocol.shard_stream import chunk_data, decode_chunk, encode_chunk
 
 TOKEN = "s3cret-token"
 
@@ -33,36 +35,90 @@ def _cfg(tmp_path, port, **kw):
                         grpc_token_file=str(tmp_path / "token"), transport="grpc", **kw)
 
 
-def _push(port, shard, token=TOKEN):
+def _push(port, data, seq=0, token=TOKEN, schema=SCHEMA_VERSION, size=None, chunk=1000):
+    """A hand-made push: header, then `data` in `chunk`-byte pieces."""
+    head = pb.ShardHeader(worker_id="w0", seq=seq, schema_version=schema,
+                          size=len(data) if size is None else size)
+    msgs = [pb.ShardChunk(header=head)] + [pb.ShardChunk(data=data[i:i + chunk])
+                                           for i in range(0, len(data), chunk)]
     with grpc.insecure_channel(f"127.0.0.1:{port}") as ch:
         meta = [("authorization", f"Bearer {token}")] if token is not None else []
-        return pb_grpc.ExperienceStub(ch).Push(shard, timeout=10, metadata=meta)
+        return pb_grpc.ExperienceStub(ch).Push(iter(msgs), timeout=10, metadata=meta)
 
 
-def test_token_schema_and_idempotence(tmp_path):
+@pytest.mark.parametrize("size", [0, 1, 127, 128, 16383, 16384, 1 << 20])
+def test_data_chunk_fast_path_is_the_protobuf_encoding(size):
+    """encode_chunk/decode_chunk skip protobuf objects for data chunks; the bytes must be what
+    any client generated from the .proto sends and receives."""
+    data = os.urandom(size)
+    wire = encode_chunk(memoryview(data))
+    assert wire == pb.ShardChunk(data=data).SerializeToString()
+    got = decode_chunk(wire)
+    assert isinstance(got, memoryview) and bytes(got) == data
+    head = pb.ShardChunk(header=pb.ShardHeader(worker_id="w0", seq=size, size=size))
+    assert decode_chunk(encode_chunk(head)) == head and chunk_data(decode_chunk(encode_chunk(head))) is None
+    # not the canonical single-field form (here an extra unknown field): parsed by protobuf
+    odd = wire + b"\x18\x01"
+    assert chunk_data(decode_chunk(odd)) == data
+
+
+def _refused(code, *args, **kw) -> str:
+    with pytest.raises(grpc.RpcError) as e:
+        _push(*args, **kw)
+    assert e.value.code() == code, e.value.details()
+    return e.value.details()
+
+
+def test_token_schema_integrity_and_idempotence(tmp_path):
     port = _free_port()
-    server = ShardServer(str(tmp_path / "trainer"), _cfg(tmp_path, port), vocab_size=60_000)
+    server = ShardServer(str(tmp_path / "trainer"), _cfg(tmp_path, port, grpc_max_shard_mb=1))
+    spool = tmp_path / "trainer" / "experience" / "w0"
     try:
         data = encode(to_table(make_group("w0", 0, 0, 0, 4)))
-        shard = pb.Shard(worker_id="w0", seq=0, schema_version=SCHEMA_VERSION, data=data)
         for bad in (None, "wrong"):
-            with pytest.raises(grpc.RpcError) as e:
-                _push(port, shard, token=bad)
-            assert e.value.code() == grpc.StatusCode.UNAUTHENTICATED
-        with pytest.raises(grpc.RpcError) as e:
-            _push(port, pb.Shard(worker_id="w0", seq=0, schema_version="0", data=data))
-        assert e.value.code() == grpc.StatusCode.FAILED_PRECONDITION and "schema version" in e.value.details()
+            _refused(grpc.StatusCode.UNAUTHENTICATED, port, data, token=bad)
+        details = _refused(grpc.StatusCode.FAILED_PRECONDITION, port, data, schema="0")
+        assert "schema version" in details
         flipped = bytearray(data)
         flipped[len(data) // 2] ^= 0xFF
-        with pytest.raises(grpc.RpcError) as e:
-            _push(port, pb.Shard(worker_id="w0", seq=0, schema_version=SCHEMA_VERSION, data=bytes(flipped)))
-        assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
-        assert _push(port, shard).duplicate is False
-        assert _push(port, shard).duplicate is True  # a resend is acknowledged, not stored twice
-        assert (tmp_path / "trainer" / "experience" / "w0" / "000000000.arrow").read_bytes() == data
-        assert server.servicer.stats["refused"] == 2 and server.servicer.stats["spooled"] == 1
+        assert "sha256 mismatch" in _refused(grpc.StatusCode.INVALID_ARGUMENT, port, bytes(flipped))
+        for sent in (data[:-100], data + b"x"):  # the stream ends early, or runs on
+            details = _refused(grpc.StatusCode.INVALID_ARGUMENT, port, sent, size=len(data))
+            assert f"header says {len(data)} bytes" in details
+        assert "grpc_max_shard_mb" in _refused(grpc.StatusCode.INVALID_ARGUMENT, port, data,
+                                               size=2 << 20)
+        assert not spool.exists() or not os.listdir(spool)  # refused pushes leave no file
+        for chunk in (1, 47, 48, 49, 1 << 20):  # chunking never matters to the trailer check
+            assert _push(port, data, seq=chunk, chunk=chunk).duplicate is False
+            assert (spool / f"{chunk:09d}.arrow").read_bytes() == data
+        assert _push(port, data, seq=1).duplicate is True  # a resend is acknowledged, not stored twice
+        assert sorted(os.listdir(spool)) == [f"{c:09d}.arrow" for c in (1, 47, 48, 49, 1 << 20)]
+        assert server.servicer.stats["refused"] == 2 and server.servicer.stats["spooled"] == 5
     finally:
         server.stop()
+
+
+def test_bad_columns_are_quarantined_by_the_one_reader(tmp_path):
+    """The server checks integrity; column checks are the reader's, the same for both transports."""
+    port = _free_port()
+    server = ShardServer(str(tmp_path / "trainer"), _cfg(tmp_path, port))
+    try:
+        group = make_group("w0", 0, 0, 0, 4)
+        group[1].response_ids[0] = 70_000
+        assert _push(port, encode(to_table(group)), seq=0).duplicate is False
+        assert _push(port, encode(to_table(make_group("w0", 0, 1, 0, 4))), seq=1).duplicate is False
+    finally:
+        server.stop()
+    reader = ExperienceReader(str(tmp_path / "trainer"), BufferConfig(), max_staleness=10,
+                              vocab_size=60_000)
+    try:
+        groups = reader.next_batch(1, current_version=0, timeout_s=10)
+    finally:
+        reader.close()
+    assert [g.samples[0].prompt_id for g in groups] == ["w0/0/1"]
+    lay = RunLayout(str(tmp_path / "trainer"))
+    with open(lay.quarantine_reason(lay.quarantine_shard("w0", 0))) as f:
+        assert "outside the vocabulary" in f.read()
 
 
 SERVER = """
@@ -71,7 +127,7 @@ sys.path.insert(0, sys.argv[3])
 from buffer.config import BufferConfig
 from buffer.grpc_transport import ShardServer
 cfg = BufferConfig(grpc_bind=sys.argv[2], grpc_token_file=sys.argv[4], transport="grpc")
-server = ShardServer(sys.argv[1], cfg, vocab_size=60_000)  # keep a reference: GC stops it
+server = ShardServer(sys.argv[1], cfg)  # keep a reference: GC stops it
 print("ready", flush=True)
 time.sleep(3600)
 """

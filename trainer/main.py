@@ -96,8 +96,7 @@ class Trainer:
         self.server = None
         if self.rank == 0 and cfg.buffer.transport == "grpc":
             from buffer.grpc_transport import ShardServer
-            self.server = ShardServer(cfg.root, cfg.buffer, self.model.config.vocab_size,
-                                      consumed=lambda: self.reader.consumed)
+            self.server = ShardServer(cfg.root, cfg.buffer, consumed=lambda: self.reader.consumed)
 
     def _resume_path(self) -> str | None:
         mode = self.cfg.trainer.resume_mode

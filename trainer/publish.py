@@ -9,24 +9,14 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import time
 
 import torch
 import torch.distributed as dist
 
-from buffer.weights import WeightStore
+from buffer.weights import WeightStore, copy_model_metadata
 
-_WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".safetensors.index.json", ".bin.index.json")
 BUCKET_BYTES = 1 << 30
-
-
-def copy_model_metadata(model_path: str, dest: str) -> None:
-    """Config, generation config and tokenizer files: what makes a version an HF model folder."""
-    for name in os.listdir(model_path):
-        src = os.path.join(model_path, name)
-        if os.path.isfile(src) and not name.endswith(_WEIGHT_SUFFIXES):
-            shutil.copy2(src, os.path.join(dest, name))
 
 
 def _owners(sizes: list[int], world: int) -> list[int]:
