@@ -1,13 +1,14 @@
 """gRPC experience transport against a raw TCP copy of the same bytes, on loopback.
 
-    python benchmarks/grpc_bench.py [--shards 40] [--samples 2048] [--rounds 3] [--out results.json]
+    python benchmarks/grpc_bench.py [--shards 150] [--samples 2048] [--rounds 5] [--out results.json]
 
 tandem: GrpcShardWriter's push path (shards already encoded, streamed in chunks, at most
 `--inflight` unacknowledged) -> ShardServer in another process (token check, sha256 while
 writing, fsync + rename, then ack). Baselines, same shard bytes, same machine, same run, receiver
 in another process too: a raw socket copy into memory, and a raw socket copy that also writes and
-fsyncs each shard before its ack (the durability tandem's ack promises). Column validation is the
-reader's for both transports (buffer_bench.py measures it). The three are run in turn for
+fsyncs each shard before its ack (the durability tandem's ack promises). And the ceiling: bare
+gRPC, the same chunk framing into a handler that only counts bytes. Column validation is the
+reader's for both transports (buffer_bench.py measures it). The four are run in turn for
 `--rounds` rounds (disk speed drifts on a shared VM) and each ratio is the median over rounds.
 """
 from __future__ import annotations
@@ -22,6 +23,7 @@ import statistics
 import sys
 import tempfile
 import time
+from concurrent import futures
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests"))
@@ -100,21 +102,65 @@ def grpc_copy(payloads: list[bytes], cfg, root: str) -> float:
     return dt
 
 
+def _bare_server(port_q, stop) -> None:
+    """The ceiling: the same chunked stream into a gRPC handler that only counts bytes."""
+    import grpc
+
+    from protocol.shard_stream import decode_chunk
+
+    def push(chunks, context):
+        return bytes(sum(len(c) if isinstance(c, memoryview) else 0 for c in chunks) > 0)
+    server = grpc.server(futures.ThreadPoolExecutor(16),
+                         options=[("grpc.max_receive_message_length", 8 << 20)])
+    handler = grpc.stream_unary_rpc_method_handler(push, request_deserializer=decode_chunk)
+    server.add_generic_rpc_handlers([grpc.method_handlers_generic_handler("bare.Bare", {"Push": handler})])
+    port_q.put(server.add_insecure_port("127.0.0.1:0"))
+    server.start()
+    stop.wait(timeout=3600)
+    server.stop(1)
+
+
+def bare_grpc_copy(payloads: list[bytes], chunk: int, inflight: int) -> float:
+    """Seconds to stream every payload through bare gRPC (same framing, `inflight` at a time)."""
+    import grpc
+
+    from protocol.shard_stream import encode_chunk
+    ctx = mp.get_context("spawn")
+    port_q, stop = ctx.Queue(), ctx.Event()
+    proc = ctx.Process(target=_bare_server, args=(port_q, stop))
+    proc.start()
+    port = port_q.get(timeout=60)
+    with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+        push = channel.stream_unary("/bare.Bare/Push", request_serializer=encode_chunk)
+
+        def one(data: bytes):
+            view = memoryview(data)
+            return push(iter([view[i:i + chunk] for i in range(0, len(data), chunk)]), timeout=60)
+        t0 = time.perf_counter()
+        with futures.ThreadPoolExecutor(inflight) as pool:
+            list(pool.map(one, payloads))
+        dt = time.perf_counter() - t0
+    stop.set()
+    proc.join(timeout=60)
+    return dt
+
+
 def one_round(payloads: list[bytes], cfg, work: str, i: int) -> dict[str, float]:
-    """Seconds for each of the three, run back to back on fresh folders."""
+    """Seconds for each of the four, run back to back on fresh folders."""
     root = os.path.join(work, f"round{i}")
     os.makedirs(os.path.join(root, "raw"))
     out = {"grpc": grpc_copy(payloads, cfg, root), "raw": raw_copy(payloads, folder=None),
-           "raw_fsync": raw_copy(payloads, folder=os.path.join(root, "raw"))}
+           "raw_fsync": raw_copy(payloads, folder=os.path.join(root, "raw")),
+           "bare_grpc": bare_grpc_copy(payloads, cfg.grpc_chunk_kb << 10, cfg.grpc_max_inflight)}
     shutil.rmtree(root, ignore_errors=True)
     return out
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--shards", type=int, default=40)
+    ap.add_argument("--shards", type=int, default=150)
     ap.add_argument("--samples", type=int, default=2048, help="samples per shard")
-    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--inflight", type=int, default=8, help="buffer.grpc_max_inflight")
     ap.add_argument("--chunk-kb", type=int, default=1024, help="buffer.grpc_chunk_kb")
     ap.add_argument("--out")
@@ -148,6 +194,8 @@ def main() -> int:
               "grpc_MBps_incl_sha256_fsync": statistics.median(mbps["grpc"]),
               "raw_socket_MBps": statistics.median(mbps["raw"]),
               "raw_socket_fsync_MBps": statistics.median(mbps["raw_fsync"]),
+              "bare_grpc_MBps": statistics.median(mbps["bare_grpc"]),
+              "grpc_over_bare_grpc": statistics.median(r["bare_grpc"] / r["grpc"] for r in rounds),
               "grpc_over_raw_socket": statistics.median(r["raw"] / r["grpc"] for r in rounds),
               "grpc_over_raw_socket_fsync": statistics.median(r["raw_fsync"] / r["grpc"] for r in rounds)}
     print(json.dumps(result, indent=1))

@@ -38,6 +38,9 @@ TOKEN_ENV = "TANDEM_GRPC_TOKEN"
 # One chunk (buffer.grpc_chunk_kb <= 4 MiB) plus protobuf framing; shards themselves are bounded
 # by buffer.grpc_max_shard_mb, checked against the header before any byte is written.
 MAX_MESSAGE_BYTES = (4 << 20) + (64 << 10)
+_REFUSALS = (grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.FAILED_PRECONDITION,
+             grpc.StatusCode.INVALID_ARGUMENT)  # resending the same bytes cannot help
+DAMAGED_RESENDS = 3
 
 
 def token(cfg: BufferConfig) -> str:
@@ -127,9 +130,9 @@ class _Servicer:
                 if verifier.size != head.size:
                     raise IntegrityError(f"header says {head.size} bytes, received {verifier.size}")
                 verifier.finish()
-        except IntegrityError as e:
+        except IntegrityError as e:  # damaged on the way: the worker's copy may be fine, resend
             self.stats["rejected"] += 1
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"{key}: {e}")
+            context.abort(grpc.StatusCode.DATA_LOSS, f"{key}: {e}")
         self.stats["spooled"] += 1
         return False
 
@@ -207,17 +210,19 @@ class GrpcShardWriter(ShardWriter):
 
     def _push_until_acked(self, seq: int, data: bytes) -> None:
         """One sender thread per in-flight shard, so hashing and fsync on the trainer overlap
-        for consecutive shards. Retries with backoff until acknowledged or refused."""
-        backoff = 0.2
+        for consecutive shards. Retries with backoff until acknowledged or refused; a shard that
+        arrives damaged (DATA_LOSS) is resent, but only DAMAGED_RESENDS times: past that the
+        worker's own copy is the damaged one."""
+        backoff, damaged = 0.2, 0
         while not self.stopping:
             try:
                 self.push(self._chunks(seq, data), timeout=self.cfg.grpc_timeout_s,
-                               metadata=[("authorization", f"Bearer {self.secret}")])
+                          metadata=[("authorization", f"Bearer {self.secret}")])
             except grpc.RpcError as e:
                 code = e.code()
                 self.last_error = f"{code.name}: {e.details()}"
-                if code in (grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.FAILED_PRECONDITION,
-                            grpc.StatusCode.INVALID_ARGUMENT):
+                damaged += code == grpc.StatusCode.DATA_LOSS
+                if code in _REFUSALS or damaged > DAMAGED_RESENDS:
                     log.error("trainer refused shard %d: %s", seq, self.last_error)
                     with self.cond:  # not retryable: surfaced by the next publish or close
                         self.fatal = True
@@ -244,6 +249,8 @@ class GrpcShardWriter(ShardWriter):
         self.stopping = True
         self.senders.shutdown(wait=True)
         self.channel.close()
+        if self.fatal:
+            raise RuntimeError(f"the trainer refused a shard ({left} unacknowledged): {self.last_error}")
         if left:
             raise TimeoutError(f"{left} shards still unacknowledged by {self.cfg.grpc_address} "
                                f"after {timeout_s:.0f} s; last error: {self.last_error}")

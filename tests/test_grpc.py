@@ -11,7 +11,7 @@ import grpc
 import pytest
 
 from buffer.config import BufferConfig
-from buffer.grpc_transport import GrpcShardWriter, ShardServer
+from buffer.grpc_transport import DAMAGED_RESENDS, GrpcShardWriter, ShardServer
 from buffer.layout import RunLayout
 from buffer.reader import ExperienceReader
 from conftest import TESTS_DIR, make_group, subprocess_env
@@ -81,9 +81,9 @@ def test_token_schema_integrity_and_idempotence(tmp_path):
         assert "schema version" in details
         flipped = bytearray(data)
         flipped[len(data) // 2] ^= 0xFF
-        assert "sha256 mismatch" in _refused(grpc.StatusCode.INVALID_ARGUMENT, port, bytes(flipped))
+        assert "sha256 mismatch" in _refused(grpc.StatusCode.DATA_LOSS, port, bytes(flipped))
         for sent in (data[:-100], data + b"x"):  # the stream ends early, or runs on
-            details = _refused(grpc.StatusCode.INVALID_ARGUMENT, port, sent, size=len(data))
+            details = _refused(grpc.StatusCode.DATA_LOSS, port, sent, size=len(data))
             assert f"header says {len(data)} bytes" in details
         assert "grpc_max_shard_mb" in _refused(grpc.StatusCode.INVALID_ARGUMENT, port, data,
                                                size=2 << 20)
@@ -94,6 +94,25 @@ def test_token_schema_integrity_and_idempotence(tmp_path):
         assert _push(port, data, seq=1).duplicate is True  # a resend is acknowledged, not stored twice
         assert sorted(os.listdir(spool)) == [f"{c:09d}.arrow" for c in (1, 47, 48, 49, 1 << 20)]
         assert server.servicer.stats["refused"] == 2 and server.servicer.stats["spooled"] == 5
+    finally:
+        server.stop()
+
+
+def test_damaged_shard_is_resent_then_refused(tmp_path):
+    """DATA_LOSS means "damaged on the way": the writer resends, DAMAGED_RESENDS times at most
+    (then its own copy must be the bad one) and reports the refusal instead of hanging."""
+    port = _free_port()
+    cfg = _cfg(tmp_path, port, grpc_timeout_s=5)
+    server = ShardServer(str(tmp_path / "trainer"), cfg)
+    writer = GrpcShardWriter(str(tmp_path / "worker"), "w0", cfg)
+    try:
+        data = bytearray(encode(to_table(make_group("w0", 0, 0, 0, 4))))
+        data[100] ^= 0xFF
+        writer._publish(0, bytes(data))
+        with pytest.raises(RuntimeError, match="refused a shard.*sha256 mismatch"):
+            writer.close(timeout_s=60)
+        assert server.servicer.stats["rejected"] == 1 + DAMAGED_RESENDS
+        assert server.servicer.stats["spooled"] == 0
     finally:
         server.stop()
 
