@@ -137,9 +137,10 @@ def report(root: str, verify: bool = False, vocab_size: int | None = None) -> di
                 reason = "(no reason file)"
             out["quarantine"].append({"path": f"{qdir}/{name}", "reason": reason})
     for worker in _workers(fs, layout.archive_dir):
-        n = sum(1 for name in _names(fs, f"{layout.archive_dir}/{worker}")
-                if name.endswith(SHARD_SUFFIX))
-        out["archive"][worker] = n
+        wdir = f"{layout.archive_dir}/{worker}"
+        out["archive"][worker] = sum(1 for bucket in _names(fs, wdir)
+                                     for name in _names(fs, f"{wdir}/{bucket}")
+                                     if name.endswith(SHARD_SUFFIX))
     return out
 
 

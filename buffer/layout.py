@@ -5,7 +5,8 @@
       data/train.parquet           the built-in task in verl's RL dataset format
       experience/<worker>/<seq>.arrow     published shards (temporaries: .<seq>.arrow.tmp-<pid>)
       quarantine/<worker>/<seq>.arrow     shards the trainer rejected, with <seq>.arrow.reason.txt
-      archive/<worker>/<seq>.arrow        consumed shards kept by retention mode 'archive'
+      archive/<worker>/<seq // 10000>/<seq>.arrow   consumed shards kept by retention mode
+                                   'archive' (buckets: no folder ever holds more than 10,000)
       weights/v<version>/          published actor versions (HF safetensors + manifest.json)
       weights/LATEST               the newest complete version number, replaced atomically
       workers/<worker>.json        heartbeats
@@ -25,6 +26,7 @@ from __future__ import annotations
 import dataclasses
 import re
 
+ARCHIVE_BUCKET = 10_000  # shards per archive folder
 SHARD_SUFFIX = ".arrow"
 TMP_MARK = ".tmp-"
 _VERSION_DIR = re.compile(r"^v(\d{6,})$")
@@ -106,7 +108,10 @@ class RunLayout:
         return self._p("archive")
 
     def archive_shard(self, worker_id: str, seq: int) -> str:
-        return self._p("archive", check_worker_id(worker_id), f"{seq:09d}{SHARD_SUFFIX}")
+        # The archive only grows; buckets keep every folder listable on Lustre/NFS. (experience/
+        # needs none: retention keeps it to the unconsumed shards plus one checkpoint interval.)
+        return self._p("archive", check_worker_id(worker_id), f"{seq // ARCHIVE_BUCKET:05d}",
+                       f"{seq:09d}{SHARD_SUFFIX}")
 
     # weights
     @property

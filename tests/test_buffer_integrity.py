@@ -13,6 +13,7 @@ from pathlib import Path
 import pyarrow as pa
 import pytest
 
+from buffer.inspect import report as inspect_report
 from buffer.config import BufferConfig
 from buffer.layout import TMP_MARK, RunLayout
 from buffer.reader import ExperienceReader
@@ -373,8 +374,10 @@ def test_retention_prunes_only_covered_shards_and_writer_never_reuses_a_name(tmp
     assert os.listdir(root / "experience" / "w1") == ["000000001.arrow"]
     archived = root / "archive"
     if mode == "archive":
-        assert sorted(os.listdir(archived / "w0")) == [f"00000000{i}.arrow" for i in range(3)]
-        assert len(from_table(decode((archived / "w0" / "000000000.arrow").read_bytes()))) == N
+        assert sorted(os.listdir(archived / "w0" / "00000")) == [f"00000000{i}.arrow" for i in range(3)]
+        assert len(from_table(decode((archived / "w0" / "00000" / "000000000.arrow").read_bytes()))) == N
+        assert inspect_report(str(root))["archive"] == {"w0": 3, "w1": 1}
+        assert RunLayout(str(root)).archive_shard("w0", 123_456).endswith("w0/00012/000123456.arrow")
     else:
         assert not archived.exists()
     assert prune_consumed(str(root), covered, mode=mode)["pruned"] == 0  # idempotent
