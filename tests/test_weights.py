@@ -130,3 +130,14 @@ def test_publish_splits_tensors_across_ranks_by_bytes():
     loads = [sum(s for s, o in zip([100, 10, 10, 60, 30], owners) if o == r) for r in range(2)]
     assert sorted(loads) == [100, 110]
     assert _owners([5, 5], world=1) == [0, 0]
+
+
+def test_write_file_entries_equal_a_described_read_back(tmp_path):
+    """The trainer's publish takes sizes, sha256 and tensor entries from the bytes it writes;
+    they must be what reading the file back gives (and what workers verify against)."""
+    tensors = {"a.weight": torch.randn(7, 5), "b.bias": torch.randn(3).to(torch.bfloat16),
+               "c": torch.arange(6, dtype=torch.int64).reshape(2, 3)}
+    entry, entries = WeightStore.write_file(str(tmp_path), "x.safetensors", tensors)
+    files, described = WeightStore.describe(str(tmp_path), ["x.safetensors"])
+    assert [entry] == files and entries == described
+    assert sorted(e.dtype for e in entries.values()) == ["BF16", "F32", "I64"]

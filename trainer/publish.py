@@ -1,9 +1,10 @@
 """Publish the sharded actor as full HF-named tensors: every rank writes a disjoint share.
 
 Tensors are gathered one at a time (every rank joins each all-gather; memory is bounded by the
-largest tensor plus one bucket). Tensor ownership is balanced by bytes; each rank writes its
-share as `model-r<rank>-<k>.safetensors` buckets and checksums them, in parallel; rank 0 writes
-the index and the manifest and publishes the version atomically.
+largest tensor plus one bucket, twice: tensors and their serialized bytes). Tensor ownership is
+balanced by bytes; each rank writes its share as `model-r<rank>-<k>.safetensors` buckets, fsyncs
+them and checksums the bytes while writing (`WeightStore.write_file`), in parallel with the other
+ranks; rank 0 writes the index and the manifest and publishes the version atomically.
 """
 from __future__ import annotations
 
@@ -33,7 +34,6 @@ def _owners(sizes: list[int], world: int) -> list[int]:
 def publish_version(model, store: WeightStore, model_path: str, version: int, step: int,
                     keep: int, dtype: torch.dtype = torch.float32) -> dict:
     """Collective: every rank calls it. Returns timing and size metrics."""
-    from safetensors.torch import save_file
     t0 = time.monotonic()
     rank, world = dist.get_rank(), dist.get_world_size()
     items = [(k, v) for k, v in model.state_dict().items()
@@ -42,12 +42,16 @@ def publish_version(model, store: WeightStore, model_path: str, version: int, st
     staged = [store.stage(version) if rank == 0 else None]
     dist.broadcast_object_list(staged, src=0)
     staged = staged[0]
-    mine, files, size, nbytes = {}, [], 0, 0
+    mine, size, nbytes = {}, 0, 0
+    files, tensors, write_s = [], {}, 0.0
 
-    def flush():
-        name = f"model-r{rank:04d}-{len(files):04d}.safetensors"
-        save_file(mine, os.path.join(staged, name), metadata={"format": "pt"})
-        files.append(name)
+    def flush():  # write + fsync + sha256 of this rank's bucket, in parallel with other ranks
+        nonlocal write_s
+        t = time.monotonic()
+        entry, entries = store.write_file(staged, f"model-r{rank:04d}-{len(files):04d}.safetensors", mine)
+        files.append(entry)
+        tensors.update(entries)
+        write_s += time.monotonic() - t
 
     for (name, tensor), who in zip(items, owner):
         full = tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor  # collective
@@ -62,9 +66,8 @@ def publish_version(model, store: WeightStore, model_path: str, version: int, st
         flush()
         nbytes += size
     written = time.monotonic()
-    described = [store.describe(staged, files)]  # sha256 of this rank's files, in parallel
     gathered = [None] * world if rank == 0 else None
-    dist.gather_object(described[0], gathered, dst=0)
+    dist.gather_object((files, tensors), gathered, dst=0)
     totals = torch.tensor([nbytes], dtype=torch.float64, device=next(model.parameters()).device)
     dist.all_reduce(totals)
     if rank == 0:
@@ -78,4 +81,5 @@ def publish_version(model, store: WeightStore, model_path: str, version: int, st
         store.publish(staged, version, step, keep, described=(all_files, all_tensors))
     dist.barrier()
     return {"weights/published": version, "weights/publish_s": time.monotonic() - t0,
-            "weights/gather_write_s": written - t0, "weights/bytes": int(totals.item())}
+            "weights/gather_write_s": written - t0, "weights/write_s": write_s,
+            "weights/bytes": int(totals.item())}
