@@ -135,9 +135,16 @@ def test_publish_splits_tensors_across_ranks_by_bytes():
 def test_write_file_entries_equal_a_described_read_back(tmp_path):
     """The trainer's publish takes sizes, sha256 and tensor entries from the bytes it writes;
     they must be what reading the file back gives (and what workers verify against)."""
+    from safetensors.torch import load_file
     tensors = {"a.weight": torch.randn(7, 5), "b.bias": torch.randn(3).to(torch.bfloat16),
-               "c": torch.arange(6, dtype=torch.int64).reshape(2, 3)}
+               "c": torch.arange(6, dtype=torch.int64).reshape(2, 3), "scalar": torch.tensor(2.5),
+               "empty": torch.zeros(0, 4), "mask": torch.tensor([True, False]),
+               "strided": torch.randn(4, 6).t()}
     entry, entries = WeightStore.write_file(str(tmp_path), "x.safetensors", tensors)
     files, described = WeightStore.describe(str(tmp_path), ["x.safetensors"])
     assert [entry] == files and entries == described
-    assert sorted(e.dtype for e in entries.values()) == ["BF16", "F32", "I64"]
+    assert sorted({e.dtype for e in entries.values()}) == ["BF16", "BOOL", "F32", "I64"]
+    back = load_file(tmp_path / "x.safetensors")  # the reference reader accepts the file
+    assert back.keys() == tensors.keys() and all(torch.equal(back[k], v) for k, v in tensors.items())
+    with pytest.raises(ValueError, match="bad: dtype"):
+        WeightStore.write_file(str(tmp_path), "y.safetensors", {"bad": torch.zeros(2, dtype=torch.complex64)})
