@@ -80,7 +80,7 @@ class _Servicer:
             self.stats["refused"] += 1
             context.abort(grpc.StatusCode.UNAUTHENTICATED, "missing or wrong token")
         head = self._header(next(request_iterator, None), context)
-        key = f"{head.worker_id}/{head.seq}"
+        key = RunLayout.shard_key(head.worker_id, head.seq)
         with self.lock:
             key_lock = self.key_locks.setdefault(key, threading.Lock())
         try:

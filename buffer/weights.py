@@ -145,7 +145,6 @@ class WeightStore:
         folder behind. Raises FileNotFoundError / ValueError naming `folder` when it is not a
         usable HF folder.
         """
-        from safetensors.torch import save_file
         folder = os.fspath(folder)
         if not os.path.isdir(folder):
             raise FileNotFoundError(f"{folder}: no such model folder")
@@ -156,16 +155,16 @@ class WeightStore:
                    or n == "model.safetensors.index.json"]
         if tensors is None and not any(n.endswith(".safetensors") for n in weights):
             raise ValueError(f"{folder}: no *.safetensors weights to publish")
-        staged = self.stage(version)
+        staged, described = self.stage(version), None
         try:
             if tensors is None:
                 for name in weights:
                     shutil.copyfile(os.path.join(folder, name), os.path.join(staged, name))
             else:
-                save_file({k: v.contiguous() for k, v in tensors.items()},
-                          os.path.join(staged, "model.safetensors"), metadata={"format": "pt"})
+                entry, entries = self.write_file(staged, "model.safetensors", tensors)
+                described = ([entry], entries)
             copy_model_metadata(folder, staged)
-            return self.publish(staged, version, step, keep)
+            return self.publish(staged, version, step, keep, described=described)
         except BaseException:
             shutil.rmtree(staged, ignore_errors=True)
             raise
