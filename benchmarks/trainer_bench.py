@@ -117,8 +117,8 @@ def main() -> int:
                   "step_times": times, "tokens_per_s": tokens / step_s,
                   "tokens_per_s_per_gpu": tokens / step_s / world, "mfu": mfu,
                   "publish_s": pub["weights/publish_s"], "publish_bytes": pub["weights/bytes"],
-                  "publish_gather_write_s": pub["weights/gather_write_s"],
-                  "publish_write_hash_fsync_s": pub["weights/write_s"],
+                  "publish_gather_s": pub["weights/gather_s"],
+                  "publish_write_wait_s": pub["weights/write_wait_s"],
                   "publish_second_s": pub2["weights/publish_s"],
                   "raw_write_s": raw_s, "publish_over_raw_write": pub["weights/publish_s"] / raw_s}
         print(json.dumps(result, indent=1))
