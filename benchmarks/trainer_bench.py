@@ -22,6 +22,19 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 PEAK_BF16 = {"H200": 989e12, "H100": 989e12, "A100": 312e12}
 
 
+def published_equals_model(trainer, version: int, rank: int) -> bool | None:
+    """Collective. On rank 0: does the published version hold exactly the model's weights (cast
+    to the publish dtype)? Checks the whole publish path, device-to-host copies included."""
+    import torch
+    published = dict(trainer.store.tensors(version)) if rank == 0 else {}
+    ok = True
+    for name, tensor in trainer.model.state_dict().items():
+        full = tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor
+        if rank == 0 and name in published:
+            ok &= torch.equal(published[name], full.detach().to(published[name].dtype).cpu())
+    return ok and bool(published) if rank == 0 else None
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--work", default="/tmp/trainer_bench")
@@ -100,6 +113,7 @@ def main() -> int:
     pub = trainer.publish(step=args.steps)
     trainer.version = 2
     pub2 = trainer.publish(step=args.steps)  # the steady state: files and page cache warm
+    matches = published_equals_model(trainer, version=2, rank=rank)
     raw_s = None
     if rank == 0:
         blob = os.urandom(pub["weights/bytes"])
@@ -120,6 +134,7 @@ def main() -> int:
                   "publish_gather_s": pub["weights/gather_s"],
                   "publish_write_wait_s": pub["weights/write_wait_s"],
                   "publish_second_s": pub2["weights/publish_s"],
+                  "publish_equals_model": matches,
                   "raw_write_s": raw_s, "publish_over_raw_write": pub["weights/publish_s"] / raw_s}
         print(json.dumps(result, indent=1))
         with open(args.out, "w") as f:

@@ -148,3 +148,14 @@ def test_write_file_entries_equal_a_described_read_back(tmp_path):
     assert back.keys() == tensors.keys() and all(torch.equal(back[k], v) for k, v in tensors.items())
     with pytest.raises(ValueError, match="bad: dtype"):
         WeightStore.write_file(str(tmp_path), "y.safetensors", {"bad": torch.zeros(2, dtype=torch.complex64)})
+
+
+def test_publish_bucket_round_trips_through_one_flat_copy():
+    """A publish bucket crosses to the host as one flat byte buffer; the views cut back out of
+    it must be the tensors (shapes, 0-d and empty included)."""
+    from trainer.publish import _flat_bytes, _unflatten
+    bucket = {"a": torch.randn(3, 4), "s": torch.tensor(2.0), "e": torch.zeros(0, 3),
+              "t": torch.randn(4, 6).t(), "b": torch.randn(5)}
+    back = _unflatten(_flat_bytes(bucket).clone(), bucket)
+    assert list(back) == list(bucket)
+    assert all(back[k].shape == v.shape and torch.equal(back[k], v) for k, v in bucket.items())
