@@ -12,7 +12,7 @@ from __future__ import annotations
 import json
 import os
 import time
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
 
 import torch
 import torch.distributed as dist
@@ -71,8 +71,9 @@ def publish_version(model, store: WeightStore, model_path: str, version: int, st
     mine, size, nbytes, pending = {}, 0, 0, []
     with ThreadPoolExecutor(WRITERS, thread_name_prefix="publish") as pool:
         def flush():
-            while sum(not f.done() for f in pending) >= WRITERS:  # bound host memory
-                next(f for f in pending if not f.done()).result()
+            busy = [f for f in pending if not f.done()]
+            if len(busy) >= WRITERS:  # bound host memory
+                wait(busy, return_when=FIRST_COMPLETED)
             name = f"model-r{rank:04d}-{len(pending):04d}.safetensors"
             pending.append(pool.submit(store.write_file, staged, name, _to_host(mine)))
 
