@@ -7,6 +7,7 @@ subprocesses can import it too: `sys.path.insert(0, TESTS_DIR); from conftest im
 from __future__ import annotations
 
 import os
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -95,6 +96,12 @@ def experience(tmp_path_factory):
     return base
 
 
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
 def run_folder(experience, name):
     import shutil
     root = experience / name
@@ -102,15 +109,25 @@ def run_folder(experience, name):
     return root
 
 
-def trainer_proc(root, model, nproc, *extra, steps=STEPS, groups=GROUPS):
+def trainer_proc(root, model, nproc, *extra, steps=STEPS, groups=GROUPS, rendezvous=("--standalone",)):
+    """trainer.main under torchrun; `rendezvous` replaces --standalone (e.g. c10d multi-node)."""
     return subprocess.Popen(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
+        [sys.executable, "-m", "torch.distributed.run", *rendezvous, f"--nproc_per_node={nproc}",
          "-m", "trainer.main", f"root={root}", f"actor_rollout_ref.model.path={model}",
          f"trainer.total_training_steps={steps}", f"data.train_batch_size={groups}",
          "trainer.max_staleness=1000", "actor_rollout_ref.actor.optim.lr=1e-2",
          "trainer.data_timeout_s=60", "buffer.poll_interval=0.1", *extra],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,
         env=dict(os.environ, OMP_NUM_THREADS="1"))
+
+
+def uninterrupted_run(experience, name, nproc=2):
+    """A trainer run over the shared experience that must succeed; its run folder."""
+    root = run_folder(experience, name)
+    p = trainer_proc(root, experience / "model", nproc)
+    out, _ = p.communicate(timeout=300)
+    assert p.returncode == 0, out[-3000:]
+    return root
 
 
 def final_weights(root):

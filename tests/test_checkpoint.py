@@ -11,15 +11,13 @@ from safetensors.torch import load_file
 from buffer.layout import RunLayout
 from protocol.experience import decode, from_table
 from conftest import STEPS, final_weights as _final_weights, run_folder as _run_folder, trainer_proc as _trainer
+from conftest import uninterrupted_run
 from trainer.checkpoint import latest_complete
 
 
 def test_sigkill_and_resume_on_one_rank_matches_uninterrupted_run(experience):
     model = experience / "model"
-    ref = _run_folder(experience, "uninterrupted")
-    p = _trainer(ref, model, 2)
-    out, _ = p.communicate(timeout=300)
-    assert p.returncode == 0, out[-3000:]
+    ref = uninterrupted_run(experience, "uninterrupted")
 
     run = _run_folder(experience, "killed")
     p = _trainer(run, model, 2, "trainer.save_freq=3", "trainer.log_sample_ids=true")

@@ -2,7 +2,6 @@
 import collections
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -14,19 +13,13 @@ from buffer.config import BufferConfig
 from buffer.grpc_transport import DAMAGED_RESENDS, GrpcShardWriter, ShardServer
 from buffer.layout import RunLayout
 from buffer.reader import ExperienceReader
-from conftest import TESTS_DIR, make_group, subprocess_env
+from conftest import TESTS_DIR, free_port, make_group, subprocess_env
 from protocol import experience_pb2 as pb
 from protocol import experience_pb2_grpc as pb_grpc
 from protocol.experience import SCHEMA_VERSION, encode, to_table
 from protocol.shard_stream import chunk_data, decode_chunk, encode_chunk
 
 TOKEN = "s3cret-token"
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _cfg(tmp_path, port, **kw):
@@ -70,7 +63,7 @@ def _refused(code, *args, **kw) -> str:
 
 
 def test_token_schema_integrity_and_idempotence(tmp_path):
-    port = _free_port()
+    port = free_port()
     server = ShardServer(str(tmp_path / "trainer"), _cfg(tmp_path, port, grpc_max_shard_mb=1))
     spool = tmp_path / "trainer" / "experience" / "w0"
     try:
@@ -101,7 +94,7 @@ def test_token_schema_integrity_and_idempotence(tmp_path):
 def test_damaged_shard_is_resent_then_refused(tmp_path):
     """DATA_LOSS means "damaged on the way": the writer resends, DAMAGED_RESENDS times at most
     (then its own copy must be the bad one) and reports the refusal instead of hanging."""
-    port = _free_port()
+    port = free_port()
     cfg = _cfg(tmp_path, port, grpc_timeout_s=5)
     server = ShardServer(str(tmp_path / "trainer"), cfg)
     writer = GrpcShardWriter(str(tmp_path / "worker"), "w0", cfg)
@@ -119,7 +112,7 @@ def test_damaged_shard_is_resent_then_refused(tmp_path):
 
 def test_bad_columns_are_quarantined_by_the_one_reader(tmp_path):
     """The server checks integrity; column checks are the reader's, the same for both transports."""
-    port = _free_port()
+    port = free_port()
     server = ShardServer(str(tmp_path / "trainer"), _cfg(tmp_path, port))
     try:
         group = make_group("w0", 0, 0, 0, 4)
@@ -163,7 +156,7 @@ def _start_server(tmp_path, port):
 
 
 def test_server_restart_mid_stream_loses_and_doubles_nothing(tmp_path):
-    port = _free_port()
+    port = free_port()
     cfg = _cfg(tmp_path, port, flush_samples=4, grpc_max_inflight=4, grpc_timeout_s=5,
                backlog_timeout_s=90)
     server = _start_server(tmp_path, port)
@@ -199,7 +192,7 @@ def test_server_restart_mid_stream_loses_and_doubles_nothing(tmp_path):
 
 
 def test_pipeline_over_grpc(tmp_path):
-    port = _free_port()
+    port = free_port()
     env = dict(os.environ, TANDEM_GRPC_TOKEN=TOKEN)
     root = tmp_path / "run"
     proc = subprocess.run([sys.executable, "-m", "launch.local", "--root", str(root), "--steps", "4",
