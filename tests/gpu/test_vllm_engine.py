@@ -70,7 +70,12 @@ def test_default_engine_reloads_in_place(tmp_path):
 
 
 @pytest.mark.gpus(2)
-def test_tensor_parallel_engine_reloads_in_place(tmp_path):
+def test_tensor_parallel_engine_reloads_in_place(tmp_path, monkeypatch):
+    # The lent H200 hosts turn NVLink multicast off; vLLM's default fused all-reduce backend
+    # (FlashInfer "mnnvl") needs it and fails there, so use the single-node backend and no
+    # torch symmetric memory. Clusters with NVSwitch multicast need neither.
+    monkeypatch.setenv("VLLM_FLASHINFER_ALLREDUCE_BACKEND", "trtllm")
+    monkeypatch.setenv("VLLM_ALLREDUCE_USE_SYMM_MEM", "0")
     engine, store, old, new = _engine_and_versions(tmp_path, tp=2)
     try:
         _check_reload(engine, store, old, new)
