@@ -201,6 +201,10 @@ class GrpcShardWriter(ShardWriter):
         self.senders.submit(self._push_until_acked, seq, data)
         return f"grpc://{self.cfg.grpc_address}/{self.worker_id}/{seq}"
 
+    def _unsure_from(self, seq: int) -> int:
+        with self.cond:  # a shard is published once acknowledged
+            return min([seq, *self.unacked])
+
     def _chunks(self, seq: int, data: bytes):
         yield pb.ShardChunk(header=pb.ShardHeader(worker_id=self.worker_id, seq=seq, size=len(data),
                                                   schema_version=SCHEMA_VERSION))

@@ -10,6 +10,7 @@
       weights/v<version>/          published actor versions (HF safetensors + manifest.json)
       weights/LATEST               the newest complete version number, replaced atomically
       workers/<worker>.json        heartbeats
+      workers/<worker>.claim       the writer's durable claim of its next shard numbers
       control.json                 pool commands (protocol/control.py), written by launch.control
       pool/<supervisor>.json       a pool supervisor's applied commands, target and workers
       progress.json                the trainer's consumption count (for worker backpressure)
@@ -143,6 +144,10 @@ class RunLayout:
 
     def heartbeat(self, worker_id: str) -> str:
         return self._p("workers", f"{check_worker_id(worker_id)}.json")
+
+    def seq_claim(self, worker_id: str) -> str:
+        """ShardWriter's claim of its shard numbers, written before each shard is published."""
+        return self._p("workers", f"{check_worker_id(worker_id)}.claim")
 
     @property
     def control(self) -> str:

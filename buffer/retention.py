@@ -14,7 +14,8 @@ Two housekeeping calls, both safe to run while workers publish and the reader re
   that wrote the file (its mtime) and the node that cleans.
 
 Deleting consumed shards does not make a restarted worker reuse a shard name: `ShardWriter`
-resumes its sequence from its heartbeat (`next_seq`), not from what is left on disk.
+resumes its sequence from its durable claim (`workers/<worker>.claim`, written before each
+shard is published), not from what is left on disk.
 
 Cost: both walk the worker folders that exist now, which retention keeps small; the ledger is
 only looked up (a Ledger answers `in` in O(1)), so the cost does not grow with its length.

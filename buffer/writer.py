@@ -9,7 +9,7 @@ import pyarrow as pa
 
 from buffer.config import BufferConfig
 from buffer.layout import RunLayout
-from buffer.storage import atomic_write, filesystem
+from buffer.storage import atomic_write, atomic_write_json, filesystem, read_json
 from protocol.experience import Sample, check_rows, encode, to_table
 
 log = logging.getLogger(__name__)
@@ -23,10 +23,19 @@ class ShardWriter:
 
     A flush is triggered by sample count or by age (`flush_interval`), checked whenever a group
     is added or `maybe_flush` is called. Groups are never split across shards. The writer names
-    groups and samples after the shard they land in (`<worker>/<seq>/<group>/<k>`), so ids stay
-    unique across worker restarts. `resume` is the worker's last heartbeat: a restarted writer
-    continues its sequence and its sample count from there (plus any shard published after it),
-    even when consumed shards have been deleted.
+    groups and samples after the shard they land in (`<worker>/<seq>/<group>/<k>`).
+
+    Restarts never reuse a shard number, even one the trainer consumed and retention deleted
+    (the trainer would skip the new shard as consumed: its samples lost). Before publishing shard
+    N the writer durably claims it in `workers/<worker>.claim`: `next_seq` N+1, `fill_from` the
+    lowest number that may still be unpublished (N; over gRPC the oldest unacknowledged shard)
+    and `samples_before`. A restarted writer continues after the claim (for a run without one:
+    after its last heartbeat `resume`, plus any shard published after it). A number in
+    [fill_from, next_seq) that is not on disk was either never published (the kill came first)
+    or consumed (only consumed shards are deleted or quarantined); the restarted writer
+    publishes an empty shard under it, which closes the gap the trainer's ledger would otherwise
+    wait on for ever, and which the trainer skips if the number was consumed. So shard keys and
+    sample ids are unique across restarts.
     """
 
     def __init__(self, root: str, worker_id: str, cfg: BufferConfig, resume: dict | None = None):
@@ -43,19 +52,47 @@ class ShardWriter:
         self._resume(resume or {})
 
     def _resume(self, beat: dict) -> None:
-        next_seq = int(beat.get("next_seq", 0))
-        self.samples_written = int(beat.get("samples_written", 0))
+        claim = read_json(self.fs, self.layout.seq_claim(self.worker_id)) or {}
+        if claim:  # samples before `base` are counted; shards from `base` on are listed
+            base, counted = int(claim["fill_from"]), int(claim["samples_before"])
+        else:
+            base, counted = int(beat.get("next_seq", 0)), int(beat.get("samples_written", 0))
         listed = [RunLayout.shard_seq(p) for p in self.fs.ls(self.dir, detail=False)]
-        listed = sorted(s for s in listed if s is not None and s >= next_seq)
-        for seq in listed:  # published after the last heartbeat, before a crash
+        listed = sorted(s for s in listed if s is not None and s >= base)
+        for seq in listed:  # published after the claim or heartbeat, before a crash
             try:
                 with self.fs.open(self.layout.shard(self.worker_id, seq), "rb") as f:
                     meta = pa.ipc.open_stream(f).schema.metadata
-                self.samples_written += int(meta[b"tandem.num_samples"])
+                counted += int(meta[b"tandem.num_samples"])
             except (OSError, pa.ArrowException, KeyError, ValueError, TypeError) as e:
                 # damaged, or quarantined/pruned meanwhile: never reuse its name, count nothing
                 log.warning("cannot count the samples of shard %d of %s: %s", seq, self.worker_id, e)
-        self.seq = max([next_seq, *(s + 1 for s in listed)])
+        # The heartbeat counts only published shards: never less than what it says.
+        self.samples_written = max(counted, int(beat.get("samples_written", 0)))
+        claimed = int(claim.get("next_seq", 0))
+        self.seq = max([base, claimed, int(beat.get("next_seq", 0)), *(s + 1 for s in listed)])
+        published = int(beat.get("next_seq", 0))  # the heartbeat names only published shards
+        self._gaps = [s for s in range(max(base, published), claimed) if s not in set(listed)]
+
+    def _claim(self, seq: int) -> None:
+        """Durably reserve `seq` before its shard can appear anywhere (see the class doc)."""
+        atomic_write_json(self.fs, self.layout.seq_claim(self.worker_id), {
+            "next_seq": seq + 1, "fill_from": self._unsure_from(seq),
+            "samples_before": self.samples_written})
+
+    def _unsure_from(self, seq: int) -> int:
+        """The lowest shard number that may still be unpublished once `seq` is being published."""
+        return seq
+
+    def _fill_gaps(self) -> None:
+        """Empty shards under the numbers a killed predecessor claimed but may not have
+        published (see the class doc); before this writer's first own shard."""
+        for seq in self._gaps:
+            if not self.fs.exists(self.layout.shard(self.worker_id, seq)):
+                self._publish(seq, self._encode(seq, []))
+                log.info("published an empty shard %d of %s: claimed before a restart, not on "
+                         "disk", seq, self.worker_id)
+        self._gaps = []
 
     def add_group(self, group: list[Sample]) -> str | None:
         check_rows(group)
@@ -85,17 +122,22 @@ class ShardWriter:
     def close(self) -> None:
         self.flush()
 
+    def _encode(self, seq: int, samples: list[Sample]) -> bytes:
+        meta = {"tandem.worker_id": self.worker_id, "tandem.shard_seq": seq,
+                "tandem.num_samples": len(samples), "tandem.created_at": time.time()}
+        if samples:
+            versions = [s.weight_version for s in samples]
+            meta |= {"tandem.min_weight_version": min(versions),
+                     "tandem.max_weight_version": max(versions)}
+        return encode(to_table(samples, meta))
+
     def flush(self) -> str | None:
         if not self.pending:
             return None
-        versions = [s.weight_version for s in self.pending]
-        table = to_table(self.pending, {"tandem.worker_id": self.worker_id,
-                                        "tandem.shard_seq": self.seq,
-                                        "tandem.num_samples": len(self.pending),
-                                        "tandem.min_weight_version": min(versions),
-                                        "tandem.max_weight_version": max(versions),
-                                        "tandem.created_at": time.time()})
-        path = self._publish(self.seq, encode(table))
+        if self._gaps:
+            self._fill_gaps()
+        self._claim(self.seq)
+        path = self._publish(self.seq, self._encode(self.seq, self.pending))
         self.samples_written += len(self.pending)
         self.shards_written += 1
         log.info("published %s (%d samples)", path, len(self.pending))
