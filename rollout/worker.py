@@ -27,6 +27,7 @@ from buffer.weights import WeightStore
 from buffer.writer import ShardWriter
 from protocol.config import parse_cli
 from protocol.experience import Sample
+from protocol.weights import ManifestError
 from rollout import reward
 from rollout.config import WorkerConfig
 from rollout.dataset import Prompt, PromptStream, load_prompts
@@ -105,7 +106,11 @@ class RolloutWorker:
             files = self.store.verified_files(latest)
             t1 = time.monotonic()
             count = self.engine.load_files(files)
-        except FileNotFoundError as e:  # pruned while we read: the next batch sees a newer one
+        except (FileNotFoundError, ManifestError) as e:
+            # Pruned while we read (its folder gone, or newer versions published meanwhile): the
+            # next batch sees a newer one. The newest version still there but bad is an error.
+            if os.path.isdir(self.layout.version_dir(latest)) and self.store.latest() == latest:
+                raise
             log.warning("weight version %d vanished while loading (%s); retrying later", latest, e)
             return False
         self.version = latest

@@ -106,3 +106,32 @@ def test_restarted_grpc_worker_is_not_acknowledged_as_a_duplicate(tmp_path, monk
         for w in writers:
             w.close(timeout_s=10)
         server.stop()
+
+
+# --- 7. a version pruned while a worker loads it ----------------------------------------------
+
+def test_worker_survives_a_version_pruned_while_it_loads(tmp_path):
+    from buffer.weights import WeightStore
+    from protocol.config import build
+    from rollout import builtin_task
+    from rollout.config import WorkerConfig
+    from rollout.worker import RolloutWorker
+    builtin_task.write_model(tmp_path / "m")
+    builtin_task.write_parquet(tmp_path / "t.parquet", builtin_task.make_rows(10, 3))
+    root = tmp_path / "run"
+    store = WeightStore(str(root))
+    store.publish_hf_folder(tmp_path / "m", 0, 0, keep=3)
+    worker = RolloutWorker(build(WorkerConfig, {"root": str(root), "worker.id": "w",
+                                                "train_files": f"[{tmp_path / 't.parquet'}]"}))
+    worker.start()
+    try:
+        store.publish_hf_folder(tmp_path / "m", 1, 1, keep=3)
+        # What a worker sees when it read LATEST just before the trainer published three more
+        # versions and pruned v1 (keep=3): the pointer names v1, v1 is gone.
+        import shutil
+        shutil.rmtree(store.layout.version_dir(1))
+        assert worker.maybe_reload() is False and worker.version == 0
+        store.publish_hf_folder(tmp_path / "m", 2, 2, keep=3)
+        assert worker.maybe_reload() is True and worker.version == 2
+    finally:
+        worker.engine.close()
