@@ -17,6 +17,8 @@ server, which handles different shards in parallel.
 from __future__ import annotations
 
 import collections
+import contextlib
+import itertools
 import logging
 import os
 import threading
@@ -63,6 +65,29 @@ def _read(path: str | None) -> bytes | None:
         return f.read()
 
 
+class _KeyLocks:
+    """One lock per key, kept in the table while any push holds or waits for it (dropping it
+    when its holder finishes would let a third push make a new lock and run beside a waiter)."""
+
+    def __init__(self):
+        self._guard = threading.Lock()
+        self._locks: dict[str, list] = {}  # key -> [lock, pushes holding or waiting]
+
+    @contextlib.contextmanager
+    def hold(self, key: str):
+        with self._guard:
+            entry = self._locks.setdefault(key, [threading.Lock(), 0])
+            entry[1] += 1
+        try:
+            with entry[0]:
+                yield
+        finally:
+            with self._guard:
+                entry[1] -= 1
+                if not entry[1]:
+                    del self._locks[key]
+
+
 class _Servicer:
     def __init__(self, root: str, secret: str, max_shard_bytes: int, consumed):
         self.fs, root_path = filesystem(root)
@@ -70,8 +95,8 @@ class _Servicer:
         self.secret = secret
         self.max_shard_bytes = max_shard_bytes
         self.consumed = consumed  # callable -> the reader's ledger, for idempotence after pruning
-        self.lock = threading.Lock()  # guards key_locks
-        self.key_locks: dict[str, threading.Lock] = {}
+        self.key_locks = _KeyLocks()
+        self._push_ids = itertools.count()
         self.stats = collections.Counter()
 
     def Push(self, request_iterator, context):
@@ -81,14 +106,8 @@ class _Servicer:
             context.abort(grpc.StatusCode.UNAUTHENTICATED, "missing or wrong token")
         head = self._header(next(request_iterator, None), context)
         key = RunLayout.shard_key(head.worker_id, head.seq)
-        with self.lock:
-            key_lock = self.key_locks.setdefault(key, threading.Lock())
-        try:
-            with key_lock:  # one push per (worker, seq) at a time; different shards in parallel
-                duplicate = self._spool(head, key, request_iterator, context)
-        finally:
-            with self.lock:
-                self.key_locks.pop(key, None)
+        with self.key_locks.hold(key):  # one push per (worker, seq) at a time; others in parallel
+            duplicate = self._spool(head, key, request_iterator, context)
         return pb.Ack(worker_id=head.worker_id, seq=head.seq, duplicate=duplicate)
 
     def _header(self, first, context) -> pb.ShardHeader:
@@ -117,8 +136,10 @@ class _Servicer:
             return True
         verifier = StreamVerifier()
         try:
-            with atomic_writer(self.fs, path, self.layout.shard_tmp(head.worker_id, head.seq,
-                                                                    os.getpid())) as f:
+            # A temporary name of this push alone: a stray writer can never truncate it.
+            tmp = self.layout.shard_tmp(head.worker_id, head.seq,
+                                        f"{os.getpid()}.{next(self._push_ids)}")
+            with atomic_writer(self.fs, path, tmp) as f:
                 for chunk in chunks:
                     data = chunk_data(chunk)
                     if data is None:

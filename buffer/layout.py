@@ -68,7 +68,7 @@ class RunLayout:
     def shard(self, worker_id: str, seq: int) -> str:
         return self._p("experience", check_worker_id(worker_id), f"{seq:09d}{SHARD_SUFFIX}")
 
-    def shard_tmp(self, worker_id: str, seq: int, pid: int) -> str:
+    def shard_tmp(self, worker_id: str, seq: int, pid: int | str) -> str:
         return self._p("experience", check_worker_id(worker_id),
                        f".{seq:09d}{SHARD_SUFFIX}{TMP_MARK}{pid}")
 

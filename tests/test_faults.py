@@ -135,3 +135,108 @@ def test_worker_survives_a_version_pruned_while_it_loads(tmp_path):
         assert worker.maybe_reload() is True and worker.version == 2
     finally:
         worker.engine.close()
+
+
+# --- 8. concurrent pushes of one shard never publish damaged bytes ----------------------------
+
+def _waiting_for_the_shard_lock(servicer) -> int:
+    """Push handlers that read their header and now wait for another push of the same shard:
+    their innermost frames are Push itself (or the lock helpers it calls), not gRPC's reading."""
+    import sys
+    import threading
+    from buffer import grpc_transport
+    count = 0
+    for ident, frame in sys._current_frames().items():
+        if ident == threading.get_ident():
+            continue
+        inner = []
+        while frame is not None and frame.f_code is not type(servicer).Push.__code__:
+            inner.append(frame.f_code)
+            frame = frame.f_back
+        if frame is not None and all(c.co_filename in (grpc_transport.__file__, contextlib_file())
+                                     and c.co_name != "_spool" for c in inner):
+            count += 1
+    return count
+
+
+def contextlib_file() -> str:
+    import contextlib
+    return contextlib.__file__
+
+
+def _wait(cond, what: str, timeout_s: float = 60) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not cond():
+        assert time.monotonic() < deadline, f"timed out after {timeout_s} s waiting for {what}"
+        time.sleep(0.01)
+
+
+def test_concurrent_pushes_of_one_shard_never_publish_damaged_bytes(tmp_path, monkeypatch):
+    """A push that dies mid-stream (A) while a resend (B) waits for it, then another resend (C):
+    B and C must not spool at once (they did: A's exit dropped the lock B waited on, C made a
+    new one, and both wrote the same temporary name), and what is published is what was
+    acknowledged."""
+    import threading
+
+    import grpc
+
+    from buffer.grpc_transport import ShardServer
+    from protocol import experience_pb2 as pb
+    from protocol import experience_pb2_grpc as pb_grpc
+    from protocol.experience import SCHEMA_VERSION, encode, load_shard, to_table
+    port = free_port()
+    monkeypatch.setenv("TANDEM_GRPC_TOKEN", "t0ken")
+    server = ShardServer(str(tmp_path / "trainer"), _cfg(grpc_bind=f"127.0.0.1:{port}"))
+    spool = tmp_path / "trainer" / "experience" / "w0"
+    # ~100 KB each: far above the file buffer, so a spooled half is on disk
+    x = encode(to_table([s for g in range(6) for s in make_group("w0", 0, g, 0, N, response_len=500)]))
+    y = encode(to_table([s for g in range(5) for s in make_group("w0", 9, g, 0, N, response_len=500)]))
+    half = len(x) // 2
+
+    def tmp_size() -> int:
+        sizes = [p.stat().st_size for p in spool.glob(".*tmp-*")] if spool.is_dir() else []
+        return max(sizes, default=0)
+
+    def stream(data: bytes, parts: list, gate: threading.Event | None = None):
+        yield pb.ShardChunk(header=pb.ShardHeader(worker_id="w0", seq=0, size=len(data),
+                                                  schema_version=SCHEMA_VERSION))
+        for i, part in enumerate(parts):
+            if i == 1 and gate is not None:
+                assert gate.wait(timeout=120)
+            yield pb.ShardChunk(data=part)
+
+    channel = grpc.insecure_channel(f"127.0.0.1:{port}")
+    push = pb_grpc.ExperienceStub(channel).Push
+    meta = [("authorization", "Bearer t0ken")]
+    go_a, go_b = threading.Event(), threading.Event()
+    try:
+        a = push.future(stream(x, [x[:half], b""], go_a), metadata=meta, timeout=120)
+        _wait(lambda: tmp_size() >= half, "A to spool half the shard")
+        b = push.future(stream(x, [x[:half], x[half:]], go_b), metadata=meta, timeout=120)
+        _wait(lambda: _waiting_for_the_shard_lock(server.servicer) == 1, "B to wait for A")
+        go_a.set()  # A's stream ends short: refused (DATA_LOSS), its temporary removed
+        with pytest.raises(grpc.RpcError) as refused:
+            a.result(timeout=60)
+        assert refused.value.code() == grpc.StatusCode.DATA_LOSS
+        _wait(lambda: tmp_size() >= half, "B to spool half the shard")
+        c = push.future(stream(y, [y]), metadata=meta, timeout=120)
+        _wait(lambda: c.done() or _waiting_for_the_shard_lock(server.servicer) == 1,
+              "C to finish or to wait for B")
+        go_b.set()
+        acks = {}
+        for name, call in (("B", b), ("C", c)):
+            try:
+                acks[name] = call.result(timeout=60).duplicate
+            except grpc.RpcError as e:
+                acks[name] = e.code().name
+    finally:
+        go_a.set()
+        go_b.set()
+        channel.close()
+        server.stop()
+    published = (spool / "000000000.arrow").read_bytes()
+    load_shard(published)  # whole and undamaged
+    stored = [name for name, dup in acks.items() if dup is False]
+    assert len(stored) == 1, acks  # one push stored it, the other was a duplicate
+    assert published == {"B": x, "C": y}[stored[0]]
+    assert not list(spool.glob(".*tmp-*"))
