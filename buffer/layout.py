@@ -21,6 +21,7 @@
       env/<node>.json              versions and checks recorded by launch.check_env on each node
       .check_env/                  launch.check_env's scratch files (removed after each check)
       DONE                         written by the trainer when it has finished its steps
+      trainer.lock                 locked by the running trainer (one per run): its host and pid
 """
 from __future__ import annotations
 
@@ -194,8 +195,9 @@ class RunLayout:
     def checkpoint(self, step: int) -> str:
         return self._p("checkpoints", f"step_{step:08d}")
 
-    def checkpoint_tmp(self, step: int) -> str:
-        return self._p("checkpoints", f".step_{step:08d}{TMP_MARK}")
+    def checkpoint_tmp(self, step: int, owner: str) -> str:
+        """Where `owner` (the trainer's "<host>-<pid>") writes a checkpoint before the commit."""
+        return self._p("checkpoints", f".step_{step:08d}{TMP_MARK}{owner}")
 
     @staticmethod
     def checkpoint_step(name: str) -> int | None:
@@ -205,3 +207,7 @@ class RunLayout:
     @property
     def done_marker(self) -> str:
         return self._p("DONE")
+
+    @property
+    def trainer_lock(self) -> str:
+        return self._p("trainer.lock")

@@ -70,5 +70,5 @@ def test_half_written_checkpoint_is_never_picked(tmp_path):
         d.mkdir(parents=True)
         if complete:
             (d / "trainer_state.json").write_text("{}")
-    Path(layout.checkpoint_tmp(6)).mkdir()  # a save killed before its rename
+    Path(layout.checkpoint_tmp(6, "node1-4242")).mkdir()  # a save killed before its rename
     assert latest_complete(layout) == layout.checkpoint(2)

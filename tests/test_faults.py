@@ -240,3 +240,76 @@ def test_concurrent_pushes_of_one_shard_never_publish_damaged_bytes(tmp_path, mo
     assert len(stored) == 1, acks  # one push stored it, the other was a duplicate
     assert published == {"B": x, "C": y}[stored[0]]
     assert not list(spool.glob(".*tmp-*"))
+
+
+# --- 3. one trainer per run folder --------------------------------------------------------------
+
+def _wait_file(path, proc, what: str, timeout_s: float = 300) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not os.path.exists(path):
+        if proc.poll() is not None:
+            raise AssertionError(f"exited with {proc.returncode} before {what}:\n"
+                                 + proc.stdout.read()[-3000:])
+        assert time.monotonic() < deadline, f"timed out after {timeout_s} s waiting for {what}"
+        time.sleep(0.1)
+
+
+def _descendants(pid: int) -> list[int]:
+    """Every live descendant of `pid` (torchrun's ranks run in sessions of their own)."""
+    children: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue
+            children.setdefault(ppid, []).append(int(entry))
+    out, todo = [], [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            out.append(child)
+            todo.append(child)
+    return out
+
+
+def _stop_group(proc) -> str:
+    """SIGKILL a process started with start_new_session and everything it started."""
+    import signal
+    if proc.poll() is None:
+        for pid in _descendants(proc.pid):
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        os.killpg(proc.pid, signal.SIGKILL)
+    out, _ = proc.communicate(timeout=60)
+    return out
+
+
+def test_a_second_trainer_on_the_run_folder_is_refused_naming_the_first(experience):
+    import re
+    import socket
+
+    from conftest import STEPS, run_folder, trainer_proc
+    root = run_folder(experience, "two_trainers")
+    # more steps than the experience holds: the first trainer stays, waiting for more
+    first = trainer_proc(root, experience / "model", 1, "trainer.save_freq=1",
+                         "trainer.data_timeout_s=600", steps=STEPS + 4)
+    try:
+        _wait_file(RunLayout(str(root)).checkpoint(1), first, "the first trainer's checkpoint")
+        second = trainer_proc(root, experience / "model", 1, "trainer.data_timeout_s=20")
+        try:
+            out, _ = second.communicate(timeout=300)
+        finally:
+            _stop_group(second)
+        assert first.poll() is None, "the first trainer must be unharmed"
+    finally:
+        _stop_group(first)
+    assert second.returncode != 0
+    held = re.search(r"held by the trainer pid (\d+) on host (\S+)", out)
+    assert held, out[-3000:]
+    pid, host = int(held.group(1)), held.group(2).rstrip(",;:")
+    assert host == socket.gethostname() and pid != second.pid
+    assert "resumed from" not in out  # refused before it touched the run
+

@@ -12,12 +12,13 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import socket
 
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
-from buffer.layout import RunLayout
+from buffer.layout import TMP_MARK, RunLayout
 from buffer.reader import Group
 from buffer.storage import fsync_tree
 from protocol.experience import decode, encode, from_table, to_table
@@ -35,9 +36,11 @@ def latest_complete(layout: RunLayout) -> str | None:
 def save(model, optimizer, layout: RunLayout, step: int, state: dict | None,
          pool: list[Group] | None, keep: int) -> str:
     """Collective. `state` and `pool` are rank 0's; other ranks pass None."""
-    tmp = layout.checkpoint_tmp(step)
+    owner = [f"{socket.gethostname()}-{os.getpid()}" if dist.get_rank() == 0 else None]
+    dist.broadcast_object_list(owner, src=0)  # every rank writes into rank 0's folder
+    tmp = layout.checkpoint_tmp(step, owner[0])
     if dist.get_rank() == 0:
-        shutil.rmtree(tmp, ignore_errors=True)  # debris of a save that was killed
+        _remove_debris(layout)
         os.makedirs(tmp)
     dist.barrier()
     model_sd, optim_sd = get_state_dict(model, optimizer)
@@ -52,12 +55,22 @@ def save(model, optimizer, layout: RunLayout, step: int, state: dict | None,
     dist.barrier()  # every rank's shard is on disk
     if dist.get_rank() == 0:
         fsync_tree(tmp)
+        if os.path.exists(final):  # of a timeline this run resumed before (resume_mode=PATH)
+            shutil.rmtree(final)
         os.rename(tmp, final)
         for old in sorted(RunLayout.checkpoint_step(n) for n in os.listdir(layout.checkpoints_dir)
                           if RunLayout.checkpoint_step(n) is not None)[:-keep]:
             shutil.rmtree(layout.checkpoint(old), ignore_errors=True)
     dist.barrier()
     return final
+
+
+def _remove_debris(layout: RunLayout) -> None:
+    """Temporary folders of saves that were killed: the run lock (trainer/run_lock.py) makes
+    this trainer the only writer of the run, so any temporary folder is debris."""
+    for name in os.listdir(layout.checkpoints_dir) if os.path.isdir(layout.checkpoints_dir) else []:
+        if name.startswith(".step_") and TMP_MARK in name:
+            shutil.rmtree(os.path.join(layout.checkpoints_dir, name), ignore_errors=True)
 
 
 def load(model, optimizer, path: str) -> tuple[dict, list[Group]]:

@@ -30,6 +30,7 @@ from trainer.config import TrainerConfig
 from trainer.metrics import MetricsLog
 from trainer.model import build_actor
 from trainer.publish import publish_version
+from trainer.run_lock import RunLock, RunLocked
 
 log = logging.getLogger("trainer")
 
@@ -321,13 +322,38 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO if dist.get_rank() == 0 else logging.WARNING,
                         stream=sys.stdout, format=f"%(asctime)s %(levelname)s trainer[{dist.get_rank()}] %(message)s")
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
-    trainer = Trainer(cfg, device)
     try:
-        trainer.run()
+        lock = hold_run(cfg.root)
+    except RunLocked as e:
+        log.error("%s", e)
+        dist.destroy_process_group()
+        return 1
+    try:
+        trainer = Trainer(cfg, device)
+        try:
+            trainer.run()
+        finally:
+            trainer.close()
     finally:
-        trainer.close()
+        if lock is not None:
+            lock.release()
         dist.destroy_process_group()
     return 0
+
+
+def hold_run(root: str) -> RunLock | None:
+    """Collective: rank 0 takes the run's lock before anything touches the run folder; every
+    rank fails with the holder named when another trainer has it."""
+    lock, refused = None, [None]
+    if dist.get_rank() == 0:
+        try:
+            lock = RunLock.acquire(WeightStore(root).layout)
+        except RunLocked as e:
+            refused = [str(e)]
+    dist.broadcast_object_list(refused, src=0)
+    if refused[0] is not None:
+        raise RunLocked(refused[0])
+    return lock
 
 
 if __name__ == "__main__":
