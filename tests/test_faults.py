@@ -313,3 +313,39 @@ def test_a_second_trainer_on_the_run_folder_is_refused_naming_the_first(experien
     assert host == socket.gethostname() and pid != second.pid
     assert "resumed from" not in out  # refused before it touched the run
 
+
+# --- 2. trainer ranks die with their torchrun agent ----------------------------------------------
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")  # zombies are dead
+    except (FileNotFoundError, ProcessLookupError):
+        return False
+
+
+def test_killing_torchrun_kills_its_ranks(experience):
+    import signal
+
+    from conftest import STEPS, run_folder, trainer_proc
+    root = run_folder(experience, "agent_killed")
+    # more steps than the experience holds: the ranks stay, waiting for more
+    p = trainer_proc(root, experience / "model", 2, "trainer.data_timeout_s=600", steps=STEPS + 4)
+    ranks: list[int] = []
+    try:
+        _wait_file(root / "metrics.jsonl", p, "the first step")
+        ranks = [pid for pid in _descendants(p.pid) if _alive(pid)]
+        assert len(ranks) >= 2, ranks  # torchrun's ranks (and any helper they started)
+        os.killpg(p.pid, signal.SIGKILL)  # what a user's kill -9 of the job does
+        p.wait(timeout=60)
+        deadline = time.monotonic() + 60
+        while any(_alive(pid) for pid in ranks) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not [pid for pid in ranks if _alive(pid)], "ranks outlived their torchrun agent"
+    finally:
+        for pid in ranks:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        _stop_group(p)

@@ -27,6 +27,7 @@ from protocol.config import parse_cli, to_dict
 from trainer import algo, checkpoint
 from trainer.batch import collate
 from trainer.config import TrainerConfig
+from trainer.lifeline import die_with_agent
 from trainer.metrics import MetricsLog
 from trainer.model import build_actor
 from trainer.publish import publish_version
@@ -315,6 +316,7 @@ class Trainer:
 
 
 def main(argv: list[str] | None = None) -> int:
+    die_with_agent()
     cfg = parse_cli(TrainerConfig, argv, "python -m trainer.main",
                     "Trainer: consumes experience shards, runs GRPO/PPO steps on an FSDP2 actor, "
                     "and publishes weight versions for the rollout workers. Run under torchrun.")
