@@ -23,6 +23,7 @@ import pyarrow as pa
 from buffer.backpressure import backlog
 from buffer.layout import SHARD_SUFFIX, TMP_MARK, RunLayout, check_worker_id
 from buffer.reader import check_origin
+from buffer.run_id import read_run_id
 from buffer.storage import filesystem, read_json
 from protocol.experience import SchemaError, from_table, load_shard
 
@@ -65,11 +66,12 @@ def _vocab_size(fs, layout: RunLayout, given: int | None) -> tuple[int | None, s
     return None, "unknown (token ids checked >= 0 only)"
 
 
-def verify_shard(fs, path: str, worker: str, seq: int, vocab_size: int | None) -> tuple[int, list]:
+def verify_shard(fs, path: str, worker: str, seq: int, vocab_size: int | None,
+                 run_id: str | None = None) -> tuple[int, list]:
     """Full check of one shard as the trainer does it; returns (samples, versions); raises."""
     data = fs.cat_file(path)
     table = load_shard(data, vocab_size)
-    check_origin(table.schema.metadata or {}, worker, seq, path)
+    check_origin(table.schema.metadata or {}, worker, seq, path, run_id)
     versions = table.column("weight_version").to_pylist()
     from_table(table)
     return table.num_rows, versions
@@ -79,6 +81,7 @@ def report(root: str, verify: bool = False, vocab_size: int | None = None) -> di
     fs, root_path = filesystem(root)
     layout = RunLayout(root_path)
     vocab, vocab_from = _vocab_size(fs, layout, vocab_size)
+    run_id = read_run_id(fs, layout)
     out: dict = {"root": root_path, "workers": {}, "bad": [], "quarantine": [], "archive": {},
                  "vocab_size": vocab, "vocab_from": vocab_from, "verified": verify}
     total = {"shards": 0, "samples": 0, "bytes": 0, "temporaries": 0, "min_version": None,
@@ -99,7 +102,7 @@ def report(root: str, verify: bool = False, vocab_size: int | None = None) -> di
             try:
                 w["bytes"] += fs.size(path)
                 if verify:
-                    n, versions = verify_shard(fs, path, worker, seq, vocab)
+                    n, versions = verify_shard(fs, path, worker, seq, vocab, run_id)
                     lo, hi = (min(versions), max(versions)) if versions else (None, None)
                 else:
                     n, lo, hi = _summary(fs, path)

@@ -14,6 +14,7 @@
       control.json                 pool commands (protocol/control.py), written by launch.control
       pool/<supervisor>.json       a pool supervisor's applied commands, target and workers
       progress.json                the trainer's consumption count (for worker backpressure)
+      run.json                     the run id (buffer/run_id.py), stamped on every shard
       checkpoints/step_<N>/        trainer checkpoints (DCP shards, trainer_state.json, pool.arrow)
       metrics.jsonl                one JSON object per trainer step
       logs/<process>.log           per-process logs under launch.local
@@ -160,6 +161,10 @@ class RunLayout:
     @property
     def progress(self) -> str:
         return self._p("progress.json")
+
+    @property
+    def run_info(self) -> str:
+        return self._p("run.json")
 
     @property
     def tensorboard_dir(self) -> str:

@@ -35,7 +35,7 @@ from buffer.config import BufferConfig
 from buffer.layout import SHARD_SUFFIX, RunLayout, check_worker_id
 from buffer.ledger import Ledger, as_ledger
 from buffer.storage import atomic_write, filesystem, is_local
-from protocol.experience import Sample, SchemaError, from_table, load_shard
+from protocol.experience import RUN_ID_KEY, Sample, SchemaError, from_table, load_shard
 
 log = logging.getLogger(__name__)
 
@@ -63,12 +63,13 @@ class _Wake:
 
 class ExperienceReader:
     def __init__(self, root: str, cfg: BufferConfig, max_staleness: int,
-                 consumed=None, vocab_size: int | None = None):
+                 consumed=None, vocab_size: int | None = None, run_id: str | None = None):
         self.fs, root_path = filesystem(root)
         self.layout = RunLayout(root_path)
         self.cfg = cfg
         self.max_staleness = max_staleness
         self.vocab_size = vocab_size  # token ids must be < this (the trainer's model vocab)
+        self.run_id = run_id  # shards must carry it (None: not checked, e.g. buffer tools)
         self.pool: collections.deque[Group] = collections.deque()
         self.stats = collections.Counter()
         self._local = is_local(self.fs)
@@ -202,7 +203,7 @@ class ExperienceReader:
         return found
 
     # --- reading and checking ----------------------------------------------------------------
-    def _ingest(self, key: str, path: str) -> None:
+    def _ingest(self, key: str, path: str, current_version: int) -> None:
         worker, seq = RunLayout.parse_shard_key(key)
         try:
             data = self.fs.cat_file(path)
@@ -224,7 +225,8 @@ class ExperienceReader:
         self._consume(key)
         try:
             table = load_shard(data, self.vocab_size)
-            check_origin(table.schema.metadata or {}, worker, seq, path)
+            check_origin(table.schema.metadata or {}, worker, seq, path, self.run_id)
+            check_not_future(table, current_version)
             samples = from_table(table)
         except (SchemaError, pa.ArrowException, ValueError, TypeError, KeyError) as e:
             self._reject(worker, seq, path, e, size=len(data))
@@ -270,7 +272,7 @@ class ExperienceReader:
         last_note = start
         while True:
             for key, path in self.discover():
-                self._ingest(key, path)
+                self._ingest(key, path, current_version)
             self._drop_stale(current_version)
             if len(self.pool) >= num_groups:
                 batch = [self.pool.popleft() for _ in range(num_groups)]
@@ -291,8 +293,9 @@ class ExperienceReader:
             self._wake.clear()
 
 
-def check_origin(meta: dict, worker: str, seq: int, path: str) -> None:
-    """A shard must sit where its writer put it (catches files copied in from elsewhere)."""
+def check_origin(meta: dict, worker: str, seq: int, path: str, run_id: str | None = None) -> None:
+    """A shard must sit where its writer put it, and carry the run's id when `run_id` is given
+    (catches files copied in from elsewhere, e.g. leftovers of another run)."""
     name = path.rsplit("/", 1)[-1]
     if name != f"{seq:09d}{SHARD_SUFFIX}":
         raise SchemaError(f"file name {name!r} is not a name a ShardWriter gives")
@@ -301,6 +304,22 @@ def check_origin(meta: dict, worker: str, seq: int, path: str) -> None:
     if (w is not None and w.decode() != worker) or (q is not None and q.decode() != str(seq)):
         raise SchemaError(f"foreign shard: written by worker {w and w.decode()} as seq "
                           f"{q and q.decode()}, found as {worker}/{seq}")
+    if run_id is not None:
+        got = meta.get(RUN_ID_KEY)
+        if got is None:
+            raise SchemaError(f"no run id: written for another run (or by a tandem without run "
+                              f"ids); this run is {run_id}")
+        if got.decode() != run_id:
+            raise SchemaError(f"from another run: run id {got.decode()}, this run is {run_id}")
+
+
+def check_not_future(table: pa.Table, current_version: int) -> None:
+    """No sample may name a weight version the trainer has not published yet."""
+    import pyarrow.compute as pc
+    newest = pc.max(table.column("weight_version")).as_py()
+    if newest is not None and newest > current_version:
+        raise SchemaError(f"weight version {newest} is newer than the trainer's newest published "
+                          f"version v{current_version} (experience of another run?)")
 
 
 def quarantine(fs, layout: RunLayout, worker: str, seq: int, path: str, reason: str,

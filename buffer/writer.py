@@ -9,6 +9,7 @@ import pyarrow as pa
 
 from buffer.config import BufferConfig
 from buffer.layout import RunLayout
+from buffer.run_id import read_run_id
 from buffer.storage import atomic_write, atomic_write_json, filesystem, read_json
 from protocol.experience import Sample, check_rows, encode, to_table
 
@@ -49,6 +50,7 @@ class ShardWriter:
         self.pending_groups = 0
         self.oldest_pending: float | None = None
         self.shards_written = 0
+        self.run_id = read_run_id(self.fs, self.layout)  # the worker sets it once the run exists
         self._resume(resume or {})
 
     def _resume(self, beat: dict) -> None:
@@ -125,6 +127,8 @@ class ShardWriter:
     def _encode(self, seq: int, samples: list[Sample]) -> bytes:
         meta = {"tandem.worker_id": self.worker_id, "tandem.shard_seq": seq,
                 "tandem.num_samples": len(samples), "tandem.created_at": time.time()}
+        if self.run_id is not None:
+            meta["tandem.run_id"] = self.run_id
         if samples:
             versions = [s.weight_version for s in samples]
             meta |= {"tandem.min_weight_version": min(versions),

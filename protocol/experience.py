@@ -17,7 +17,10 @@ on (`validate_table`).
 A GRPO group (all `n` samples of one prompt draw) is never split across shards, so the trainer can
 batch whole groups without waiting on other shards.
 
-Versions: 1 = bare IPC stream; 2 = IPC stream + integrity trailer.
+Versions: 1 = bare IPC stream; 2 = IPC stream + integrity trailer; 3 = experience shards carry
+the run id (RUN_ID_KEY, buffer/run_id.py) in the metadata. Versions 2 and 3 are read (a
+checkpoint's pool.arrow of version 2 still loads); the trainer refuses experience shards without
+its run id whatever their version.
 """
 from __future__ import annotations
 
@@ -29,8 +32,10 @@ from typing import Iterable
 
 import pyarrow as pa
 
-SCHEMA_VERSION = "2"
+SCHEMA_VERSION = "3"
+READABLE_VERSIONS = ("2", "3")
 SCHEMA_VERSION_KEY = b"tandem.schema_version"
+RUN_ID_KEY = b"tandem.run_id"
 
 TRAILER_MAGIC = b"TNDMSHA2"
 _TRAILER = struct.Struct("<8sQ32s")
@@ -102,8 +107,9 @@ def check_schema(schema: pa.Schema) -> None:
     version = (schema.metadata or {}).get(SCHEMA_VERSION_KEY)
     if version is None:
         raise SchemaError("no tandem.schema_version in the shard metadata (not a tandem shard)")
-    if version.decode() != SCHEMA_VERSION:
-        raise SchemaError(f"schema version {version.decode()}, this build reads {SCHEMA_VERSION}")
+    if version.decode() not in READABLE_VERSIONS:
+        raise SchemaError(f"schema version {version.decode()}, this build reads "
+                          f"{', '.join(READABLE_VERSIONS)}")
     if not schema.remove_metadata().equals(SCHEMA.remove_metadata()):
         raise SchemaError(f"columns differ from the experience schema: got {schema.names}")
 

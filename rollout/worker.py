@@ -22,6 +22,7 @@ import zlib
 
 from buffer.backpressure import wait_for_room
 from buffer.layout import RunLayout
+from buffer.run_id import read_run_id
 from buffer.storage import atomic_write_json, filesystem, read_json
 from buffer.weights import WeightStore
 from buffer.writer import ShardWriter
@@ -91,6 +92,11 @@ class RolloutWorker:
                     raise
                 log.warning("weight version %d was pruned while loading; retrying", self.version)
         self.versions_loaded.append(self.version)
+        self.writer.run_id = read_run_id(self.fs, self.layout)  # written before the first version
+        if self.writer.run_id is None:
+            log.warning("%s: the run folder has weight versions but no run id (a trainer older "
+                        "than this worker?): a trainer that checks run ids refuses these shards",
+                        self.layout.run_info)
         self.prompts = PromptStream(
             load_prompts(self.cfg.data.train_files, self.engine.tokenizer, self.cfg.data.prompt_key,
                          self.cfg.data.max_prompt_length),

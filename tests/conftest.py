@@ -81,7 +81,12 @@ def experience(tmp_path_factory):
     from buffer.writer import ShardWriter
     from rollout import builtin_task
     from rollout.engine import HFEngine, SamplingSettings
+    from buffer.layout import RunLayout
+    from buffer.run_id import ensure_run_id
+    from buffer.storage import filesystem
     base = tmp_path_factory.mktemp("experience")
+    fs, data = filesystem(str(base / "data"))
+    ensure_run_id(fs, RunLayout(data))  # the shards belong to the runs made by run_folder()
     builtin_task.write_model(base / "model")
     engine = HFEngine(str(base / "model"))
     prompts = [[3 + (i * 3 + j) % 5 for j in range(1 + i % 3)] + [13] for i in range(STEPS * GROUPS)]
@@ -106,6 +111,7 @@ def run_folder(experience, name):
     import shutil
     root = experience / name
     shutil.copytree(experience / "data" / "experience", root / "experience")
+    shutil.copy(experience / "data" / "run.json", root / "run.json")
     return root
 
 

@@ -349,3 +349,68 @@ def test_killing_torchrun_kills_its_ranks(experience):
             except ProcessLookupError:
                 pass
         _stop_group(p)
+
+
+# --- 4. experience of another run, or from the future, is refused ------------------------------
+
+def test_leftover_experience_of_another_run_is_not_trained_on(experience, tmp_path):
+    import shutil
+    import subprocess
+    import sys
+
+    from conftest import STEPS
+    root = tmp_path / "fresh"
+    shutil.copytree(experience / "data" / "experience", root / "experience")  # only experience/
+    p = subprocess.run(
+        [sys.executable, "-m", "trainer.main", f"root={root}",
+         f"actor_rollout_ref.model.path={experience / 'model'}",
+         f"trainer.total_training_steps={STEPS}", "data.train_batch_size=4",
+         "trainer.max_staleness=1000", "trainer.data_timeout_s=15", "buffer.poll_interval=0.1"],
+        capture_output=True, text=True, timeout=600, env=dict(os.environ, OMP_NUM_THREADS="1"))
+    assert p.returncode != 0, "the trainer trained on another run's experience"
+    assert not (root / "metrics.jsonl").exists() or not (root / "metrics.jsonl").read_text()
+    reasons = [r.read_text() for r in (root / "quarantine").rglob("*.reason.txt")]
+    assert reasons and all("another run" in r for r in reasons), reasons[:1]
+
+
+def test_reader_refuses_shards_of_another_run_without_a_run_id_or_from_the_future(tmp_path):
+    from buffer.storage import atomic_write_json, filesystem
+    root = str(tmp_path / "run")
+    layout = RunLayout(root)
+    fs, _ = filesystem(root)
+
+    def write(worker: str, run_id: str | None, version: int) -> None:
+        if run_id is None:
+            fs.rm_file(layout.run_info) if fs.exists(layout.run_info) else None
+        else:
+            atomic_write_json(fs, layout.run_info, {"run_id": run_id})
+        w = ShardWriter(root, worker, _cfg())
+        w.add_group(make_group(worker, 0, 0, version, N))
+
+    write("other", "r-old", 0)
+    write("nobody", None, 0)
+    write("future", "r-now", 7)
+    write("ok", "r-now", 2)
+    reader = ExperienceReader(root, _cfg(), max_staleness=10, run_id="r-now")
+    try:
+        [group] = reader.next_batch(1, current_version=2, timeout_s=10)
+        with pytest.raises(TimeoutError):
+            reader.next_batch(1, current_version=2, timeout_s=1)
+    finally:
+        reader.close()
+    assert group.samples[0].worker_id == "ok"
+    reasons = {w: (tmp_path / "run" / "quarantine" / w / "000000000.arrow.reason.txt").read_text()
+               for w in ("other", "nobody", "future")}
+    assert "another run" in reasons["other"] and "r-old" in reasons["other"]
+    assert "no run id" in reasons["nobody"]
+    assert "weight version 7" in reasons["future"] and "v2" in reasons["future"]
+
+
+def test_shards_of_schema_version_2_are_still_read():
+    """Version 3 only adds the run id to the metadata: version-2 shards (and checkpoint pools)
+    still decode."""
+    from protocol.experience import SCHEMA_VERSION_KEY, decode, encode, from_table, to_table
+    table = to_table(make_group("w0", 0, 0, 0, N))
+    old = table.replace_schema_metadata({**table.schema.metadata, SCHEMA_VERSION_KEY: b"2"})
+    assert [s.sample_id for s in from_table(decode(encode(old)))] == [
+        s.sample_id for s in make_group("w0", 0, 0, 0, N)]

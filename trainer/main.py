@@ -21,6 +21,7 @@ import torch.distributed as dist
 from buffer import retention
 from buffer.ledger import Ledger
 from buffer.reader import ExperienceReader, Group
+from buffer.run_id import ensure_run_id, read_run_id
 from buffer.storage import atomic_write_json, filesystem
 from buffer.weights import WeightStore
 from protocol.config import parse_cli, to_dict
@@ -88,7 +89,8 @@ class Trainer:
                                       "but there is no checkpoint to resume from; start with a new "
                                       "run folder")
             self.reader = ExperienceReader(cfg.root, cfg.buffer, cfg.trainer.max_staleness,
-                                           vocab_size=self.model.config.vocab_size)
+                                           vocab_size=self.model.config.vocab_size,
+                                           run_id=read_run_id(self.fs, self.store.layout))
             self.metrics = MetricsLog(self.store.layout.metrics, cfg.trainer.total_training_steps,
                                       cfg.trainer.logger, cfg.trainer.project_name,
                                       cfg.trainer.experiment_name, to_dict(cfg),
@@ -344,14 +346,18 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def hold_run(root: str) -> RunLock | None:
-    """Collective: rank 0 takes the run's lock before anything touches the run folder; every
-    rank fails with the holder named when another trainer has it."""
+    """Collective: rank 0 takes the run's lock before anything touches the run folder (and
+    gives the folder a run id if it has none); every rank fails with the holder named when
+    another trainer has it."""
     lock, refused = None, [None]
     if dist.get_rank() == 0:
+        store = WeightStore(root)
         try:
-            lock = RunLock.acquire(WeightStore(root).layout)
+            lock = RunLock.acquire(store.layout)
         except RunLocked as e:
             refused = [str(e)]
+        else:
+            ensure_run_id(store.fs, store.layout)
     dist.broadcast_object_list(refused, src=0)
     if refused[0] is not None:
         raise RunLocked(refused[0])
