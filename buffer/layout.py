@@ -11,7 +11,8 @@
       weights/LATEST               the newest complete version number, replaced atomically
       workers/<worker>.json        heartbeats
       workers/<worker>.claim       the writer's durable claim of its next shard numbers
-      control.json                 pool commands (protocol/control.py), written by launch.control
+      control.json                 pool commands (protocol/control.py), as written by hand
+      control.d/<id>.json          one pool command per file, created by launch.control
       pool/<supervisor>.json       a pool supervisor's applied commands, target and workers
       progress.json                the trainer's consumption count (for worker backpressure)
       run.json                     the run id (buffer/run_id.py), stamped on every shard
@@ -154,6 +155,13 @@ class RunLayout:
     @property
     def control(self) -> str:
         return self._p("control.json")
+
+    @property
+    def control_dir(self) -> str:
+        return self._p("control.d")
+
+    def control_command(self, command_id: str) -> str:
+        return self._p("control.d", f"{check_worker_id(command_id)}.json")
 
     def pool_state(self, supervisor_id: str) -> str:
         return self._p("pool", f"{check_worker_id(supervisor_id)}.json")

@@ -68,6 +68,30 @@ def atomic_write(fs: fsspec.AbstractFileSystem, path: str, data: bytes, tmp: str
         f.write(data)
 
 
+def create_new(fs: fsspec.AbstractFileSystem, path: str, data: bytes) -> bool:
+    """Publish `data` under `path` only if nothing is there yet; False if something is.
+
+    Locally (and on NFS and Lustre) a hard link of a finished temporary file is atomic and
+    refuses an existing name, so of concurrent creators exactly one wins and readers never see
+    a partial file. Other fsspec filesystems have no such primitive: there it is check-then-move,
+    which two creators racing within milliseconds can both pass."""
+    if not is_local(fs):
+        if fs.exists(path):
+            return False
+        atomic_write(fs, path, data)
+        return True
+    tmp = f"{path}.tmp-{os.getpid()}"
+    atomic_write(fs, tmp, data)
+    try:
+        os.link(tmp, path)
+    except FileExistsError:
+        return False
+    finally:
+        os.unlink(tmp)
+    _fsync_dir(path.rsplit("/", 1)[0])
+    return True
+
+
 def atomic_write_json(fs: fsspec.AbstractFileSystem, path: str, obj) -> None:
     atomic_write(fs, path, (json.dumps(obj, sort_keys=True) + "\n").encode())
 

@@ -1,6 +1,13 @@
-"""Control-file commands that grow or shrink the rollout pool while a run goes on.
+"""Control commands that grow or shrink the rollout pool while a run goes on.
 
-The control file (`RunLayout.control`) holds either one command, as the seed scripts wrote it,
+`python -m launch.control` creates one file per command, `control.d/<id>.json`
+(`RunLayout.control_command`), holding `{"id": ..., "action": ..., "count": ...}`. Its id is
+allocated by creating the file under the next free name without overwriting (buffer.storage.
+create_new), so concurrent commands never share an id and none is lost (rewriting one shared
+file lost all but one of several commands given at once).
+
+The control file (`RunLayout.control`, written by hand) holds either one command, as the seed
+scripts wrote it,
 
     {"action": "add", "count": 2}
 
@@ -65,11 +72,21 @@ def parse(text: str, where: str = "control file") -> list[Command]:
     return cmds
 
 
-def append(text: str | None, action: str, count: int) -> tuple[str, Command]:
-    """The control file's new text with one more command (a fresh id) appended."""
-    cmds = parse(text) if text and text.strip() else []
-    new = _command({"id": f"c{len(cmds) + 1:06d}", "action": action, "count": count}, "new command")
-    if new.id in {c.id for c in cmds}:
-        new = dataclasses.replace(new, id=f"{new.id}-{hashlib.sha256(text.encode()).hexdigest()[:8]}")
-    body = {"commands": [dataclasses.asdict(c) for c in [*cmds, new]]}
-    return json.dumps(body, indent=1) + "\n", new
+def next_id(taken: set[str]) -> str:
+    """The id after the highest `c<number>` id in `taken`."""
+    numbers = [int(t[1:]) for t in taken if t[:1] == "c" and t[1:].isdigit()]
+    return f"c{max(numbers, default=0) + 1:06d}"
+
+
+def new_command(cid: str, action: str, count: int) -> tuple[str, Command]:
+    """The text of a command file and its command (validated)."""
+    cmd = _command({"id": cid, "action": action, "count": count}, "new command")
+    return json.dumps(dataclasses.asdict(cmd)) + "\n", cmd
+
+
+def parse_command_file(text: str, cid: str, where: str) -> Command:
+    """The one command of `control.d/<cid>.json`; its id must be the file's name."""
+    cmds = parse(text, where)
+    if len(cmds) != 1 or cmds[0].id != cid:
+        raise ControlError(f"{where}: expected one command with id {cid!r}")
+    return cmds[0]

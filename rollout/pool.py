@@ -107,12 +107,24 @@ class Pool:
 
     # --- commands ----------------------------------------------------------------------------
     def read_commands(self) -> list[control.Command]:
+        """The hand-written control file's commands, then control.d/'s in id order."""
+        cmds = self._read(self.layout.control, lambda text: control.parse(text, self.layout.control))
         try:
-            text = self.fs.cat_file(self.layout.control).decode()
+            names = sorted(p.rstrip("/").rsplit("/", 1)[-1] for p in
+                           self.fs.ls(self.layout.control_dir, detail=False))
+        except FileNotFoundError:
+            names = []
+        for name in names:
+            if name.endswith(".json"):
+                path, cid = f"{self.layout.control_dir}/{name}", name[: -len(".json")]
+                cmds += self._read(path, lambda text: [control.parse_command_file(text, cid, path)])
+        return cmds
+
+    def _read(self, path: str, parse) -> list[control.Command]:
+        try:
+            return parse(self.fs.cat_file(path).decode())
         except FileNotFoundError:
             return []
-        try:
-            return control.parse(text, where=self.layout.control)
         except control.ControlError as e:
             if self.state.get("last_error") != str(e):  # say it once, not every poll
                 log.error("ignoring the control file: %s", e)

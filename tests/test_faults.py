@@ -414,3 +414,51 @@ def test_shards_of_schema_version_2_are_still_read():
     old = table.replace_schema_metadata({**table.schema.metadata, SCHEMA_VERSION_KEY: b"2"})
     assert [s.sample_id for s in from_table(decode(encode(old)))] == [
         s.sample_id for s in make_group("w0", 0, 0, 0, N)]
+
+
+# --- 9. concurrent control commands are all kept, each under its own id -------------------------
+
+CONTROL_AT_ONCE = r"""
+import os, sys, time
+sys.path.insert(0, sys.argv[1])
+from launch import control
+root, me, go = sys.argv[2], sys.argv[3], sys.argv[4]
+open(f"{go}.ready-{me}", "w").close()
+deadline = time.monotonic() + 120
+while not os.path.exists(go):  # all processes released at once: the race a user meets
+    assert time.monotonic() < deadline
+    time.sleep(0.001)
+sys.exit(control.main(["--root", root, "add", "1"]))
+"""
+
+
+def test_concurrent_control_commands_are_all_kept_with_distinct_ids(tmp_path):
+    import re
+    import subprocess
+    import sys
+
+    from conftest import REPO_ROOT, subprocess_env
+    from protocol.config import build
+    from rollout.pool import Pool, PoolConfig
+    root, go, k = tmp_path / "run", tmp_path / "go", 8
+    root.mkdir()
+    script = tmp_path / "add.py"
+    script.write_text(CONTROL_AT_ONCE)
+    procs = [subprocess.Popen([sys.executable, str(script), str(REPO_ROOT), str(root), str(i), str(go)],
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                              env=subprocess_env()) for i in range(k)]
+    try:
+        _wait(lambda: len(list(tmp_path.glob("go.ready-*"))) == k, "the processes to start", 300)
+        go.touch()
+        outs = [p.communicate(timeout=120)[0] for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait(timeout=30)
+    assert all(p.returncode == 0 for p in procs), outs
+    ids = [re.search(r"\(command (\S+)\)", out).group(1) for out in outs]
+    assert len(set(ids)) == k, ids  # every command printed its own id
+    pool = Pool(build(PoolConfig, {"root": str(root), "pool.initial_workers": "1"}), [])
+    pool.apply_new_commands()
+    assert pool.state["target"] == 1 + k and sorted(pool.state["applied"]) == sorted(ids)
