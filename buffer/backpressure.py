@@ -1,8 +1,15 @@
 """Backpressure: rollout workers must not run arbitrarily far ahead of the trainer.
 
 backlog = (samples all workers have published, from their heartbeats)
-        - (samples the trainer has retired: trained on or dropped as stale, from progress.json)
+        - (samples the trainer has retired: trained on, dropped as stale, or quarantined with
+           their shard; from progress.json)
 Reading one small file per worker keeps the cost proportional to the number of workers.
+
+The trainer rewrites progress.json while it waits for experience too (`write_progress`), not
+only per step: samples it drops as stale or quarantines while waiting must free room at once,
+or workers wait for the trainer while the trainer waits for them. It also records the groups
+one step takes (`batch_groups`): a worker's cap is never below one step's worth of its own
+groups, so a step larger than `buffer.max_backlog_samples` still fills.
 """
 from __future__ import annotations
 
@@ -12,12 +19,25 @@ import time
 from typing import Callable
 
 from buffer.layout import RunLayout
-from buffer.storage import read_json
+from buffer.storage import atomic_write_json, read_json
 
 log = logging.getLogger(__name__)
+NOTE_EVERY_S = 30.0  # a waiting side says why at least this often
 
 
-def backlog(fs, layout: RunLayout) -> int:
+def retired(stats) -> int:
+    """Samples the trainer is done with, from its reader's counters."""
+    return (stats["consumed_samples"] + stats["dropped_stale_samples"]
+            + stats["quarantined_samples"])
+
+
+def write_progress(fs, layout: RunLayout, stats, version: int, batch_groups: int) -> None:
+    atomic_write_json(fs, layout.progress, {
+        "samples_retired": retired(stats), "version": version, "batch_groups": batch_groups,
+        "time": time.time()})
+
+
+def _written(fs, layout: RunLayout) -> int:
     written = 0
     if fs.exists(layout.workers_dir):
         for path in fs.ls(layout.workers_dir, detail=False):
@@ -26,23 +46,41 @@ def backlog(fs, layout: RunLayout) -> int:
                     written += int(json.loads(fs.cat_file(path)).get("samples_written", 0))
                 except (FileNotFoundError, ValueError):
                     continue  # a heartbeat being replaced or removed; the next look sees it
+    return written
+
+
+def backlog(fs, layout: RunLayout) -> int:
     progress = read_json(fs, layout.progress) or {}
-    return written - int(progress.get("samples_retired", 0))
+    return _written(fs, layout) - int(progress.get("samples_retired", 0))
 
 
 def wait_for_room(fs, layout: RunLayout, limit: int, timeout_s: float,
-                  should_stop: Callable[[], bool], poll_s: float = 0.5) -> float:
-    """Block while the backlog exceeds `limit`; returns seconds waited."""
-    start = time.monotonic()
-    noted = False
-    while (size := backlog(fs, layout)) > limit and not should_stop():
-        waited = time.monotonic() - start
-        if waited > timeout_s:
-            raise TimeoutError(f"backlog of {size} samples stayed above buffer.max_backlog_samples="
-                               f"{limit} for {timeout_s:.0f} s: is the trainer consuming? "
-                               f"(its progress: {layout.progress})")
-        if not noted:
-            log.info("backlog %d samples > %d: waiting for the trainer", size, limit)
-            noted = True
+                  should_stop: Callable[[], bool], poll_s: float = 0.5,
+                  on_wait: Callable[[], object] = lambda: None, group_size: int = 1) -> float:
+    """Block while the backlog exceeds the cap: `limit`, or one trainer step of `group_size`
+    groups if that is more. Calls `on_wait` every poll (the worker's age-based flush); returns
+    seconds waited."""
+    start = last_note = time.monotonic()
+    first = True
+    while not should_stop():
+        progress = read_json(fs, layout.progress) or {}
+        written, gone = _written(fs, layout), int(progress.get("samples_retired", 0))
+        cap = max(limit, int(progress.get("batch_groups", 0)) * group_size)
+        if written - gone <= cap:
+            break
+        now = time.monotonic()
+        why = (f"backlog {written - gone} samples > {cap} (buffer.max_backlog_samples={limit}, "
+               f"one trainer step: {progress.get('batch_groups', '?')} groups of {group_size}): "
+               f"{written} written by all workers, {gone} retired by the trainer, whose last "
+               f"progress ({layout.progress}, version {progress.get('version', '-')}) is "
+               + (f"{time.time() - progress['time']:.0f} s old" if "time" in progress
+                  else "not there yet"))
+        if now - start > timeout_s:
+            raise TimeoutError(f"{why}; waited {timeout_s:.0f} s (buffer.backlog_timeout_s): is "
+                               "the trainer running and consuming?")
+        if first or now - last_note >= NOTE_EVERY_S:
+            log.info("%s: waiting for the trainer to train or drop them", why)
+            first, last_note = False, now
+        on_wait()
         time.sleep(poll_s)
     return time.monotonic() - start

@@ -28,9 +28,11 @@ import math
 import os
 import threading
 import time
+from typing import Callable
 
 import pyarrow as pa
 
+from buffer.backpressure import NOTE_EVERY_S, backlog
 from buffer.config import BufferConfig
 from buffer.layout import SHARD_SUFFIX, RunLayout, check_worker_id
 from buffer.ledger import Ledger, as_ledger
@@ -229,7 +231,7 @@ class ExperienceReader:
             check_not_future(table, current_version)
             samples = from_table(table)
         except (SchemaError, pa.ArrowException, ValueError, TypeError, KeyError) as e:
-            self._reject(worker, seq, path, e, size=len(data))
+            self._reject(worker, seq, path, e, size=len(data), data=data)
             return
         self.stats["shards_read"] += 1
         groups: dict[str, list[Sample]] = {}
@@ -243,9 +245,12 @@ class ExperienceReader:
         self._pending.pop(key, None)
         self._failures.pop(key, None)
 
-    def _reject(self, worker: str, seq: int, path: str, err: Exception, size: int | None) -> None:
-        """Count a bad shard and move it to quarantine/ with a reason file; never raises."""
+    def _reject(self, worker: str, seq: int, path: str, err: Exception, size: int | None,
+                data: bytes | None = None) -> None:
+        """Count a bad shard and its samples (retired: workers' backpressure must not wait for
+        them) and move it to quarantine/ with a reason file; never raises."""
         self.stats["bad_shards"] += 1
+        self.stats["quarantined_samples"] += _declared_samples(data, path)
         reason = f"{type(err).__name__}: {err}"
         log.error("rejected shard %s: %s", path, reason)
         try:
@@ -266,10 +271,13 @@ class ExperienceReader:
                 keep.append(g)
         self.pool = keep
 
-    def next_batch(self, num_groups: int, current_version: int, timeout_s: float) -> list[Group]:
-        """The oldest `num_groups` groups within the staleness bound; waits up to `timeout_s`."""
+    def next_batch(self, num_groups: int, current_version: int, timeout_s: float,
+                   on_wait: Callable[[], object] = lambda: None) -> list[Group]:
+        """The oldest `num_groups` groups within the staleness bound; waits up to `timeout_s`,
+        calling `on_wait` after every poll (the trainer reports its progress from there)."""
         start = time.monotonic()
         last_note = start
+        before = collections.Counter(self.stats)
         while True:
             for key, path in self.discover():
                 self._ingest(key, path, current_version)
@@ -278,19 +286,44 @@ class ExperienceReader:
                 batch = [self.pool.popleft() for _ in range(num_groups)]
                 self.stats["consumed_samples"] += sum(len(g.samples) for g in batch)
                 return batch
+            on_wait()
             now = time.monotonic()
             if now - start >= timeout_s:
-                raise TimeoutError(
-                    f"waited {timeout_s:.0f} s for {num_groups} groups of experience in "
-                    f"{self.layout.experience_dir}: have {len(self.pool)} "
-                    f"({self.stats['shards_read']} shards read so far). Are rollout workers "
-                    f"running? Their heartbeats are in {self.layout.workers_dir}")
-            if now - last_note >= 30:
-                log.info("waiting for experience: %d/%d groups after %.0f s",
-                         len(self.pool), num_groups, now - start)
+                raise TimeoutError(f"waited {timeout_s:.0f} s (trainer.data_timeout_s) for "
+                                   + self._why_waiting(num_groups, before))
+            if now - last_note >= NOTE_EVERY_S:
+                log.info("waiting for experience %.0f s: %s", now - start,
+                         self._why_waiting(num_groups, before))
                 last_note = now
             self._wake.wait(min(self.cfg.poll_interval, timeout_s - (now - start)))
             self._wake.clear()
+
+    def _why_waiting(self, num_groups: int, before: collections.Counter) -> str:
+        """What a waiting trainer sees: what it has, what it threw away while waiting, and what
+        the workers say they wrote."""
+        dropped = self.stats["dropped_stale_samples"] - before["dropped_stale_samples"]
+        bad = self.stats["bad_shards"] - before["bad_shards"]
+        try:
+            size = f"{backlog(self.fs, self.layout)} samples"
+        except OSError as e:
+            size = f"unknown ({e})"
+        return (f"{num_groups} groups, have {len(self.pool)} in {self.layout.experience_dir}; "
+                f"during this wait {dropped} samples dropped as stale (trainer.max_staleness="
+                f"{self.max_staleness}) and {bad} shards quarantined; the workers' backlog "
+                f"(written, not yet retired, per {self.layout.workers_dir}) is {size}. Are "
+                f"rollout workers running, and do they reload new weights?")
+
+
+def _declared_samples(data: bytes | None, path: str) -> int:
+    """The sample count a rejected shard's writer recorded, if its schema still parses (the
+    IPC stream starts with it, so flipped bytes further on or a cut end leave it readable)."""
+    try:
+        meta = pa.ipc.open_stream(pa.py_buffer(data)).schema.metadata or {}
+        return int(meta[b"tandem.num_samples"])
+    except (pa.ArrowException, KeyError, ValueError, TypeError, OSError):
+        log.warning("the sample count of %s is unreadable: the backlog the workers see stays "
+                    "higher by its samples", path)
+        return 0
 
 
 def check_origin(meta: dict, worker: str, seq: int, path: str, run_id: str | None = None) -> None:

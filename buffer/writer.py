@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
 import time
 
 import pyarrow as pa
@@ -46,6 +47,7 @@ class ShardWriter:
         self.cfg = cfg
         self.dir = self.layout.worker_shard_dir(worker_id)
         self.fs.makedirs(self.dir, exist_ok=True)
+        self._lock = threading.RLock()  # the worker flushes by age from another thread
         self.pending: list[Sample] = []
         self.pending_groups = 0
         self.oldest_pending: float | None = None
@@ -98,6 +100,10 @@ class ShardWriter:
 
     def add_group(self, group: list[Sample]) -> str | None:
         check_rows(group)
+        with self._lock:
+            return self._add_group(group)
+
+    def _add_group(self, group: list[Sample]) -> str | None:
         group_id = f"{self.worker_id}/{self.seq}/{self.pending_groups}"
         for k, s in enumerate(group):
             s.group_id, s.sample_id = group_id, f"{group_id}/{k}"
@@ -108,12 +114,13 @@ class ShardWriter:
         return self.maybe_flush()
 
     def maybe_flush(self) -> str | None:
-        if not self.pending:
+        with self._lock:
+            if not self.pending:
+                return None
+            too_old = time.monotonic() - self.oldest_pending >= self.cfg.flush_interval
+            if len(self.pending) >= self.cfg.flush_samples or too_old:
+                return self.flush()
             return None
-        too_old = time.monotonic() - self.oldest_pending >= self.cfg.flush_interval
-        if len(self.pending) >= self.cfg.flush_samples or too_old:
-            return self.flush()
-        return None
 
     def _publish(self, seq: int, data: bytes) -> str:
         """Make one shard visible to the trainer; the gRPC writer overrides this."""
@@ -136,6 +143,10 @@ class ShardWriter:
         return encode(to_table(samples, meta))
 
     def flush(self) -> str | None:
+        with self._lock:
+            return self._flush()
+
+    def _flush(self) -> str | None:
         if not self.pending:
             return None
         if self._gaps:

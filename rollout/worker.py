@@ -214,6 +214,12 @@ class RolloutWorker:
             "resumed_on_new_weights": self.resumed_on_new_weights,
             "last_beat": time.time()})
 
+    def _flush_while_waiting(self) -> None:
+        """The age-based flush goes on while backpressure holds the worker (else its last batch
+        would sit unpublished); the heartbeat then counts what was published."""
+        if self.writer.maybe_flush() is not None:
+            self.heartbeat("running")
+
     def should_stop(self) -> bool:
         if self.stopping:
             return True
@@ -231,7 +237,9 @@ class RolloutWorker:
             while not self.should_stop():
                 if self.cfg.buffer.transport == "fs":  # over gRPC, unacknowledged pushes bound it
                     wait_for_room(self.fs, self.layout, self.cfg.buffer.max_backlog_samples,
-                                  self.cfg.buffer.backlog_timeout_s, self.should_stop)
+                                  self.cfg.buffer.backlog_timeout_s, self.should_stop,
+                                  on_wait=self._flush_while_waiting,
+                                  group_size=self.cfg.actor_rollout_ref.rollout.n)
                 if self.should_stop():
                     break
                 self.maybe_reload()
@@ -243,7 +251,7 @@ class RolloutWorker:
                 self._log_batch(pending.result())
         finally:
             finisher.shutdown(wait=True)
-        self.writer.close()  # flush; over gRPC also wait for the acknowledgements
+            self.writer.close()  # flush, also on failure; over gRPC wait for the acknowledgements
         self.heartbeat("stopped")
         log.info("worker %s stopped: %d samples in %d shards; weight versions loaded: %s",
                  self.id, self.writer.samples_written, self.writer.shards_written,

@@ -462,3 +462,110 @@ def test_concurrent_control_commands_are_all_kept_with_distinct_ids(tmp_path):
     pool = Pool(build(PoolConfig, {"root": str(root), "pool.initial_workers": "1"}), [])
     pool.apply_new_commands()
     assert pool.state["target"] == 1 + k and sorted(pool.state["applied"]) == sorted(ids)
+
+
+# --- 5. the backlog drains: quarantined and stale samples retire, big steps fit, idle flushes --
+
+def _progress(root) -> dict:
+    import json
+    try:
+        return json.loads((root / "progress.json").read_text())
+    except (FileNotFoundError, ValueError):
+        return {}
+
+
+def test_quarantined_and_stale_samples_are_retired_while_the_trainer_waits(experience):
+    """2 of 8 shards damaged, max_staleness=1: after two steps every other sample is stale.
+    While the trainer waits for more, progress.json must count every written sample as retired
+    (trained, dropped as stale, or quarantined), or the workers' backpressure never lets them
+    write what the trainer waits for."""
+    from conftest import GROUPS, N as SAMPLES, STEPS, run_folder, trainer_proc
+    root = run_folder(experience, "retire")
+    for seq in (2, 3):
+        shard = root / "experience" / "w0" / f"{seq:09d}.arrow"
+        data = bytearray(shard.read_bytes())
+        data[len(data) // 2] ^= 0xFF
+        shard.write_bytes(bytes(data))
+    p = trainer_proc(root, experience / "model", 1, "trainer.max_staleness=1",
+                     "trainer.data_timeout_s=600", steps=STEPS)
+    written = STEPS * GROUPS * SAMPLES
+    try:
+        _wait_file(root / "metrics.jsonl", p, "the first step")
+        deadline = time.monotonic() + 120
+        while _progress(root).get("samples_retired") != written:
+            assert p.poll() is None, p.stdout.read()[-3000:]
+            assert time.monotonic() < deadline, f"progress.json: {_progress(root)}"
+            time.sleep(0.2)
+    finally:
+        _stop_group(p)
+    assert len(list((root / "quarantine" / "w0").glob("*.reason.txt"))) == 2
+
+
+def test_a_step_larger_than_the_backlog_cap_completes(tmp_path):
+    """64 groups x 16 samples per step, with workers capped at 256 unretired samples."""
+    import subprocess
+    import sys
+    root = tmp_path / "run"
+    p = subprocess.run([sys.executable, "-m", "launch.local", "--root", str(root), "--steps", "2",
+                        "--workers", "1", "--nproc", "1", "--timeout", "600",
+                        "--trainer", "data.train_batch_size=64"],
+                       capture_output=True, text=True, timeout=1200)
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert len((root / "metrics.jsonl").read_text().splitlines()) == 2
+
+
+def test_a_worker_blocked_by_backpressure_still_flushes_by_age(tmp_path):
+    """Once the worker runs, another worker's heartbeat fills the backlog: ours blocks with its
+    last batch buffered (below flush_samples). That batch must be published after
+    flush_interval, while it waits, not sit there until the worker exits (or is lost, if the
+    wait times out)."""
+    import json
+    import subprocess
+    import sys
+
+    from buffer.storage import atomic_write_json, filesystem
+    from buffer.weights import WeightStore
+    from rollout import builtin_task
+    builtin_task.write_model(tmp_path / "m")
+    builtin_task.write_parquet(tmp_path / "t.parquet", builtin_task.make_rows(50, 3))
+    root = tmp_path / "run"
+    WeightStore(str(root)).publish_hf_folder(tmp_path / "m", 0, 0, keep=2)
+    fs, _ = filesystem(str(root))
+    layout = RunLayout(str(root))
+    log_path = tmp_path / "worker.log"
+    log = open(log_path, "w")
+    p = subprocess.Popen([sys.executable, "-m", "rollout.worker", f"root={root}", "worker.id=w",
+                          f"data.train_files=[{tmp_path / 't.parquet'}]", "data.max_response_length=3",
+                          "actor_rollout_ref.rollout.n=4", "actor_rollout_ref.rollout.prompts_per_batch=2",
+                          "buffer.flush_samples=1000", "buffer.flush_interval=2",
+                          "buffer.max_backlog_samples=64"],
+                         stdout=log, stderr=subprocess.STDOUT, env=dict(os.environ, OMP_NUM_THREADS="1"))
+
+    def beat() -> dict:
+        try:
+            return json.loads((root / "workers" / "w.json").read_text())
+        except (FileNotFoundError, ValueError):
+            return {}
+
+    def published() -> int:
+        return sum(len(from_table(decode(f.read_bytes())))
+                   for f in (root / "experience" / "w").glob("*.arrow"))
+    try:
+        _wait(lambda: published() > 0 or p.poll() is not None, "a first shard (by age)", 300)
+        atomic_write_json(fs, layout.heartbeat("other"), {"worker_id": "other",
+                                                          "samples_written": 10_000})
+        _wait(lambda: "waiting for the trainer" in log_path.read_text() or p.poll() is not None,
+              "the worker to block", 300)
+        # every batch it generated (8 samples each) published, and its heartbeat says so
+        _wait(lambda: p.poll() is not None or (
+            beat().get("samples_written") == 8 * beat().get("batches", -1) == published()),
+            "the buffered batch to be published while blocked", 120)
+        assert p.poll() is None, log_path.read_text()[-3000:]
+    finally:
+        atomic_write_json(fs, layout.done_marker, {})
+        try:
+            p.wait(timeout=120)
+        finally:
+            if p.poll() is None:
+                p.kill()
+            log.close()

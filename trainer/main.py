@@ -18,7 +18,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from buffer import retention
+from buffer import backpressure, retention
 from buffer.ledger import Ledger
 from buffer.reader import ExperienceReader, Group
 from buffer.run_id import ensure_run_id, read_run_id
@@ -82,6 +82,7 @@ class Trainer:
         self.version = 0
         self.step = 0
         self.reader = self.metrics = None
+        self._reported = (-1, 0.0)  # samples retired and time at the last progress report
         resume = self._resume_path()
         if self.rank == 0:
             if resume is None and self.store.versions():
@@ -167,13 +168,11 @@ class Trainer:
         t0 = time.monotonic()
         try:
             groups: list[Group] = self.reader.next_batch(
-                self.cfg.data.train_batch_size, self.version, self.cfg.trainer.data_timeout_s)
+                self.cfg.data.train_batch_size, self.version, self.cfg.trainer.data_timeout_s,
+                on_wait=self._report_progress)
         except TimeoutError as e:
             return [{"error": f"rank 0: {e}"}] * self.world
-        stats = self.reader.stats
-        atomic_write_json(self.fs, self.store.layout.progress, {
-            "samples_retired": stats["consumed_samples"] + stats["dropped_stale_samples"],
-            "version": self.version, "time": time.time()})
+        self._report_progress(force=True)
         samples = [s for g in groups for s in g.samples]
         info = {"sample_ids": [s.sample_id for s in samples]} if self.cfg.trainer.log_sample_ids else {}
         info |= {
@@ -187,6 +186,15 @@ class Trainer:
         }
         return [{"samples": [s for g in groups[r::self.world] for s in g.samples], "info": info}
                 for r in range(self.world)]
+
+    def _report_progress(self, force: bool = False) -> None:
+        """progress.json for the workers' backpressure: at every step, and while waiting
+        whenever samples were retired (dropped, quarantined) or every 10 s (alive)."""
+        retired_now = backpressure.retired(self.reader.stats)
+        if force or retired_now != self._reported[0] or time.monotonic() - self._reported[1] > 10:
+            backpressure.write_progress(self.fs, self.store.layout, self.reader.stats,
+                                        self.version, self.cfg.data.train_batch_size)
+            self._reported = (retired_now, time.monotonic())
 
     # --- one optimisation step, top to bottom ------------------------------------------------
     def micro_batches(self, batch) -> list:
