@@ -20,12 +20,14 @@ import collections
 import contextlib
 import itertools
 import logging
+import math
 import os
 import threading
 import time
 from concurrent import futures
 
 import grpc
+import pyarrow as pa
 
 from buffer.config import BufferConfig
 from buffer.layout import RunLayout
@@ -89,12 +91,17 @@ class _KeyLocks:
 
 
 class _Servicer:
-    def __init__(self, root: str, secret: str, max_shard_bytes: int, consumed):
+    def __init__(self, root: str, secret: str, max_shard_bytes: int, consumed, retired=None,
+                 cap=lambda: 0):
         self.fs, root_path = filesystem(root)
         self.layout = RunLayout(root_path)
         self.secret = secret
         self.max_shard_bytes = max_shard_bytes
         self.consumed = consumed  # callable -> the reader's ledger, for idempotence after pruning
+        # Backpressure: samples spooled here minus samples the trainer retired (None: off). The
+        # spool found at start is not counted, as if retired: the count starts at zero.
+        self.retired, self.cap = retired, cap
+        self.spooled_samples = retired() if retired is not None else 0
         self.key_locks = _KeyLocks()
         self._push_ids = itertools.count()
         self.stats = collections.Counter()
@@ -134,6 +141,7 @@ class _Servicer:
         if key in self.consumed() or self.fs.exists(path):
             self.stats["duplicates"] += 1
             return True
+        self._admit(key, context)
         verifier = StreamVerifier()
         try:
             # A temporary name of this push alone: a stray writer can never truncate it.
@@ -155,14 +163,43 @@ class _Servicer:
             self.stats["rejected"] += 1
             context.abort(grpc.StatusCode.DATA_LOSS, f"{key}: {e}")
         self.stats["spooled"] += 1
+        self.spooled_samples += _declared_samples(path)
         return False
+
+    def _admit(self, key: str, context) -> None:
+        """Refuse a new shard (RESOURCE_EXHAUSTED: the worker retries later) while the trainer
+        has more samples spooled and not yet retired than the cap, as workers writing to a
+        shared folder wait (buffer/backpressure.py): a trainer that stops consuming must stop
+        the spool growing."""
+        if self.retired is None:
+            return
+        backlog, cap = self.spooled_samples - self.retired(), self.cap()
+        if backlog > cap:
+            self.stats["backpressure"] += 1
+            context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                          f"{key}: the trainer holds {backlog} samples not yet trained or dropped, "
+                          f"over its cap of {cap} (buffer.max_backlog_samples, or one step): "
+                          "retry later")
+
+
+def _declared_samples(path: str) -> int:
+    """Samples a spooled shard's writer recorded (its schema is the stream's first message)."""
+    try:
+        with pa.OSFile(path) as f:
+            return int(pa.ipc.open_stream(f).schema.metadata[b"tandem.num_samples"])
+    except (pa.ArrowException, OSError, KeyError, ValueError, TypeError):
+        return 0  # the reader quarantines it; it retires what it can count
 
 
 class ShardServer:
-    """Owned by the trainer's rank 0; `stop()` ends it."""
+    """Owned by the trainer's rank 0; `stop()` ends it. With `retired` (the trainer's count of
+    samples retired) it pushes back once more than max(buffer.max_backlog_samples,
+    `step_samples()`) spooled samples are not retired yet."""
 
-    def __init__(self, root: str, cfg: BufferConfig, consumed=lambda: ()):
-        self.servicer = _Servicer(root, token(cfg), cfg.grpc_max_shard_mb << 20, consumed)
+    def __init__(self, root: str, cfg: BufferConfig, consumed=lambda: (), retired=None,
+                 step_samples=lambda: 0):
+        self.servicer = _Servicer(root, token(cfg), cfg.grpc_max_shard_mb << 20, consumed, retired,
+                                  lambda: max(cfg.max_backlog_samples, step_samples()))
         self.server = grpc.server(futures.ThreadPoolExecutor(max_workers=cfg.grpc_server_threads,
                                                              thread_name_prefix="grpc-spool"),
                                   options=[("grpc.max_receive_message_length", MAX_MESSAGE_BYTES)])
@@ -194,6 +231,7 @@ class GrpcShardWriter(ShardWriter):
         self.fatal = False  # the trainer refused a shard: retrying cannot help
         self.stopping = False
         self.last_error: str | None = None
+        self._noted_full = -math.inf  # when the trainer's backpressure was last logged
         self.push = self._connect()
         self.senders = futures.ThreadPoolExecutor(cfg.grpc_max_inflight, thread_name_prefix="grpc-push")
 
@@ -253,9 +291,15 @@ class GrpcShardWriter(ShardWriter):
                         self.fatal = True
                         self.cond.notify_all()
                     return
-                log.warning("push of shard %d failed (%s); retrying in %.1f s", seq, self.last_error, backoff)
+                if code != grpc.StatusCode.RESOURCE_EXHAUSTED:
+                    log.warning("push of shard %d failed (%s); retrying in %.1f s", seq,
+                                self.last_error, backoff)
+                elif time.monotonic() - self._noted_full > 30:  # backpressure: normal, say so
+                    log.info("the trainer is not taking shards yet (%s); retrying", self.last_error)
+                    self._noted_full = time.monotonic()
                 time.sleep(backoff)
-                backoff = min(backoff * 2, 10.0)
+                # the trainer's backpressure lifts as soon as it trains: look again soon
+                backoff = min(backoff * 2, 2.0 if code == grpc.StatusCode.RESOURCE_EXHAUSTED else 10.0)
                 continue
             with self.cond:
                 self.unacked.pop(seq, None)

@@ -8,7 +8,9 @@ Cost of a poll. Each worker publishes `experience/<worker>/<seq>.arrow` with seq
 the reader remembers per worker the next seq it expects and only probes for that file (one stat
 per worker, plus one per new shard) after listing the small top folder for new workers. Every
 `full_scan_interval` seconds (and on the first poll, and when `consumed` is replaced, e.g. on a
-trainer resume) it lists every worker folder once, which catches gaps in a sequence. The consumed
+trainer resume) it lists every worker folder once, which catches gaps in a sequence; the missing
+seqs a listing saw below a worker's newest shard are probed on every poll after it (over gRPC,
+concurrent pushes and retries land out of order, so such gaps fill within seconds). The consumed
 ledger (buffer.ledger.Ledger: per worker a high-water mark plus the few seqs above it) is always
 the judge of what is new, so probing and full listings never change what is read: each shard
 exactly once.
@@ -42,6 +44,7 @@ from protocol.experience import RUN_ID_KEY, Sample, SchemaError, from_table, loa
 log = logging.getLogger(__name__)
 
 MAX_READ_ATTEMPTS = 5  # a shard that cannot be read this many times in a row is rejected
+MAX_GAPS = 4096  # missing seqs of one worker probed on every poll (older ones: full listings)
 
 
 @dataclasses.dataclass
@@ -76,6 +79,7 @@ class ExperienceReader:
         self.stats = collections.Counter()
         self._local = is_local(self.fs)
         self._next: dict[str, int] | None = None  # per worker: the next seq to probe for
+        self._gaps: dict[str, set[int]] = {}  # per worker: missing seqs below its newest shard
         self._last_full = -math.inf
         self._pending: dict[str, tuple[int, str]] = {}  # discovered, not yet consumed: (seq, path)
         self._failures: dict[str, int] = {}  # key -> failed reads in a row
@@ -97,6 +101,7 @@ class ExperienceReader:
         Replacing the ledger (trainer resume) makes the next poll a full listing."""
         self._consumed = as_ledger(ledger)
         self._next = None
+        self._gaps = {}
         self._pending = {}
 
     def _start_watch(self) -> None:
@@ -163,15 +168,20 @@ class ExperienceReader:
                 p.rstrip("/").rsplit("/", 1)[-1] for p in self.fs.ls(wdir, detail=False)]
         except (FileNotFoundError, NotADirectoryError):
             return
-        top = nxt.get(worker, 0)
+        start = top = nxt.get(worker, 0)
+        present = set()
         for name in names:
             seq = RunLayout.shard_seq(name)
             if seq is None:
                 continue
             top = max(top, seq + 1)
+            present.add(seq)
             if not self._consumed.has(worker, seq):  # no key string per old shard name
                 found[RunLayout.shard_key(worker, seq)] = (seq, f"{wdir}/{name}")
         nxt[worker] = top
+        gaps = self._gaps.setdefault(worker, set())
+        gaps.update(s for s in range(max(start, top - MAX_GAPS), top)
+                    if s not in present and not self._consumed.has(worker, s))
 
     def _full_scan(self) -> dict[str, tuple[int, str]]:
         """List every worker folder (first poll, after a ledger change, and periodically)."""
@@ -191,6 +201,12 @@ class ExperienceReader:
             if worker not in nxt:  # a new worker: list its folder once
                 self._list_worker(worker, nxt, found)
         exists = os.path.exists if self._local else self.fs.exists
+        for worker, gaps in self._gaps.items():
+            for seq in sorted(gaps):
+                if self._consumed.has(worker, seq) or exists(path := self.layout.shard(worker, seq)):
+                    gaps.discard(seq)
+                    if not self._consumed.has(worker, seq):
+                        found[RunLayout.shard_key(worker, seq)] = (seq, path)
         for worker, seq in nxt.items():
             start = seq
             while True:
@@ -239,6 +255,7 @@ class ExperienceReader:
             groups.setdefault(s.group_id, []).append(s)
         for gid, members in groups.items():
             self.pool.append(Group(gid, members[0].weight_version, members))
+            self.stats["group_size"] = max(self.stats["group_size"], len(members))
 
     def _consume(self, key: str) -> None:
         self._consumed.add(key)
@@ -279,9 +296,12 @@ class ExperienceReader:
         last_note = start
         before = collections.Counter(self.stats)
         while True:
-            for key, path in self.discover():
-                self._ingest(key, path, current_version)
             self._drop_stale(current_version)
+            for key, path in self.discover():
+                if len(self.pool) >= num_groups:
+                    break  # the rest waits on disk: memory holds one step, not the backlog
+                self._ingest(key, path, current_version)
+                self._drop_stale(current_version)
             if len(self.pool) >= num_groups:
                 batch = [self.pool.popleft() for _ in range(num_groups)]
                 self.stats["consumed_samples"] += sum(len(g.samples) for g in batch)

@@ -569,3 +569,53 @@ def test_a_worker_blocked_by_backpressure_still_flushes_by_age(tmp_path):
             if p.poll() is None:
                 p.kill()
             log.close()
+
+
+# --- 6. backpressure over gRPC: a trainer that stops consuming stops the spool growing ---------
+
+def test_reader_reads_no_further_than_a_step_needs(tmp_path):
+    root = str(tmp_path / "run")
+    w = ShardWriter(root, "w0", _cfg())
+    for g in range(20):
+        w.add_group(make_group("w0", 0, g, 0, N))  # one group per shard
+    reader = ExperienceReader(root, _cfg(), max_staleness=10)
+    try:
+        assert len(reader.next_batch(2, 0, timeout_s=10)) == 2
+        assert len(reader.pool) <= 1 and reader.stats["shards_read"] <= 3  # not all 20 in memory
+        got = [g for _ in range(18) for g in reader.next_batch(1, 0, timeout_s=10)]
+    finally:
+        reader.close()
+    assert len(got) == 18
+
+
+def test_grpc_spool_stops_growing_while_the_trainer_does_not_consume(tmp_path, monkeypatch):
+    from buffer.backpressure import retired
+    from buffer.grpc_transport import GrpcShardWriter, ShardServer
+    port = free_port()
+    monkeypatch.setenv("TANDEM_GRPC_TOKEN", "t0ken")
+    cap, inflight, shards = 4 * N, 2, 20
+    cfg = _cfg(transport="grpc", grpc_bind=f"127.0.0.1:{port}", grpc_address=f"127.0.0.1:{port}",
+               grpc_timeout_s=10, grpc_max_inflight=inflight, max_backlog_samples=cap,
+               backlog_timeout_s=300)
+    spool = tmp_path / "trainer"
+    reader = ExperienceReader(str(spool), _cfg(), max_staleness=10)
+    server = ShardServer(str(spool), cfg, consumed=lambda: reader.consumed,
+                         retired=lambda: retired(reader.stats))
+    writer = GrpcShardWriter(str(tmp_path / "worker"), "w0", cfg)
+    import threading
+    produced = threading.Thread(target=lambda: [writer.add_group(make_group("w0", 0, g, 0, N))
+                                                for g in range(shards)], daemon=True)
+    try:
+        produced.start()
+        _wait(lambda: server.servicer.stats["backpressure"] > 0, "the server to push back")
+        on_disk = len(list((spool / "experience" / "w0").glob("*.arrow")))
+        # the cap's shards, plus the pushes admitted at the same moment
+        assert on_disk <= cap // N + inflight, on_disk
+        assert produced.is_alive()  # the worker waits (flow control), it does not fail
+        got = [g for _ in range(shards) for g in reader.next_batch(1, 0, timeout_s=60)]
+        produced.join(timeout=60)
+        writer.close(timeout_s=60)
+    finally:
+        server.stop()
+        reader.close()
+    assert sorted(g.samples[0].prompt_id for g in got) == sorted(f"w0/0/{g}" for g in range(shards))

@@ -101,7 +101,10 @@ class Trainer:
         self.server = None
         if self.rank == 0 and cfg.buffer.transport == "grpc":
             from buffer.grpc_transport import ShardServer
-            self.server = ShardServer(cfg.root, cfg.buffer, consumed=lambda: self.reader.consumed)
+            self.server = ShardServer(
+                cfg.root, cfg.buffer, consumed=lambda: self.reader.consumed,
+                retired=lambda: backpressure.retired(self.reader.stats),
+                step_samples=lambda: cfg.data.train_batch_size * self.reader.stats["group_size"])
 
     def _resume_path(self) -> str | None:
         mode = self.cfg.trainer.resume_mode
