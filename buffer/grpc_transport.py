@@ -31,7 +31,7 @@ import pyarrow as pa
 
 from buffer.config import BufferConfig
 from buffer.layout import RunLayout
-from buffer.storage import atomic_writer, filesystem
+from buffer.storage import atomic_writer, filesystem, is_disk_full
 from buffer.writer import ShardWriter
 from protocol import experience_pb2 as pb
 from protocol.experience import SCHEMA_VERSION, IntegrityError, StreamVerifier
@@ -162,6 +162,13 @@ class _Servicer:
         except IntegrityError as e:  # damaged on the way: the worker's copy may be fine, resend
             self.stats["rejected"] += 1
             context.abort(grpc.StatusCode.DATA_LOSS, f"{key}: {e}")
+        except OSError as e:  # the temporary is gone (atomic_writer); the worker retries later
+            if not is_disk_full(e):
+                raise
+            self.stats["disk_full"] += 1
+            log.warning("disk full at %s: refusing shards until there is space", path)
+            context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, f"{key}: disk full at {path} on "
+                                                              "the trainer: retry later")
         self.stats["spooled"] += 1
         self.spooled_samples += _declared_samples(path)
         return False

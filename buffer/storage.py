@@ -7,11 +7,49 @@ the whole file.
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
+import logging
 import os
+import time
 
 import fsspec
 from fsspec.implementations.local import LocalFileSystem
+
+
+log = logging.getLogger(__name__)
+DISK_FULL = (errno.ENOSPC, errno.EDQUOT)
+DISK_FULL_TIMEOUT_S = 3600.0  # a role waits this long for space before it fails
+DISK_FULL_NOTE_S = 60.0
+
+
+def is_disk_full(e: BaseException) -> bool:
+    return isinstance(e, OSError) and e.errno in DISK_FULL
+
+
+def when_space(action, path: str, timeout_s: float = DISK_FULL_TIMEOUT_S):
+    """`action()`; while it fails because the disk (or quota) is full, say "disk full at PATH",
+    wait (1 s, doubling to 30 s) and try again, until `timeout_s` has passed: a full disk is
+    usually freed by someone, and every role must outlive that. `action` must leave nothing
+    behind when it fails (atomic_writer removes its temporary file)."""
+    start = time.monotonic()
+    noted, wait = -DISK_FULL_NOTE_S, 1.0
+    while True:
+        try:
+            return action()
+        except OSError as e:
+            if not is_disk_full(e):
+                raise
+            waited = time.monotonic() - start
+            if waited > timeout_s:
+                raise OSError(e.errno, f"disk full at {path} for {waited:.0f} s: giving up "
+                                       f"({e.strerror})") from e
+            if waited - noted >= DISK_FULL_NOTE_S:
+                log.warning("disk full at %s (%s): waiting for space (retrying with backoff up "
+                            "to 30 s, for at most %.0f s)", path, e.strerror, timeout_s)
+                noted = waited
+            time.sleep(wait)
+            wait = min(wait * 2, 30.0)
 
 
 def filesystem(root: str) -> tuple[fsspec.AbstractFileSystem, str]:

@@ -7,6 +7,7 @@ Only the newest `keep` versions are kept on disk.
 """
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import logging
@@ -20,8 +21,8 @@ from pathlib import Path
 
 import torch
 
-from buffer.layout import RunLayout
-from buffer.storage import atomic_write_json, filesystem, fsync_tree, read_json
+from buffer.layout import TMP_MARK, RunLayout
+from buffer.storage import atomic_write_json, filesystem, fsync_tree, read_json, when_space
 from protocol.weights import FileEntry, ManifestError, TensorEntry, WeightManifest, sha256_file, verify_files
 
 log = logging.getLogger(__name__)
@@ -93,20 +94,31 @@ class WeightStore:
         head = json.dumps(header, separators=(",", ":")).encode()
         head += b" " * (-len(head) % 8)  # the format aligns the data to 8 bytes
         pieces.insert(0, struct.pack("<Q", len(head)) + head)
-        sha, hashing = hashlib.sha256(), None
-        with ThreadPoolExecutor(1, thread_name_prefix="sha256") as pool:
-            with open(os.path.join(folder, name), "wb") as f:
-                for piece in pieces:
-                    f.write(piece)
-                    if hashing is not None:
-                        hashing.result()  # in order: the digest is of the file's bytes
-                    hashing = pool.submit(sha.update, piece)
-                hashing.result()
-                f.flush()
-                os.fsync(f.fileno())
+        path = os.path.join(folder, name)
+
+        def write() -> str:
+            sha, hashing = hashlib.sha256(), None
+            try:
+                with ThreadPoolExecutor(1, thread_name_prefix="sha256") as pool:
+                    with open(path, "wb") as f:
+                        for piece in pieces:
+                            f.write(piece)
+                            if hashing is not None:
+                                hashing.result()  # in order: the digest is of the file's bytes
+                            hashing = pool.submit(sha.update, piece)
+                        hashing.result()
+                        f.flush()
+                        os.fsync(f.fileno())
+            except BaseException:
+                with contextlib.suppress(OSError):
+                    os.remove(path)  # a partial file would hold the space a retry needs
+                raise
+            return sha.hexdigest()
+
+        digest = when_space(write, path)
         entries = {k: TensorEntry(name, v["dtype"], v["shape"])
                    for k, v in header.items() if k != "__metadata__"}
-        return FileEntry(name, len(pieces[0]) + offset, sha.hexdigest()), entries
+        return FileEntry(name, len(pieces[0]) + offset, digest), entries
 
     def publish(self, staged: str, version: int, step: int, keep: int,
                 described: tuple[list[FileEntry], dict[str, TensorEntry]] | None = None) -> WeightManifest:
@@ -120,13 +132,15 @@ class WeightStore:
         tensors = {**tensors, **more_tensors}
         manifest = WeightManifest(version=version, step=step, created_at=time.time(),
                                   files=files, tensors=tensors)
-        Path(staged, "manifest.json").write_text(manifest.to_json())
+        when_space(lambda: Path(staged, "manifest.json").write_text(manifest.to_json()), staged)
         fsync_tree(staged)
         final = self.layout.version_dir(version)
         if os.path.exists(final):
             raise FileExistsError(f"{final} already exists: weight versions are never rewritten")
         os.rename(staged, final)
-        atomic_write_json(self.fs, self.layout.latest_pointer, {"version": version, "step": step})
+        when_space(lambda: atomic_write_json(self.fs, self.layout.latest_pointer,
+                                             {"version": version, "step": step}),
+                   self.layout.latest_pointer)
         self.prune(keep)
         return manifest
 
@@ -168,6 +182,15 @@ class WeightStore:
         except BaseException:
             shutil.rmtree(staged, ignore_errors=True)
             raise
+
+    def remove_debris(self) -> int:
+        """Remove staging folders of publishes that were killed (`weights/.v*.tmp-*`); only the
+        run's one trainer (trainer/run_lock.py) may call this. Returns how many."""
+        names = os.listdir(self.layout.weights_dir) if os.path.isdir(self.layout.weights_dir) else []
+        debris = [n for n in names if n.startswith(".v") and TMP_MARK in n]
+        for name in debris:
+            shutil.rmtree(os.path.join(self.layout.weights_dir, name), ignore_errors=True)
+        return len(debris)
 
     def versions(self) -> list[int]:
         if not self.fs.exists(self.layout.weights_dir):

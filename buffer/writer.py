@@ -11,7 +11,7 @@ import pyarrow as pa
 from buffer.config import BufferConfig
 from buffer.layout import RunLayout
 from buffer.run_id import read_run_id
-from buffer.storage import atomic_write, atomic_write_json, filesystem, read_json
+from buffer.storage import atomic_write, atomic_write_json, filesystem, read_json, when_space
 from protocol.experience import Sample, check_rows, encode, to_table
 
 log = logging.getLogger(__name__)
@@ -150,9 +150,11 @@ class ShardWriter:
         if not self.pending:
             return None
         if self._gaps:
-            self._fill_gaps()
-        self._claim(self.seq)
-        path = self._publish(self.seq, self._encode(self.seq, self.pending))
+            when_space(self._fill_gaps, self.dir)
+        data = self._encode(self.seq, self.pending)
+        # On a full disk the samples wait here, in memory, until there is space again.
+        path = when_space(lambda: (self._claim(self.seq), self._publish(self.seq, data))[1],
+                          self.dir)
         self.samples_written += len(self.pending)
         self.shards_written += 1
         log.info("published %s (%d samples)", path, len(self.pending))

@@ -23,7 +23,7 @@ import zlib
 from buffer.backpressure import wait_for_room
 from buffer.layout import RunLayout
 from buffer.run_id import read_run_id
-from buffer.storage import atomic_write_json, filesystem, read_json
+from buffer.storage import atomic_write_json, filesystem, is_disk_full, read_json
 from buffer.weights import WeightStore
 from buffer.writer import ShardWriter
 from protocol.config import parse_cli
@@ -204,6 +204,15 @@ class RolloutWorker:
                  self.tokens / max(self.gen_seconds, 1e-9))
 
     def heartbeat(self, state: str) -> None:
+        try:
+            self._write_heartbeat(state)
+        except OSError as e:
+            if not is_disk_full(e):
+                raise
+            log.warning("disk full at %s: heartbeat skipped (the next one tries again)",
+                        self.layout.heartbeat(self.id))
+
+    def _write_heartbeat(self, state: str) -> None:
         atomic_write_json(self.fs, self.layout.heartbeat(self.id), {
             "worker_id": self.id, "host": socket.gethostname(), "pid": os.getpid(),
             "state": state, "weight_version": self.version,

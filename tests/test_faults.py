@@ -254,6 +254,18 @@ def _wait_file(path, proc, what: str, timeout_s: float = 300) -> None:
         time.sleep(0.1)
 
 
+def _wait_steps(root, proc, steps: int, timeout_s: float = 300) -> None:
+    """Until metrics.jsonl holds `steps` lines (the file exists, empty, from the start)."""
+    path = root / "metrics.jsonl"
+    deadline = time.monotonic() + timeout_s
+    while not path.exists() or path.read_text().count("\n") < steps:
+        if proc.poll() is not None:
+            raise AssertionError(f"exited with {proc.returncode} before step {steps}:\n"
+                                 + proc.stdout.read()[-3000:])
+        assert time.monotonic() < deadline, f"no step {steps} within {timeout_s} s"
+        time.sleep(0.1)
+
+
 def _descendants(pid: int) -> list[int]:
     """Every live descendant of `pid` (torchrun's ranks run in sessions of their own)."""
     children: dict[int, list[int]] = {}
@@ -333,7 +345,7 @@ def test_killing_torchrun_kills_its_ranks(experience):
     p = trainer_proc(root, experience / "model", 2, "trainer.data_timeout_s=600", steps=STEPS + 4)
     ranks: list[int] = []
     try:
-        _wait_file(root / "metrics.jsonl", p, "the first step")
+        _wait_steps(root, p, 1)
         ranks = [pid for pid in _descendants(p.pid) if _alive(pid)]
         assert len(ranks) >= 2, ranks  # torchrun's ranks (and any helper they started)
         os.killpg(p.pid, signal.SIGKILL)  # what a user's kill -9 of the job does
@@ -490,7 +502,7 @@ def test_quarantined_and_stale_samples_are_retired_while_the_trainer_waits(exper
                      "trainer.data_timeout_s=600", steps=STEPS)
     written = STEPS * GROUPS * SAMPLES
     try:
-        _wait_file(root / "metrics.jsonl", p, "the first step")
+        _wait_steps(root, p, 1)
         deadline = time.monotonic() + 120
         while _progress(root).get("samples_retired") != written:
             assert p.poll() is None, p.stdout.read()[-3000:]
@@ -619,3 +631,148 @@ def test_grpc_spool_stops_growing_while_the_trainer_does_not_consume(tmp_path, m
         server.stop()
         reader.close()
     assert sorted(g.samples[0].prompt_id for g in got) == sorted(f"w0/0/{g}" for g in range(shards))
+
+
+# --- 10. a full disk: every role says so, waits, and goes on when space returns ----------------
+
+def small_filesystem(mountpoint, size_mb: int, argv: list[str]) -> list[str]:
+    """`argv` run with a `size_mb` tmpfs mounted at `mountpoint`, in a user and mount namespace
+    of its own (no root needed where unprivileged user namespaces are allowed); the test is
+    skipped where they are not."""
+    import shutil
+    import subprocess
+    if shutil.which("unshare") is None:
+        pytest.skip("needs unshare(1) to make a small filesystem")
+    probe = subprocess.run(["unshare", "--user", "--map-root-user", "--mount", "true"],
+                           capture_output=True, text=True)
+    if probe.returncode != 0:
+        pytest.skip(f"no user+mount namespace here ({probe.stderr.strip()}): cannot make a "
+                    "small filesystem")
+    return ["unshare", "--user", "--map-root-user", "--mount", "sh", "-c",
+            f'mount -t tmpfs -o size={size_mb}m tandem-small "{mountpoint}" && exec "$@"', "sh",
+            *argv]
+
+
+FILL_DISK = r"""
+import json, os, shutil, subprocess, sys, time
+small, out, steps = sys.argv[1], sys.argv[2], int(sys.argv[3])
+root = os.path.join(small, "run")
+# logs on the big disk (a bind mount in this namespace): what a full disk does to a log file
+# is not what this test is about, and the roles' "disk full at" lines must be readable
+os.makedirs(os.path.join(root, "logs"))
+os.makedirs(os.path.join(out, "logs"))
+subprocess.run(["mount", "--bind", os.path.join(out, "logs"), os.path.join(root, "logs")], check=True)
+log = open(os.path.join(out, "launch.log"), "w")
+run = subprocess.Popen([sys.executable, "-m", "launch.local", "--root", root, "--steps", str(steps),
+                        "--timeout", "1500", "--trainer", "trainer.save_freq=2",
+                        "--trainer", "trainer.log_sample_ids=true"], stdout=log, stderr=subprocess.STDOUT)
+
+def lines(name):
+    try:
+        with open(os.path.join(root, name)) as f:
+            return f.read()
+    except FileNotFoundError:
+        return ""
+
+def wait(cond, what, timeout=900):
+    deadline = time.monotonic() + timeout
+    while not cond():
+        if run.poll() is not None or time.monotonic() > deadline:
+            raise SystemExit(f"gave up waiting for {what} (launch.local: {run.poll()})")
+        time.sleep(0.2)
+
+
+filler = os.path.join(small, "filler")
+roles = ["logs/trainer.log", "logs/worker-w0.log", "logs/worker-w1.log"]
+
+
+def fill_and_free():
+    fd = os.open(filler, os.O_WRONLY | os.O_CREAT)
+    for block in (1 << 20, 4096, 1):  # fill the disk to the last byte
+        try:
+            while os.write(fd, b"\0" * block):
+                pass
+        except OSError:
+            pass
+    os.close(fd)
+    full_at = time.time()
+    try:
+        wait(lambda: all("disk full at" in lines(r) for r in roles), "every role to say disk full",
+             300)
+    finally:
+        os.remove(filler)
+    code = run.wait(timeout=1500)
+    leftovers = [os.path.join(d, n) for d, dirs, names in os.walk(root) for n in names + dirs
+                 if ".tmp-" in n]
+    json.dump({"code": code, "full_for_s": time.time() - full_at, "leftovers": leftovers},
+              open(os.path.join(out, "result.json"), "w"))
+
+
+try:
+    wait(lambda: lines("metrics.jsonl").count("\n") >= 3, "3 steps")
+    fill_and_free()
+finally:
+    if run.poll() is None:
+        run.terminate()  # launch.local stops its children
+        run.wait(timeout=300)
+    shutil.copytree(root, os.path.join(out, "run"), ignore=shutil.ignore_patterns("init_model", "logs"))
+"""
+
+
+def test_every_role_outlives_a_full_disk(tmp_path):
+    import json
+    import subprocess
+    import sys
+
+    from conftest import subprocess_env
+    small, out, steps = tmp_path / "small", tmp_path / "out", 10
+    small.mkdir()
+    out.mkdir()
+    script = tmp_path / "fill_disk.py"
+    script.write_text(FILL_DISK)
+    p = subprocess.run(small_filesystem(small, 48, [sys.executable, str(script), str(small),
+                                                    str(out), str(steps)]),
+                       capture_output=True, text=True, timeout=2400, env=subprocess_env())
+    logs = "".join(f"\n--- {f.name}:\n" + f.read_text()[-1500:]
+                   for f in sorted((out / "logs").glob("*.log"))) if (out / "logs").is_dir() else ""
+    assert p.returncode == 0 and (out / "result.json").exists(), (
+        p.stdout[-2000:] + p.stderr[-2000:] + (out / "launch.log").read_text()[-1500:] + logs)
+    result = json.loads((out / "result.json").read_text())
+    assert result["code"] == 0, (out / "launch.log").read_text()[-3000:]
+    rows = [json.loads(line) for line in (out / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert sorted({r["step"] for r in rows}) == list(range(1, steps + 1))
+    trained = [i for r in rows for i in r["samples/ids"]]
+    assert len(trained) == len(set(trained))  # nothing trained twice on the way
+    assert result["leftovers"] == []  # every role removed its own temporaries
+
+
+def test_a_trainer_killed_before_its_first_checkpoint_starts_again(experience):
+    """Killed before any checkpoint (the run could not resume at all): a restart begins again
+    at step 0, versions keep counting, and every committed sample is trained exactly once on
+    the final timeline."""
+    import json
+    import signal
+
+    from conftest import STEPS, run_folder, trainer_proc
+    from trainer.config import TrainerConfig
+    assert TrainerConfig.__dataclass_fields__["trainer"].default_factory().save_freq > 0
+    root = run_folder(experience, "early_kill")
+    p = trainer_proc(root, experience / "model", 2, "trainer.log_sample_ids=true",
+                     "trainer.save_freq=100")
+    try:
+        _wait_steps(root, p, 1)
+        os.killpg(p.pid, signal.SIGKILL)
+    finally:
+        _stop_group(p)
+    versions_before = max(int(n[1:]) for n in os.listdir(root / "weights") if n[1:].isdigit())
+    p = trainer_proc(root, experience / "model", 1, "trainer.log_sample_ids=true")
+    out, _ = p.communicate(timeout=600)
+    assert p.returncode == 0, out[-3000:]
+    rows = [json.loads(line) for line in (root / "metrics.jsonl").read_text().splitlines()]
+    final = {r["step"]: r for r in rows}  # the later line of a step is the final timeline's
+    assert sorted(final) == list(range(1, STEPS + 1))
+    assert final[1]["weights/version"] > versions_before
+    trained = [i for r in final.values() for i in r["samples/ids"]]
+    committed = {s.sample_id for f in (experience / "data" / "experience").rglob("*.arrow")
+                 for s in from_table(decode(f.read_bytes()))}
+    assert len(trained) == len(set(trained)) and set(trained) == committed

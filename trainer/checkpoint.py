@@ -10,18 +10,22 @@ run saved on 2 ranks resumes on 1 (or 4).
 from __future__ import annotations
 
 import json
+import logging
 import os
 import shutil
 import socket
 
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
 from buffer.layout import TMP_MARK, RunLayout
 from buffer.reader import Group
-from buffer.storage import fsync_tree
+from buffer.storage import fsync_tree, is_disk_full
 from protocol.experience import decode, encode, from_table, to_table
+
+log = logging.getLogger(__name__)
 
 
 def latest_complete(layout: RunLayout) -> str | None:
@@ -34,26 +38,50 @@ def latest_complete(layout: RunLayout) -> str | None:
 
 
 def save(model, optimizer, layout: RunLayout, step: int, state: dict | None,
-         pool: list[Group] | None, keep: int) -> str:
-    """Collective. `state` and `pool` are rank 0's; other ranks pass None."""
-    owner = [f"{socket.gethostname()}-{os.getpid()}" if dist.get_rank() == 0 else None]
+         pool: list[Group] | None, keep: int) -> str | None:
+    """Collective. `state` and `pool` are rank 0's; other ranks pass None. Returns the committed
+    folder, or None when the disk was full: the attempt is removed, training goes on and the
+    next save tries again (retention prunes only after a committed checkpoint, so skipping one
+    loses nothing)."""
+    rank0 = dist.get_rank() == 0
+    owner = [f"{socket.gethostname()}-{os.getpid()}" if rank0 else None]
     dist.broadcast_object_list(owner, src=0)  # every rank writes into rank 0's folder
     tmp = layout.checkpoint_tmp(step, owner[0])
-    if dist.get_rank() == 0:
-        _remove_debris(layout)
-        os.makedirs(tmp)
-    dist.barrier()
+
+    def rank0_writes(write) -> bool:
+        """Run rank 0's part; every rank learns whether the disk was full."""
+        full = None
+        if rank0:
+            try:
+                write()
+            except OSError as e:
+                if not is_disk_full(e):
+                    raise
+                full = str(e)
+        return _skipped(full, tmp, step)
+
+    if rank0_writes(lambda: (_remove_debris(layout), os.makedirs(tmp))):
+        return None
     model_sd, optim_sd = get_state_dict(model, optimizer)
-    dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=tmp)
-    final = layout.checkpoint(step)
-    if dist.get_rank() == 0:
+    try:
+        dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=tmp)
+    except CheckpointException as e:  # raised on every rank, whichever failed
+        full = [exc for exc, _ in e.failures.values() if is_disk_full(exc)]
+        if not full:
+            raise
+        _skipped(str(full[0]), tmp, step, agreed=True)
+        return None
+
+    def state_and_pool():
         with open(os.path.join(tmp, "trainer_state.json"), "w") as f:
             json.dump(state, f)
         samples = [s for g in pool or [] for s in g.samples]
         with open(os.path.join(tmp, "pool.arrow"), "wb") as f:
             f.write(encode(to_table(samples)))
-    dist.barrier()  # every rank's shard is on disk
-    if dist.get_rank() == 0:
+    if rank0_writes(state_and_pool):  # every rank's shard is on disk once this agrees
+        return None
+    final = layout.checkpoint(step)
+    if rank0:
         fsync_tree(tmp)
         if os.path.exists(final):  # of a timeline this run resumed before (resume_mode=PATH)
             shutil.rmtree(final)
@@ -63,6 +91,20 @@ def save(model, optimizer, layout: RunLayout, step: int, state: dict | None,
             shutil.rmtree(layout.checkpoint(old), ignore_errors=True)
     dist.barrier()
     return final
+
+
+def _skipped(full: str | None, tmp: str, step: int, agreed: bool = False) -> bool:
+    """Collective unless `agreed`: True (and the attempt removed) if rank 0 found the disk full."""
+    box = [full]
+    if not agreed:
+        dist.broadcast_object_list(box, src=0)
+    if box[0] is None:
+        return False
+    if dist.get_rank() == 0:
+        shutil.rmtree(tmp, ignore_errors=True)
+        log.warning("disk full at %s (%s): checkpoint of step %d skipped; training goes on and "
+                    "the next save tries again", tmp, box[0], step)
+    return True
 
 
 def _remove_debris(layout: RunLayout) -> None:

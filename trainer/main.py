@@ -22,7 +22,7 @@ from buffer import backpressure, retention
 from buffer.ledger import Ledger
 from buffer.reader import ExperienceReader, Group
 from buffer.run_id import ensure_run_id, read_run_id
-from buffer.storage import atomic_write_json, filesystem
+from buffer.storage import DISK_FULL_TIMEOUT_S, atomic_write_json, filesystem, is_disk_full, when_space
 from buffer.weights import WeightStore
 from protocol.config import parse_cli, to_dict
 from trainer import algo, checkpoint
@@ -84,11 +84,19 @@ class Trainer:
         self.reader = self.metrics = None
         self._reported = (-1, 0.0)  # samples retired and time at the last progress report
         resume = self._resume_path()
-        if self.rank == 0:
-            if resume is None and self.store.versions():
-                raise FileExistsError(f"{self.store.layout.weights_dir} already holds weight versions "
-                                      "but there is no checkpoint to resume from; start with a new "
+        if resume is None and self.store.versions():
+            if cfg.trainer.resume_mode != "auto":
+                raise FileExistsError(f"{self.store.layout.weights_dir} already holds weight "
+                                      "versions and trainer.resume_mode=disable: start with a new "
                                       "run folder")
+            # Killed before its first checkpoint: start over (no shard was pruned yet, so all
+            # are read again); versions keep counting, so workers see the restart as new weights.
+            self.version = max(self.store.versions()) + 1
+            log.warning("no complete checkpoint in %s: starting again from step 0 and the initial "
+                        "model; weight versions continue at v%d", self.store.layout.checkpoints_dir,
+                        self.version)
+        if self.rank == 0:
+            self.store.remove_debris()  # staging folders of killed publishes (we hold the run)
             self.reader = ExperienceReader(cfg.root, cfg.buffer, cfg.trainer.max_staleness,
                                            vocab_size=self.model.config.vocab_size,
                                            run_id=read_run_id(self.fs, self.store.layout))
@@ -146,6 +154,8 @@ class Trainer:
         t0 = time.monotonic()
         path = checkpoint.save(self.model, self.optimizer, self.store.layout, self.step, state, pool,
                                self.cfg.trainer.max_ckpt_to_keep)
+        if path is None:  # disk full: skipped, nothing new is covered
+            return
         log.info("checkpoint %s written in %.2f s", path, time.monotonic() - t0)
         if self.rank == 0 and self.cfg.buffer.retention != "keep":
             # Only now are the ledger's shards covered by a committed checkpoint.
@@ -195,8 +205,15 @@ class Trainer:
         whenever samples were retired (dropped, quarantined) or every 10 s (alive)."""
         retired_now = backpressure.retired(self.reader.stats)
         if force or retired_now != self._reported[0] or time.monotonic() - self._reported[1] > 10:
-            backpressure.write_progress(self.fs, self.store.layout, self.reader.stats,
-                                        self.version, self.cfg.data.train_batch_size)
+            try:
+                backpressure.write_progress(self.fs, self.store.layout, self.reader.stats,
+                                            self.version, self.cfg.data.train_batch_size)
+            except OSError as e:
+                if not is_disk_full(e):
+                    raise
+                log.warning("disk full at %s: progress not reported (the next report tries "
+                            "again)", self.store.layout.progress)
+                return
             self._reported = (retired_now, time.monotonic())
 
     # --- one optimisation step, top to bottom ------------------------------------------------
@@ -316,8 +333,9 @@ class Trainer:
             if tc.save_freq and step % tc.save_freq == 0:
                 self.save_checkpoint()
         if self.rank == 0:
-            atomic_write_json(self.fs, self.store.layout.done_marker,
-                              {"steps": tc.total_training_steps, "version": self.version})
+            when_space(lambda: atomic_write_json(self.fs, self.store.layout.done_marker, {
+                "steps": tc.total_training_steps, "version": self.version}),
+                self.store.layout.done_marker)
 
     def close(self) -> None:
         if getattr(self, "server", None) is not None:
@@ -333,7 +351,9 @@ def main(argv: list[str] | None = None) -> int:
     cfg = parse_cli(TrainerConfig, argv, "python -m trainer.main",
                     "Trainer: consumes experience shards, runs GRPO/PPO steps on an FSDP2 actor, "
                     "and publishes weight versions for the rollout workers. Run under torchrun.")
-    device = init_distributed(cfg.trainer.device, cfg.trainer.data_timeout_s + 600)
+    # Collectives wait out the slowest rank: one waiting for experience or for disk space.
+    device = init_distributed(cfg.trainer.device,
+                              max(cfg.trainer.data_timeout_s, DISK_FULL_TIMEOUT_S) + 600)
     logging.basicConfig(level=logging.INFO if dist.get_rank() == 0 else logging.WARNING,
                         stream=sys.stdout, format=f"%(asctime)s %(levelname)s trainer[{dist.get_rank()}] %(message)s")
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))

@@ -17,6 +17,7 @@ from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
 import torch
 import torch.distributed as dist
 
+from buffer.storage import when_space
 from buffer.weights import WeightStore, copy_model_metadata
 
 BUCKET_BYTES = 256 << 20
@@ -103,9 +104,11 @@ def publish_version(model, store: WeightStore, model_path: str, version: int, st
         all_tensors = {k: v for _, ts in gathered for k, v in ts.items()}
         index = {"metadata": {"total_size": int(totals.item())},
                  "weight_map": {k: v.file for k, v in sorted(all_tensors.items())}}
-        with open(os.path.join(staged, "model.safetensors.index.json"), "w") as f:
-            json.dump(index, f, indent=1)
-        copy_model_metadata(model_path, staged)
+        def metadata():
+            with open(os.path.join(staged, "model.safetensors.index.json"), "w") as f:
+                json.dump(index, f, indent=1)
+            copy_model_metadata(model_path, staged)
+        when_space(metadata, staged)
         store.publish(staged, version, step, keep, described=(all_files, all_tensors))
     dist.barrier()
     return {"weights/published": version, "weights/publish_s": time.monotonic() - t0,
