@@ -24,6 +24,8 @@
       .check_env/                  launch.check_env's scratch files (removed after each check)
       DONE                         written by the trainer when it has finished its steps
       trainer.lock                 locked by the running trainer (one per run): its host and pid
+      trainer.stop                 asks the trainer to checkpoint and exit (SLURM's time-limit
+                                   signal, or by hand); the trainer removes it
 """
 from __future__ import annotations
 
@@ -224,3 +226,7 @@ class RunLayout:
     @property
     def trainer_lock(self) -> str:
         return self._p("trainer.lock")
+
+    @property
+    def trainer_stop(self) -> str:
+        return self._p("trainer.stop")

@@ -37,6 +37,11 @@ def parse_args(argv):
     p.add_argument("--nproc-per-node", type=int, default=None,
                    help="trainer: ranks per node (default: --gpus-per-node, or 1 on CPU)")
     p.add_argument("--time", default="1-00:00:00", help="time limit (default 1-00:00:00)")
+    p.add_argument("--signal-before", type=int, default=None, metavar="SECONDS",
+                   help="this long before the time limit: rollout workers get SIGTERM (flush, "
+                        "exit; default 120); the trainer checkpoints, exits and its job is "
+                        "requeued to resume (default 600: a checkpoint of a large model takes "
+                        "minutes)")
     p.add_argument("--array", help="rollout: job array spec, e.g. 0-3 or 0-7%%2 (one job per task)")
     p.add_argument("--flush-interval", type=float, help="rollout: seconds before a partial shard is published")
     p.add_argument("--port", default="auto",
@@ -76,6 +81,7 @@ def spec_from(args) -> slurm.JobSpec:
         gpus_per_node=args.gpus_per_node, tasks_per_node=args.tasks_per_node, cpus_per_task=cpus,
         time=args.time, job_name=args.job_name, array=args.array, flush_interval=args.flush_interval,
         nproc_per_node=nproc, port=str(args.port), worker_prefix=args.worker_prefix,
+        signal_before_s=args.signal_before or (600 if args.role == "trainer" else 120),
         output=args.output, sbatch_args=args.sbatch)
 
 

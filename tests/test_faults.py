@@ -776,3 +776,41 @@ def test_a_trainer_killed_before_its_first_checkpoint_starts_again(experience):
     committed = {s.sample_id for f in (experience / "data" / "experience").rglob("*.arrow")
                  for s in from_table(decode(f.read_bytes()))}
     assert len(trained) == len(set(trained)) and set(trained) == committed
+
+
+# --- 11. the trainer checkpoints and exits when asked (SLURM's time-limit signal) ---------------
+
+def test_a_stop_request_checkpoints_and_a_restart_resumes(experience):
+    """What the trainer job's USR1 trap does (launch/slurm/trainer.sbatch): ROOT/trainer.stop.
+    The trainer checkpoints and exits 0 without DONE; started again it resumes, and each
+    committed sample is trained exactly once on the final timeline."""
+    import json
+
+    from conftest import STEPS, run_folder, trainer_proc
+    root = run_folder(experience, "stopped")
+    layout = RunLayout(str(root))
+    p = trainer_proc(root, experience / "model", 2, "trainer.log_sample_ids=true",
+                     "trainer.save_freq=100")
+    try:
+        _wait_steps(root, p, 2)
+        (root / "trainer.stop").write_text("job 42: time limit near\n")
+        out, _ = p.communicate(timeout=300)
+    finally:
+        _stop_group(p)
+    assert p.returncode == 0, out[-3000:]
+    assert not (root / "DONE").exists() and not (root / "trainer.stop").exists()
+    from trainer.checkpoint import latest_complete
+    assert latest_complete(layout) is not None, "no checkpoint on the way out"
+    p = trainer_proc(root, experience / "model", 2, "trainer.log_sample_ids=true")
+    out, _ = p.communicate(timeout=600)
+    assert p.returncode == 0 and "resumed from" in out, out[-3000:]
+    assert (root / "DONE").exists()
+    final = {}
+    for line in (root / "metrics.jsonl").read_text().splitlines():
+        row = json.loads(line)
+        final[row["step"]] = row["samples/ids"]
+    assert sorted(final) == list(range(1, STEPS + 1))
+    trained = [i for ids in final.values() for i in ids]
+    committed = {s.sample_id for f in (experience / "data" / "experience").rglob("*.arrow")
+                 for s in from_table(decode(f.read_bytes()))}
+    assert len(trained) == len(set(trained)) and set(trained) == committed

@@ -155,7 +155,8 @@ def test_dry_run_renders_both_roles(tmp_path):
     for want in ("#SBATCH --partition=big", "#SBATCH --nodes=4", "#SBATCH --gpus-per-node=8",
                  "--nproc_per_node=8", "--rdzv_backend=c10d", "--rdzv_endpoint=${head_addr}:${rdzv_port}",
                  "rdzv_port=29555", "--nnodes=${SLURM_NNODES}", "srun", f"root={root}",
-                 "trainer.total_training_steps=7"):
+                 "trainer.total_training_steps=7", "#SBATCH --signal=B:USR1@600",
+                 "#SBATCH --requeue", "trap stop_requested USR1", f"{root}/trainer.stop"):
         assert want in s, f"{want!r} not in trainer script:\n{s}"
     out = _run([sys.executable, "-m", "launch.submit", "rollout", "--root", root, "--partition", "cheap",
                 "--nodes", "2", "--gpus-per-node", "4", "--array", "0-3%2", "--time", "2:00:00",
@@ -311,3 +312,40 @@ def test_pool_adopts_its_jobs_after_a_restart_and_cancels_pending_ones(slurm, tm
                 p.wait(timeout=30)
         if job_id and _squeue(job_id) is not None:
             _run(["scancel", job_id])
+
+
+@pytest.mark.slow
+def test_trainer_job_checkpoints_on_the_time_limit_signal_and_is_requeued(slurm, experience):
+    """SLURM sends the trainer job's batch script USR1 before the time limit (#SBATCH
+    --signal=B:USR1@...; sent here at once with scancel --batch --signal=USR1): the trainer
+    checkpoints and exits, the job is requeued, and the requeued job resumes and finishes."""
+    from conftest import STEPS, run_folder
+    root = run_folder(experience, "requeued")
+    layout = RunLayout(str(root))
+    job = _submit("trainer", "--root", layout.root, "--partition", "trainer", "--nproc-per-node", "1",
+                  "--time", "20:00", f"actor_rollout_ref.model.path={experience / 'model'}",
+                  f"trainer.total_training_steps={STEPS}", "data.train_batch_size=4",
+                  "trainer.max_staleness=1000", "trainer.log_sample_ids=true",
+                  "trainer.save_freq=100", "buffer.poll_interval=0.1")
+    out = Path(layout.root, "logs", f"slurm-trainer-{job}.out")
+    dump = lambda: out.read_text()[-3000:] if out.exists() else "(no job output yet)"  # noqa: E731
+    try:
+        _wait(lambda: len(_metrics(layout)) >= 2, 300, "two trainer steps", dump=dump)
+        _run(["scancel", "--batch", "--signal=USR1", job], check=True)
+        _wait(lambda: int(_job(job).get("Restarts", "0")) >= 1, 300, "the job to be requeued",
+              dump=dump)
+        _wait(lambda: _squeue(job) is None, 600, "the requeued job to finish", interval=1.0,
+              dump=dump)
+        info = _job(job)
+        assert info.get("JobState") == "COMPLETED" and info.get("ExitCode") == "0:0", (info, dump())
+    finally:
+        if _squeue(job) is not None:
+            _run(["scancel", job])
+    text = out.read_text()
+    assert "asking the trainer to checkpoint and exit" in text and "requeueing job" in text, text[-3000:]
+    assert "resumed from" in text, text[-3000:]
+    final = {r["step"]: r["samples/ids"] for r in _metrics(layout)}  # later lines win
+    assert sorted(final) == list(range(1, STEPS + 1))
+    trained = [i for ids in final.values() for i in ids]
+    assert len(trained) == len(set(trained))  # nothing trained twice across the requeue
+    assert Path(layout.done_marker).exists()

@@ -8,6 +8,7 @@ written by rank 0. One console line and one JSON line per step.
 """
 from __future__ import annotations
 
+import contextlib
 import datetime
 import logging
 import os
@@ -59,6 +60,10 @@ def init_distributed(device_pref: str, timeout_s: float) -> torch.device:
     return device
 
 
+class StopRequested(Exception):
+    """ROOT/trainer.stop appeared: checkpoint and exit (to be requeued, or stopped by hand)."""
+
+
 class Trainer:
     def __init__(self, cfg: TrainerConfig, device: torch.device):
         self.cfg = cfg
@@ -97,6 +102,8 @@ class Trainer:
                         self.version)
         if self.rank == 0:
             self.store.remove_debris()  # staging folders of killed publishes (we hold the run)
+            if os.path.exists(self.store.layout.trainer_stop):  # addressed to an earlier trainer
+                os.remove(self.store.layout.trainer_stop)
             self.reader = ExperienceReader(cfg.root, cfg.buffer, cfg.trainer.max_staleness,
                                            vocab_size=self.model.config.vocab_size,
                                            run_id=read_run_id(self.fs, self.store.layout))
@@ -142,7 +149,7 @@ class Trainer:
         log.info("resumed from %s at step %d; publishing the restored weights as v%d",
                  path, self.step, self.version)
 
-    def save_checkpoint(self) -> None:
+    def save_checkpoint(self) -> str | None:
         state = pool = None
         if self.rank == 0:
             state = {"step": self.step, "version": self.version, "model_path": self.model_path,
@@ -155,7 +162,7 @@ class Trainer:
         path = checkpoint.save(self.model, self.optimizer, self.store.layout, self.step, state, pool,
                                self.cfg.trainer.max_ckpt_to_keep)
         if path is None:  # disk full: skipped, nothing new is covered
-            return
+            return None
         log.info("checkpoint %s written in %.2f s", path, time.monotonic() - t0)
         if self.rank == 0 and self.cfg.buffer.retention != "keep":
             # Only now are the ledger's shards covered by a committed checkpoint.
@@ -164,6 +171,7 @@ class Trainer:
             pruned = retention.prune_consumed(self.cfg.root, covered, mode=self.cfg.buffer.retention)
             temps = retention.clean_stale_temps(self.cfg.root, self.cfg.buffer.tmp_timeout_s)
             log.info("retention: %s, %d stale temporaries removed", pruned, temps)
+        return path
 
     # --- data: rank 0 reads, every rank gets whole groups ------------------------------------
     def next_share(self) -> tuple[list, dict]:
@@ -175,16 +183,21 @@ class Trainer:
         share = out[0]
         if "error" in share:
             raise RuntimeError(share["error"])
+        if "stop" in share:
+            raise StopRequested(share["stop"])
         return share["samples"], share["info"]
 
     def _read_and_split(self) -> list[dict]:
         t0 = time.monotonic()
         try:
+            self._check_stop()
             groups: list[Group] = self.reader.next_batch(
                 self.cfg.data.train_batch_size, self.version, self.cfg.trainer.data_timeout_s,
-                on_wait=self._report_progress)
+                on_wait=lambda: (self._report_progress(), self._check_stop()))
         except TimeoutError as e:
             return [{"error": f"rank 0: {e}"}] * self.world
+        except StopRequested as e:  # also while waiting for experience
+            return [{"stop": str(e)}] * self.world
         self._report_progress(force=True)
         samples = [s for g in groups for s in g.samples]
         info = {"sample_ids": [s.sample_id for s in samples]} if self.cfg.trainer.log_sample_ids else {}
@@ -199,6 +212,23 @@ class Trainer:
         }
         return [{"samples": [s for g in groups[r::self.world] for s in g.samples], "info": info}
                 for r in range(self.world)]
+
+    def _check_stop(self) -> None:
+        path = self.store.layout.trainer_stop
+        if os.path.exists(path):
+            with open(path, errors="replace") as f:
+                raise StopRequested(f"{path}: {f.read().strip() or 'stop requested'}")
+
+    def stop_for_resume(self, why: StopRequested) -> None:
+        """Collective: checkpoint now and return without DONE; a trainer started again with
+        trainer.resume_mode=auto continues from this checkpoint."""
+        path = self.save_checkpoint()
+        if self.rank == 0:
+            with contextlib.suppress(FileNotFoundError):
+                os.remove(self.store.layout.trainer_stop)
+        log.info("%s; %s; exiting, a restart with trainer.resume_mode=auto resumes at step %d",
+                 why, f"checkpoint {path} written" if path else "NO checkpoint (disk full)",
+                 self.step + 1)
 
     def _report_progress(self, force: bool = False) -> None:
         """progress.json for the workers' backpressure: at every step, and while waiting
@@ -313,7 +343,12 @@ class Trainer:
         for step in range(self.step + 1, tc.total_training_steps + 1):
             self.step = step
             t0 = time.monotonic()
-            samples, info = self.next_share()
+            try:
+                samples, info = self.next_share()
+            except StopRequested as e:
+                self.step = step - 1  # this step has not been taken
+                self.stop_for_resume(e)
+                return
             metrics = {"step": step, "weights/version": self.version}
             metrics.update(self.train_step(samples, info))
             if step % tc.publish_freq == 0 or step == tc.total_training_steps:

@@ -41,7 +41,8 @@ class JobSpec:
     nproc_per_node: int = 1          # trainer only: ranks per node
     port: str = "auto"               # trainer only: rendezvous port ("auto": 20000 + job id % 20000)
     worker_prefix: str = ""          # rollout only: worker ids <prefix>[-a<k>][-t<rank>]
-    signal_before_s: int = 120       # rollout only: SIGTERM this long before the time limit
+    signal_before_s: int = 120       # rollout: SIGTERM, trainer: checkpoint + requeue, this long
+                                     # before the time limit
     output: str | None = None        # default: <root>/logs/slurm-<role>-%j.out
     sbatch_args: list[str] = dataclasses.field(default_factory=list)  # extra #SBATCH lines
     python: str = sys.executable
@@ -129,7 +130,11 @@ def render_trainer(spec: JobSpec, trainer_args: list[str]) -> str:
         raise ValueError(f"trainer job: --nproc-per-node {spec.nproc_per_node} ranks on "
                          f"{spec.gpus_per_node} GPUs per node: use one rank per GPU")
     values = _common(spec, "trainer")
+    from buffer.layout import RunLayout
+    layout = RunLayout(spec.root)
     values.update(nproc_per_node=spec.nproc_per_node, port=spec.port,
+                  signal_before_s=spec.signal_before_s, stop_file=shlex.quote(layout.trainer_stop),
+                  done_marker=shlex.quote(layout.done_marker),
                   trainer_args=_q([f"root={spec.root}", *trainer_args]))
     return _finish(_template("trainer.sbatch").substitute(values), spec)
 
