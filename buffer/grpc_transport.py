@@ -257,15 +257,24 @@ class GrpcShardWriter(ShardWriter):
         deadline = time.monotonic() + self.cfg.backlog_timeout_s
         with self.cond:
             while len(self.unacked) >= self.cfg.grpc_max_inflight and not self.fatal:
-                if not self.cond.wait(timeout=max(0.0, deadline - time.monotonic())):
+                if self._run_done():  # no trainer will take it: do not wait for one
+                    log.warning("the run is finished (%s): shard %d not pushed",
+                                self.layout.done_marker, seq)
+                    return f"grpc://{self.cfg.grpc_address}/{self.worker_id}/{seq} (not pushed)"
+                if time.monotonic() > deadline:
                     raise TimeoutError(f"{len(self.unacked)} shards unacknowledged by "
                                        f"{self.cfg.grpc_address} for {self.cfg.backlog_timeout_s:.0f} s;"
                                        f" last error: {self.last_error}")
+                self.cond.wait(timeout=min(1.0, max(0.0, deadline - time.monotonic())))
             if self.fatal:
                 raise RuntimeError(f"the trainer refused a shard: {self.last_error}")
             self.unacked[seq] = data
         self.senders.submit(self._push_until_acked, seq, data)
         return f"grpc://{self.cfg.grpc_address}/{self.worker_id}/{seq}"
+
+    def _run_done(self) -> bool:
+        """The trainer has finished its steps: shards not yet acknowledged will never be read."""
+        return self.fs.exists(self.layout.done_marker)
 
     def _unsure_from(self, seq: int) -> int:
         with self.cond:  # a shard is published once acknowledged
@@ -318,9 +327,13 @@ class GrpcShardWriter(ShardWriter):
         self.flush()
         deadline = time.monotonic() + timeout_s
         with self.cond:
-            while self.unacked and not self.fatal:
-                if not self.cond.wait(timeout=max(0.0, deadline - time.monotonic())):
+            while self.unacked and not self.fatal and time.monotonic() < deadline:
+                if self._run_done():
+                    log.warning("the run is finished (%s): %d shards not pushed",
+                                self.layout.done_marker, len(self.unacked))
+                    self.unacked.clear()
                     break
+                self.cond.wait(timeout=min(1.0, max(0.0, deadline - time.monotonic())))
             left = len(self.unacked)
         self.stopping = True
         self.senders.shutdown(wait=True)
