@@ -89,7 +89,10 @@ def prune_consumed(root: str, consumed_keys: Ledger | Iterable[str],
                 else:
                     dest = layout.archive_shard(worker, seq)
                     fs.makedirs(dest.rsplit("/", 1)[0], exist_ok=True)
-                    fs.mv(path, dest)
+                    dup = 0  # an archived shard is never replaced (a restarted writer's empty
+                    while fs.exists(dest + (f".{dup}" if dup else "")):  # one may share its seq)
+                        dup += 1
+                    fs.mv(path, dest + (f".{dup}" if dup else ""))
             except FileNotFoundError:
                 continue  # pruned concurrently (or quarantined meanwhile)
             counts["pruned"] += 1

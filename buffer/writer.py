@@ -34,7 +34,7 @@ class ShardWriter:
     and `samples_before`. A restarted writer continues after the claim (for a run without one:
     after its last heartbeat `resume`, plus any shard published after it). A number in
     [fill_from, next_seq) that is not on disk was either never published (the kill came first)
-    or consumed (only consumed shards are deleted or quarantined); the restarted writer
+    or consumed (only consumed shards are deleted, archived or quarantined); the restarted writer
     publishes an empty shard under it, which closes the gap the trainer's ledger would otherwise
     wait on for ever, and which the trainer skips if the number was consumed. So shard keys and
     sample ids are unique across restarts.
@@ -92,7 +92,8 @@ class ShardWriter:
         """Empty shards under the numbers a killed predecessor claimed but may not have
         published (see the class doc); before this writer's first own shard."""
         for seq in self._gaps:
-            if not self.fs.exists(self.layout.shard(self.worker_id, seq)):
+            if not any(self.fs.exists(p) for p in (self.layout.shard(self.worker_id, seq),
+                                                   self.layout.archive_shard(self.worker_id, seq))):
                 self._publish(seq, self._encode(seq, []))
                 log.info("published an empty shard %d of %s: claimed before a restart, not on "
                          "disk", seq, self.worker_id)
