@@ -66,10 +66,14 @@ def save(model, optimizer, layout: RunLayout, step: int, state: dict | None,
     try:
         dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=tmp)
     except CheckpointException as e:  # raised on every rank, whichever failed
-        full = [exc for exc, _ in e.failures.values() if is_disk_full(exc)]
-        if not full:
+        full = [exc for exc, _ in e.failures.values() if _from_full_disk(exc)]
+        # torch's own file writer reports a short write as a RuntimeError ("unexpected pos"),
+        # not ENOSPC: rank 0 also looks at the space left, before the attempt is removed
+        verdict = [str(full[0]) if full else (_nearly_full(tmp) if rank0 else None)]
+        dist.broadcast_object_list(verdict, src=0)
+        if verdict[0] is None:
             raise
-        _skipped(str(full[0]), tmp, step, agreed=True)
+        _skipped(verdict[0], tmp, step, agreed=True)
         return None
 
     def state_and_pool():
@@ -91,6 +95,25 @@ def save(model, optimizer, layout: RunLayout, step: int, state: dict | None,
             shutil.rmtree(layout.checkpoint(old), ignore_errors=True)
     dist.barrier()
     return final
+
+
+NEARLY_FULL_BYTES = 16 << 20  # what a failed write leaves free on a disk it filled
+
+
+def _from_full_disk(exc: BaseException | None) -> bool:
+    while exc is not None:
+        if is_disk_full(exc):
+            return True
+        exc = exc.__cause__ or exc.__context__
+    return False
+
+
+def _nearly_full(path: str) -> str | None:
+    try:
+        free = shutil.disk_usage(path).free
+    except OSError:
+        return None
+    return f"{free} bytes left" if free < NEARLY_FULL_BYTES else None
 
 
 def _skipped(full: str | None, tmp: str, step: int, agreed: bool = False) -> bool:
