@@ -141,3 +141,21 @@ def final_weights(root):
     from buffer.weights import WeightStore
     store = WeightStore(str(root))
     return dict(store.tensors(store.versions()[-1]))
+
+
+def small_filesystem(mountpoint, size_mb: int, argv: list[str]) -> list[str]:
+    """`argv` run with a `size_mb` tmpfs mounted at `mountpoint`, in a user and mount namespace
+    of its own (no root needed where unprivileged user namespaces are allowed); the test is
+    skipped where they are not."""
+    import shutil
+    import subprocess
+    if shutil.which("unshare") is None:
+        pytest.skip("needs unshare(1) to make a small filesystem")
+    probe = subprocess.run(["unshare", "--user", "--map-root-user", "--mount", "true"],
+                           capture_output=True, text=True)
+    if probe.returncode != 0:
+        pytest.skip(f"no user+mount namespace here ({probe.stderr.strip()}): cannot make a "
+                    "small filesystem")
+    return ["unshare", "--user", "--map-root-user", "--mount", "sh", "-c",
+            f'mount -t tmpfs -o size={size_mb}m tandem-small "{mountpoint}" && exec "$@"', "sh",
+            *argv]

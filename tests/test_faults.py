@@ -12,7 +12,7 @@ from buffer.layout import RunLayout
 from buffer.reader import ExperienceReader
 from buffer.retention import prune_consumed
 from buffer.writer import ShardWriter
-from conftest import free_port, make_group
+from conftest import free_port, make_group, small_filesystem
 from protocol.experience import decode, from_table
 
 N = 4  # samples per group
@@ -634,24 +634,6 @@ def test_grpc_spool_stops_growing_while_the_trainer_does_not_consume(tmp_path, m
 
 
 # --- 10. a full disk: every role says so, waits, and goes on when space returns ----------------
-
-def small_filesystem(mountpoint, size_mb: int, argv: list[str]) -> list[str]:
-    """`argv` run with a `size_mb` tmpfs mounted at `mountpoint`, in a user and mount namespace
-    of its own (no root needed where unprivileged user namespaces are allowed); the test is
-    skipped where they are not."""
-    import shutil
-    import subprocess
-    if shutil.which("unshare") is None:
-        pytest.skip("needs unshare(1) to make a small filesystem")
-    probe = subprocess.run(["unshare", "--user", "--map-root-user", "--mount", "true"],
-                           capture_output=True, text=True)
-    if probe.returncode != 0:
-        pytest.skip(f"no user+mount namespace here ({probe.stderr.strip()}): cannot make a "
-                    "small filesystem")
-    return ["unshare", "--user", "--map-root-user", "--mount", "sh", "-c",
-            f'mount -t tmpfs -o size={size_mb}m tandem-small "{mountpoint}" && exec "$@"', "sh",
-            *argv]
-
 
 FILL_DISK = r"""
 import json, os, shutil, subprocess, sys, time
