@@ -47,6 +47,7 @@ class WeightStore:
     def __init__(self, root: str):
         self.fs, root_path = filesystem(root)
         self.layout = RunLayout(root_path)
+        self.announced_at: float | None = None  # unix time LATEST last named a version published here
 
     # --- trainer side -------------------------------------------------------------------
     def stage(self, version: int) -> str:
@@ -127,6 +128,7 @@ class WeightStore:
             raise FileExistsError(f"{final} already exists: weight versions are never rewritten")
         os.rename(staged, final)
         atomic_write_json(self.fs, self.layout.latest_pointer, {"version": version, "step": step})
+        self.announced_at = time.time()  # workers may load it from now (launch.report: sync latency)
         self.prune(keep)
         return manifest
 
