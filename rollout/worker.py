@@ -119,14 +119,18 @@ class RolloutWorker:
             return False
         t0 = time.monotonic()
         try:
-            count = self.engine.load_weights(self.store.tensors(latest))
+            files = self.store.verified_files(latest)
+            t1 = time.monotonic()
+            count = self.engine.load_files(files)
         except FileNotFoundError as e:  # pruned while we read: the next batch sees a newer one
             log.warning("weight version %d vanished while loading (%s); retrying later", latest, e)
             return False
         self.version = latest
         self.versions_loaded.append(latest)
         self.loads = _bounded(self.loads, [latest, round(time.time(), 3)])
-        log.info("loaded weights v%d in place: %d tensors in %.3f s", latest, count, time.monotonic() - t0)
+        t2 = time.monotonic()
+        log.info("loaded weights v%d in place: %d tensors in %.3f s (checksums %.3f s, load %.3f s)",
+                 latest, count, t2 - t0, t1 - t0, t2 - t1)
         return True
 
     def _samples(self, prompt: Prompt, group: list[Completion], versions: list[int],
