@@ -25,7 +25,7 @@ import sys
 import time
 
 from buffer.layout import RunLayout
-from buffer.storage import filesystem
+from buffer.storage import filesystem, is_local
 from launch import status
 
 PLOTS = (  # name, title, what it shows
@@ -83,6 +83,8 @@ def _minutes(data: dict, t: float) -> float:
 
 
 def _plot_reward(data, fig):
+    if not data["steps"]:
+        return False
     by_step, by_time = fig.subplots(1, 2)
     by_step.plot(data["steps"], data["reward"], label="reward/mean", color="C0", lw=1)
     mins = [_minutes(data, t) if t is not None else None for t in data["time"]]
@@ -99,6 +101,8 @@ def _plot_reward(data, fig):
 
 
 def _plot_staleness(data, fig):
+    if not data["steps"]:
+        return False
     import numpy as np
     hist, by_step = fig.subplots(1, 2)
     top = max(data["staleness_max"])
@@ -106,10 +110,10 @@ def _plot_staleness(data, fig):
     hist.hist([data["staleness_mean"], data["staleness_max"]], bins=bins, label=["mean", "max"])
     hist.set(xlabel="staleness of a step's samples (versions)", ylabel="trainer steps")
     hist.legend(fontsize=8)
-    by_step.plot(data["steps"], data["staleness_mean"], label="mean", lw=1)
-    by_step.plot(data["steps"], data["staleness_max"], label="max", lw=1)
+    by_step.plot(data["steps"], data["staleness_max"], label="max", lw=1, color="C1", alpha=0.6)
+    by_step.plot(data["steps"], data["staleness_mean"], label="mean", lw=1, color="C0")
     by_step.set(xlabel="trainer step", ylabel="versions",
-                title=f"{data['dropped_stale_samples']:,} samples dropped as stale", )
+                title=f"{data['dropped_stale_samples']:,} samples dropped as stale")
     by_step.title.set_fontsize(9)
     by_step.legend(fontsize=8)
     return True
@@ -151,11 +155,20 @@ def _plot_versions(data, fig):
 
 
 def _plot_step_time(data, fig):
+    if not data["steps"]:
+        return False
     ax = fig.subplots()
     parts = data["step_time"]
     ax.stackplot(data["steps"], parts["wait_s"], parts["compute_s"], parts["publish_s"],
                  labels=["wait for experience", "compute", "publish"], step="mid")
     ax.set(xlabel="trainer step", ylabel="seconds")
+    # A first step that waits for the workers to start would flatten every other: clip it.
+    totals = sorted(w + c + p for w, c, p in zip(parts["wait_s"], parts["compute_s"], parts["publish_s"]))
+    top = 2 * totals[int(0.95 * (len(totals) - 1))]
+    if top > 0 and totals[-1] > top:
+        ax.set_ylim(0, top)
+        ax.set_title(f"{sum(t > top for t in totals)} step(s) above {top:.2f} s clipped "
+                     f"(longest {totals[-1]:.1f} s)", fontsize=9)
     ax.legend(fontsize=8, loc="upper right")
     return True
 
@@ -186,8 +199,6 @@ def draw(data: dict, out: str) -> dict[str, bytes | None]:
     pngs = {}
     for name, title, _ in PLOTS:
         pngs[name] = None
-        if not data["steps"]:
-            continue
         fig = plt.figure(figsize=(10, 3.4), dpi=90, layout="constrained")
         try:
             if DRAW[name](data, fig):
@@ -242,7 +253,9 @@ def page(snap: dict, pngs: dict[str, bytes | None]) -> str:
 
 def write_report(root: str, out: str | None = None, silent_after: float = 300.0) -> str:
     """Write the PNGs, data.json and index.html into `out` (default RUN/report); the page's path."""
-    _, root_path = filesystem(root)
+    fs, root_path = filesystem(root)
+    if out is None and not is_local(fs):
+        raise ValueError(f"{root} is not a local folder: give the report's folder (--out)")
     out = out or RunLayout(root_path).report_dir
     os.makedirs(out, exist_ok=True)
     data = collect(root)

@@ -40,10 +40,11 @@ WAITING_BEAT_S = 5.0  # heartbeat period while held back by backpressure (launch
 
 
 def _bounded(rows: list, row: list) -> list:
-    """Append `row`; at HISTORY_ROWS drop every other row, so the history spans the whole run at
-    a coarser step and a heartbeat stays a few kB (every worker reads them all for backpressure)."""
+    """Append `row`; at HISTORY_ROWS (even) keep every other row, the first and the newest
+    included: the history spans the whole run, older parts at a coarser step, and a heartbeat
+    stays a few kB (every worker reads all heartbeats for backpressure)."""
     rows.append(row)
-    return rows[1::2] if len(rows) >= HISTORY_ROWS else rows
+    return rows[::2] + rows[-1:] if len(rows) >= HISTORY_ROWS else rows
 
 
 @dataclasses.dataclass
