@@ -47,7 +47,7 @@ class WeightStore:
     def __init__(self, root: str):
         self.fs, root_path = filesystem(root)
         self.layout = RunLayout(root_path)
-        self.announced_at: float | None = None  # unix time LATEST last named a version published here
+        self.announced_at: float | None = None  # unix time of the last publish()'s announcement
 
     # --- trainer side -------------------------------------------------------------------
     def stage(self, version: int) -> str:
@@ -127,8 +127,10 @@ class WeightStore:
         if os.path.exists(final):
             raise FileExistsError(f"{final} already exists: weight versions are never rewritten")
         os.rename(staged, final)
+        # Taken before LATEST names the version: no worker can have loaded it earlier (the
+        # weight-sync latency in launch.report is never negative on one clock).
+        self.announced_at = time.time()
         atomic_write_json(self.fs, self.layout.latest_pointer, {"version": version, "step": step})
-        self.announced_at = time.time()  # workers may load it from now (launch.report: sync latency)
         self.prune(keep)
         return manifest
 

@@ -107,7 +107,7 @@ class RolloutWorker:
                     raise
                 log.warning("weight version %d was pruned while loading; retrying", self.version)
         self.versions_loaded.append(self.version)
-        self.loads = _bounded(self.loads, [self.version, round(time.time(), 3)])
+        self.loads = _bounded(self.loads, [self.version, time.time()])
         self.prompts = PromptStream(
             load_prompts(self.cfg.data.train_files, self.engine.tokenizer, self.cfg.data.prompt_key,
                          self.cfg.data.max_prompt_length),
@@ -128,7 +128,7 @@ class RolloutWorker:
             return False
         self.version = latest
         self.versions_loaded.append(latest)
-        self.loads = _bounded(self.loads, [latest, round(time.time(), 3)])
+        self.loads = _bounded(self.loads, [latest, time.time()])
         t2 = time.monotonic()
         log.info("loaded weights v%d in place: %d tensors in %.3f s (checksums %.3f s, load %.3f s)",
                  latest, count, t2 - t0, t1 - t0, t2 - t1)

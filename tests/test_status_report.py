@@ -157,7 +157,8 @@ def test_finished_status_equals_files(run):
     assert f"report: {root / 'report' / 'index.html'}" in live["local_out"]  # launch.local wrote it
 
 
-def _check_report(folder: Path, rows: list[dict], beats: dict | None) -> dict:
+def _check_report(folder: Path, rows: list[dict], beats: dict | None, plots=PLOTS) -> dict:
+    """data.json equals the files' numbers; `plots` are drawn and embedded in index.html."""
     data = json.loads((folder / "data.json").read_text())
     assert data["steps"] == [r["step"] for r in rows]
     assert data["reward"] == [r["reward/mean"] for r in rows]
@@ -171,7 +172,7 @@ def _check_report(folder: Path, rows: list[dict], beats: dict | None) -> dict:
             assert data["throughput"][w] == [[h[0], h[3] / h[4]] for h in beat["history"]]
             assert data["sync_latency"][w] == [[v, t - published[v]] for v, t in beat["loads"] if v in published]
     html = (folder / "index.html").read_text()
-    for name in PLOTS:
+    for name in plots:
         png = (folder / f"{name}.png").read_bytes()
         assert png.startswith(b"\x89PNG")
         assert f'id="plot-{name}" ' in html and base64.b64encode(png).decode() in html
@@ -193,7 +194,9 @@ def test_live_report_is_a_snapshot_of_the_run(run):
     data = json.loads((live["report_dir"] / "data.json").read_text())
     n = len(data["steps"])
     assert len(live["rows_before"]) <= n <= len(live["report_rows"])
-    _check_report(live["report_dir"], _rows(root)[:n], beats=None)
+    # the trainer's plots; a worker's may have no data yet this early (e.g. no load of v1 yet)
+    _check_report(live["report_dir"], _rows(root)[:n], beats=None,
+                  plots=("reward", "staleness", "step_time"))
 
 
 def _chromium() -> str | None:
