@@ -3,6 +3,7 @@
     ROOT/
       init_model/                  the built-in tiny model (HF folder), when launch.local made it
       data/train.parquet           the built-in task in verl's RL dataset format
+      data/val.parquet             its held-out split (prompts never in train.parquet)
       experience/<worker>/<seq>.arrow     published shards (temporaries: .<seq>.arrow.tmp-<pid>)
       quarantine/<worker>/<seq>.arrow     shards the trainer rejected, with <seq>.arrow.reason.txt
       archive/<worker>/<seq // 10000>/<seq>.arrow   consumed shards kept by retention mode
@@ -10,6 +11,10 @@
       weights/v<version>/          published actor versions (HF safetensors + manifest.json)
       weights/LATEST               the newest complete version number, replaced atomically
       workers/<worker>.json        heartbeats
+      validation/requests/v<version>.json  a version the trainer asked rollout.validate to
+                                   evaluate; the version stays on disk while this exists
+      validation/v<version>.json   its result (metrics per data_source, or why it was skipped)
+      validation/validator.json    the validator's heartbeat
       control.json                 pool commands (protocol/control.py), written by launch.control
       pool/<supervisor>.json       a pool supervisor's applied commands, target and workers
       progress.json                the trainer's consumption count (for worker backpressure)
@@ -57,6 +62,10 @@ class RunLayout:
     @property
     def train_parquet(self) -> str:
         return self._p("data", "train.parquet")
+
+    @property
+    def val_parquet(self) -> str:
+        return self._p("data", "val.parquet")
 
     # experience
     @property
@@ -137,6 +146,31 @@ class RunLayout:
 
     def manifest(self, version: int) -> str:
         return self._p("weights", f"v{version:06d}", "manifest.json")
+
+    # validation: requests from the trainer, results from rollout.validate
+    @property
+    def validation_dir(self) -> str:
+        return self._p("validation")
+
+    @property
+    def validation_requests_dir(self) -> str:
+        return self._p("validation", "requests")
+
+    def validation_request(self, version: int) -> str:
+        return self._p("validation", "requests", f"v{version:06d}.json")
+
+    def validation_result(self, version: int) -> str:
+        return self._p("validation", f"v{version:06d}.json")
+
+    @staticmethod
+    def validation_version(name: str) -> int | None:
+        """Version of a request or result file name, None for anything else."""
+        base = name.rsplit("/", 1)[-1]
+        return RunLayout.version_of(base[:-5]) if base.endswith(".json") else None
+
+    @property
+    def validator_heartbeat(self) -> str:
+        return self._p("validation", "validator.json")
 
     # status, metrics and logs
     @property

@@ -2,7 +2,8 @@
 
     python -m launch.local --root runs/demo --steps 150
 
-Without inputs given, it builds the built-in tiny model and task into the run folder. Every
+Without inputs given, it builds the built-in tiny model and task into the run folder, with a
+held-out split that a validator (`rollout.validate`) measures every --test-freq steps. Every
 child is its own process group, owned here: on success, on Ctrl-C, or when any child fails, all
 are stopped (SIGTERM, then SIGKILL after a grace period) and the exit code says what happened.
 """
@@ -37,22 +38,30 @@ def parse_args(argv):
     p.add_argument("--nproc", type=int, default=2, help="trainer ranks under torchrun (default 2)")
     p.add_argument("--model", help="HF model folder (default: build the built-in tiny model)")
     p.add_argument("--data", help="verl-format parquet (default: write the built-in task)")
+    p.add_argument("--val-data", help="verl-format parquet of held-out prompts (default: the "
+                   "built-in task's held-out split when --data is not given; else none)")
+    p.add_argument("--test-freq", type=int, default=10,
+                   help="validate every this many steps when there is --val-data (0: never)")
     p.add_argument("--digits", type=int, default=3, help="built-in task: digits per prompt")
     p.add_argument("--trainer", action="append", default=[], metavar="KEY=VALUE",
                    help="extra trainer override, repeatable (e.g. trainer.publish_freq=2)")
     p.add_argument("--worker", action="append", default=[], metavar="KEY=VALUE",
                    help="extra worker override, repeatable")
+    p.add_argument("--validator", action="append", default=[], metavar="KEY=VALUE",
+                   help="extra validator override, repeatable (e.g. data.val_batch_size=64)")
     p.add_argument("--timeout", type=float, default=3600, help="seconds before giving up (default 3600)")
     p.add_argument("--trainer-gpus", help="CUDA_VISIBLE_DEVICES of the trainer, e.g. 0")
     p.add_argument("--worker-gpus", help="GPUs for the workers, one each in turn, e.g. 1,2")
+    p.add_argument("--validator-gpu", help="CUDA_VISIBLE_DEVICES of the validator, e.g. 3")
     args = p.parse_args(argv)
-    if args.steps < 1 or args.workers < 1 or args.nproc < 1:
-        p.error("--steps, --workers and --nproc must be at least 1")
+    if args.steps < 1 or args.workers < 1 or args.nproc < 1 or args.test_freq < 0:
+        p.error("--steps, --workers and --nproc must be at least 1, --test-freq at least 0")
     return args
 
 
-def prepare(layout: RunLayout, args) -> tuple[str, str]:
-    """Model folder and dataset for the run, building the built-in ones when not given."""
+def prepare(layout: RunLayout, args) -> tuple[str, str, str | None]:
+    """Model folder, dataset and validation dataset (None: no validation) for the run, building
+    the built-in ones when not given."""
     if os.path.exists(layout.weights_dir) or os.path.exists(layout.metrics):
         raise SystemExit(f"launch.local: {layout.root} already holds a run; choose a new --root")
     model = args.model or layout.init_model
@@ -60,8 +69,11 @@ def prepare(layout: RunLayout, args) -> tuple[str, str]:
         builtin_task.write_model(model)
     data = args.data or layout.train_parquet
     if not args.data and not os.path.exists(data):
-        builtin_task.write_parquet(data, builtin_task.make_rows(2000, args.digits))
-    return model, data
+        builtin_task.write_parquet(data, builtin_task.make_rows(2000, args.digits, split="train"))
+        builtin_task.write_parquet(layout.val_parquet,
+                                   builtin_task.make_rows(200, args.digits, split="val"))
+    val = args.val_data or (None if args.data else layout.val_parquet)
+    return model, data, (val if args.test_freq else None)
 
 
 class Child:
@@ -105,13 +117,16 @@ class Child:
         return "\n".join([*errors, "...", *text[-lines:]] if errors else text[-lines:])
 
 
-def start_children(layout: RunLayout, args, model: str, data: str) -> tuple[Child, list[Child]]:
+def start_children(layout: RunLayout, args, model: str, data: str,
+                   val: str | None) -> tuple[Child, list[Child]]:
+    """The trainer, and the other children: the workers, then the validator when there is `val`."""
     py = sys.executable
+    validation = [f"trainer.test_freq={args.test_freq}"] if val else []
     trainer = Child("trainer", [py, "-m", "torch.distributed.run", "--standalone",
                                 f"--nproc_per_node={args.nproc}", "-m", "trainer.main",
                                 f"root={layout.root}", f"actor_rollout_ref.model.path={model}",
                                 f"trainer.total_training_steps={args.steps}",
-                                *BUILTIN_TRAINER, *args.trainer], layout.log("trainer"),
+                                *BUILTIN_TRAINER, *validation, *args.trainer], layout.log("trainer"),
                     args.trainer_gpus)
     worker_gpus = args.worker_gpus.split(",") if args.worker_gpus else None
     workers = [Child(f"worker w{i}", [py, "-m", "rollout.worker", f"root={layout.root}",
@@ -121,15 +136,30 @@ def start_children(layout: RunLayout, args, model: str, data: str) -> tuple[Chil
                                       *BUILTIN_WORKER, *args.worker], layout.log(f"worker-w{i}"),
                      worker_gpus[i % len(worker_gpus)] if worker_gpus else None)
                for i in range(args.workers)]
+    if val:
+        workers.append(Child("validator", [py, "-m", "rollout.validate", f"root={layout.root}",
+                                           f"data.val_files=[{val}]",
+                                           f"data.max_response_length={args.digits}",
+                                           "validator.poll_interval_s=0.5", *args.validator],
+                             layout.log("validator"), args.validator_gpu))
     return trainer, workers
 
 
-def read_metrics(path: str) -> list[dict]:
+def read_metrics(path: str) -> tuple[list[dict], list[dict]]:
+    """(one row per trainer step, one row per validation result) of metrics.jsonl."""
     try:
         with open(path) as f:
-            return [json.loads(line) for line in f if line.endswith("\n")]
+            rows = [json.loads(line) for line in f if line.endswith("\n")]
     except FileNotFoundError:
-        return []
+        rows = []
+    return ([r for r in rows if "reward/mean" in r],
+            [r for r in rows if "val/weights_version" in r and "val/skipped" not in r])
+
+
+def val_core(row: dict) -> tuple[str, float]:
+    """The first val-core metric of a validation row (one per data source; the built-in task
+    has one): (name, value)."""
+    return min((k, v) for k, v in row.items() if k.startswith("val-core/"))
 
 
 def supervise(trainer: Child, workers: list[Child], layout: RunLayout, args) -> Child | None:
@@ -140,10 +170,11 @@ def supervise(trainer: Child, workers: list[Child], layout: RunLayout, args) -> 
                mininterval=1.0 if sys.stderr.isatty() else 15.0)
     try:
         while True:
-            rows = read_metrics(layout.metrics)
+            rows, vals = read_metrics(layout.metrics)
             if rows and rows[-1]["step"] != bar.n:
                 bar.set_postfix(reward=f"{rows[-1]['reward/mean']:.3f}",
-                                version=rows[-1]["weights/version"], refresh=False)
+                                version=rows[-1]["weights/version"], refresh=False,
+                                **({"val": f"{val_core(vals[-1])[1]:.3f}"} if vals else {}))
                 bar.update(rows[-1]["step"] - bar.n)  # redraws at most every `mininterval`
             code = trainer.poll()
             if code is not None:
@@ -159,7 +190,7 @@ def supervise(trainer: Child, workers: list[Child], layout: RunLayout, args) -> 
 
 
 def summarize(layout: RunLayout) -> None:
-    rows = read_metrics(layout.metrics)
+    rows, vals = read_metrics(layout.metrics)
     if not rows:
         return
     k = min(10, len(rows))
@@ -167,6 +198,10 @@ def summarize(layout: RunLayout) -> None:
     last = sum(r["reward/mean"] for r in rows[-k:]) / k
     print(f"reward/mean: first {k} steps {first:.3f} -> last {k} steps {last:.3f}; "
           f"final weights v{rows[-1]['weights/version'] + 1} in {layout.weights_dir}")
+    if vals:
+        (name, first), (_, last) = val_core(vals[0]), val_core(vals[-1])
+        print(f"validation (held-out prompts, greedy) {name}: step {vals[0]['step']} {first:.3f} "
+              f"-> step {vals[-1]['step']} {last:.3f} ({len(vals)} results)")
     for hb in sorted(Path(layout.workers_dir).glob("*.json")):
         beat = json.loads(hb.read_text())
         print(f"worker {beat['worker_id']}: {beat['samples_written']} samples, "
@@ -176,11 +211,11 @@ def summarize(layout: RunLayout) -> None:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     layout = RunLayout(os.path.abspath(args.root))
-    model, data = prepare(layout, args)
+    model, data, val = prepare(layout, args)
     print(f"launch.local: run folder {layout.root}; logs in {os.path.dirname(layout.log('x'))}")
     # SIGTERM (e.g. from a batch system) is handled like Ctrl-C: stop every child, then exit.
     signal.signal(signal.SIGTERM, signal.default_int_handler)
-    trainer, workers = start_children(layout, args, model, data)
+    trainer, workers = start_children(layout, args, model, data, val)
     failed, code = None, 0
     try:
         failed = supervise(trainer, workers, layout, args)

@@ -47,6 +47,23 @@ def _bounded(rows: list, row: list) -> list:
     return rows[::2] + rows[-1:] if len(rows) >= HISTORY_ROWS else rows
 
 
+def start_engine(store: WeightStore, rollout_cfg, device: str, timeout_s: float, who: str):
+    """(engine, version): an engine built from the newest published version, waiting up to
+    `timeout_s` for the trainer's first one."""
+    for attempt in range(5):
+        version = store.wait_latest(timeout_s)
+        model_dir = store.layout.version_dir(version)
+        log.info("%s starting engine %s from %s", who, rollout_cfg.name, model_dir)
+        try:
+            return build_engine(model_dir, rollout_cfg, device), version
+        except (OSError, ValueError):
+            # The trainer keeps only the newest versions: this one may have been pruned
+            # while it loaded. Start again from the newest; anything else is a real error.
+            if os.path.isdir(model_dir) or attempt == 4:
+                raise
+            log.warning("weight version %d was pruned while loading; retrying", version)
+
+
 @dataclasses.dataclass
 class GeneratedBatch:
     prompts: list[Prompt]
@@ -91,21 +108,9 @@ class RolloutWorker:
     def start(self) -> None:
         signal.signal(signal.SIGTERM, self._on_signal)
         signal.signal(signal.SIGINT, self._on_signal)
-        for attempt in range(5):
-            self.version = self.store.wait_latest(self.cfg.worker.weights_timeout_s)
-            model_dir = self.layout.version_dir(self.version)
-            log.info("worker %s starting engine %s from %s", self.id,
-                     self.cfg.actor_rollout_ref.rollout.name, model_dir)
-            try:
-                self.engine = build_engine(model_dir, self.cfg.actor_rollout_ref.rollout,
-                                           self.cfg.worker.device)
-                break
-            except (OSError, ValueError):
-                # The trainer keeps only the newest versions: this one may have been pruned
-                # while it loaded. Start again from the newest; anything else is a real error.
-                if os.path.isdir(model_dir) or attempt == 4:
-                    raise
-                log.warning("weight version %d was pruned while loading; retrying", self.version)
+        self.engine, self.version = start_engine(self.store, self.cfg.actor_rollout_ref.rollout,
+                                                 self.cfg.worker.device,
+                                                 self.cfg.worker.weights_timeout_s, f"worker {self.id}")
         self.versions_loaded.append(self.version)
         self.loads = _bounded(self.loads, [self.version, time.time()])
         self.prompts = PromptStream(
