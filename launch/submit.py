@@ -1,14 +1,17 @@
-"""Submit one role of a run as a SLURM job: the rollout workers or the trainer.
+"""Submit one role of a run as a SLURM job: the rollout workers, the trainer or the validator.
 
     python -m launch.submit rollout --root /shared/runs/r1 --partition cheap --nodes 2 \\
         --gpus-per-node 8 data.train_files=[/shared/data/train.parquet] actor_rollout_ref.rollout.name=vllm
     python -m launch.submit trainer --root /shared/runs/r1 --partition big --nodes 4 \\
-        --gpus-per-node 8 --nproc-per-node 8 actor_rollout_ref.model.path=/shared/models/base
+        --gpus-per-node 8 --nproc-per-node 8 actor_rollout_ref.model.path=/shared/models/base \
+        trainer.test_freq=10
+    python -m launch.submit validate --root /shared/runs/r1 --partition cheap --gpus-per-node 1 \
+        data.val_files=[/shared/data/test.parquet] actor_rollout_ref.rollout.name=vllm
 
 Renders the role's sbatch script (launch/slurm/<role>.sbatch) with these settings, submits it with
 `sbatch --parsable` and prints the job id; `--dry-run` prints the script instead. Every
-`key=value` argument goes to the role's process (`python -m rollout.worker` per task, or
-`trainer.main` under torchrun) and is validated here first. The run folder must be on a
+`key=value` argument goes to the role's process (`python -m rollout.worker` per task,
+`trainer.main` under torchrun, or `python -m rollout.validate`) and is validated here first. The run folder must be on a
 filesystem every node sees at the same path.
 """
 from __future__ import annotations
@@ -24,7 +27,7 @@ from protocol.config import ConfigError, build, split_argv
 def parse_args(argv):
     p = argparse.ArgumentParser(prog="python -m launch.submit", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter, allow_abbrev=False)
-    p.add_argument("role", choices=["rollout", "trainer"])
+    p.add_argument("role", choices=["rollout", "trainer", "validate"])
     p.add_argument("--root", required=True, help="run folder, on the shared filesystem")
     p.add_argument("--partition", help="SLURM partition (default: the cluster's default)")
     p.add_argument("--nodes", type=int, default=1, help="nodes (default 1)")
@@ -59,6 +62,8 @@ def role_args(role: str, root: str, rest: list[str]) -> list[str]:
         from rollout.config import WorkerConfig as cls
         if "worker.id" in overrides or "id" in overrides:
             raise ConfigError("worker.id: set per task by the job (use --worker-prefix)")
+    elif role == "validate":
+        from rollout.config import ValidatorConfig as cls
     else:
         from trainer.config import TrainerConfig as cls
     build(cls, {**overrides, "root": root}, yaml_file)
@@ -84,7 +89,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         spec = spec_from(args)
         extra = role_args(args.role, spec.root, rest)
-        render = slurm.render_rollout if args.role == "rollout" else slurm.render_trainer
+        render = {"rollout": slurm.render_rollout, "trainer": slurm.render_trainer,
+                  "validate": slurm.render_validate}[args.role]
         script = render(spec, extra)
     except (ConfigError, ValueError) as e:
         print(f"launch.submit: {e}", file=sys.stderr)
