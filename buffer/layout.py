@@ -19,7 +19,7 @@
       pool/<supervisor>.json       a pool supervisor's applied commands, target and workers
       progress.json                the trainer's consumption count (for worker backpressure)
       checkpoints/step_<N>/        trainer checkpoints (DCP shards, trainer_state.json, pool.arrow)
-      metrics.jsonl                one JSON object per trainer step
+      metrics.jsonl                one JSON object per trainer step and per validation result
       tensorboard/, swanlog/       trainer.logger backends' files (tensorboard, swanlab)
       report/                      launch.report's plots, index.html and data.json
       logs/<process>.log           per-process logs under launch.local
