@@ -10,6 +10,7 @@ import time
 import pytest
 
 from buffer.weights import WeightStore
+from conftest import run_folder, subprocess_env, trainer_proc
 from launch.local import read_metrics
 from protocol.config import build
 from rollout import builtin_task
@@ -102,6 +103,44 @@ def test_pruned_version_is_skipped_with_a_message_and_nothing_waits(tmp_path, ca
     Validator(validator.cfg).run()
     assert store.validation.result(20).metrics[CORE] >= 0
     assert json.loads((root / "validation" / "validator.json").read_text())["state"] == "stopped"
+
+
+def test_trainer_logs_results_to_every_logger_with_their_step(experience, tmp_path):
+    """The trainer and a validator as processes, on the shared fixed experience."""
+    root = run_folder(experience, "validated")
+    val = tmp_path / "val.parquet"
+    builtin_task.write_parquet(val, builtin_task.make_rows(200, 3, split="val"))
+    validator = subprocess.Popen(
+        [sys.executable, "-m", "rollout.validate", f"root={root}", f"data.val_files=[{val}]",
+         "data.max_response_length=3", "validator.poll_interval_s=0.2"],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=subprocess_env())
+    trainer = None
+    try:
+        trainer = trainer_proc(root, experience / "model", 1, "trainer.test_freq=2",
+                               "trainer.logger=[console,tensorboard]", "trainer.val_timeout_s=240",
+                               steps=5)
+        out, _ = trainer.communicate(timeout=400)
+        assert trainer.returncode == 0, out[-3000:]
+        vout, _ = validator.communicate(timeout=120)  # exits by itself once DONE is written
+        assert validator.returncode == 0, vout[-3000:]
+    finally:
+        for p in (validator, trainer):
+            if p is not None and p.poll() is None:
+                p.kill()
+                p.wait(timeout=30)
+    rows, vals = read_metrics(str(root / "metrics.jsonl"))
+    assert len(rows) == 5
+    # v0, every 2 steps, and the last step (5: not a multiple of test_freq, published anyway)
+    assert [(v["step"], v["val/weights_version"]) for v in vals] == [(0, 0), (2, 2), (4, 4), (5, 5)]
+    assert "validation of step 5 (weights v5)" in out
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    acc = EventAccumulator(str(root / "tensorboard"))
+    acc.Reload()
+    # Trackers get each result at the step it arrived (wandb drops earlier steps); val/step says
+    # which step's weights it measured.
+    assert [e.step for e in acc.Scalars(CORE)] == [v["val/logged_at_step"] for v in vals]
+    assert [e.value for e in acc.Scalars(CORE)] == pytest.approx([v[CORE] for v in vals])
+    assert [e.value for e in acc.Scalars("val/step")] == [0, 2, 4, 5]
 
 
 def _best_constant_answer(rows) -> float:
