@@ -99,7 +99,7 @@ class Validator:
             return ""
         self.version = None  # a failed load leaves a mix of weights
         try:
-            self.engine.load_weights(self.store.tensors(version))
+            self.engine.load_files(self.store.verified_files(version))
         except (OSError, ManifestError) as e:
             return (f"weight version {version} is no longer on disk (pruned before validation: "
                     f"the validator fell behind, or trainer.test_freq differs): {e}")
