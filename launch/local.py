@@ -199,8 +199,9 @@ def summarize(layout: RunLayout) -> None:
     print(f"reward/mean: first {k} steps {first:.3f} -> last {k} steps {last:.3f}; "
           f"final weights v{rows[-1]['weights/version'] + 1} in {layout.weights_dir}")
     if vals:
+        vals = sorted(vals, key=lambda r: r["step"])
         (name, first), (_, last) = val_core(vals[0]), val_core(vals[-1])
-        print(f"validation (held-out prompts, greedy) {name}: step {vals[0]['step']} {first:.3f} "
+        print(f"validation (held-out prompts) {name}: step {vals[0]['step']} {first:.3f} "
               f"-> step {vals[-1]['step']} {last:.3f} ({len(vals)} results)")
     for hb in sorted(Path(layout.workers_dir).glob("*.json")):
         beat = json.loads(hb.read_text())

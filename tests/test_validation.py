@@ -169,4 +169,4 @@ def test_pipeline_logs_held_out_accuracy_every_test_freq_steps_and_it_rises(tmp_
     # (9 more of 87 positions right) asks for learning that carries over to unseen prompts.
     floor = _best_constant_answer(builtin_task.make_rows(200, 3, split="val")) + 0.1
     assert vals[0][CORE] < floor and vals[-1][CORE] > floor, [v[CORE] for v in vals]
-    assert f"validation (held-out prompts, greedy) {CORE}: step 0" in proc.stdout
+    assert f"validation (held-out prompts) {CORE}: step 0" in proc.stdout

@@ -13,7 +13,7 @@ import time
 
 from buffer.storage import read_json
 from buffer.weights import WeightStore
-from protocol.validation import ValidationResult
+from protocol.validation import ValidationFormatError, ValidationResult
 from trainer.metrics import MetricsLog
 
 log = logging.getLogger("trainer")
@@ -47,7 +47,10 @@ class ValidationLog:
     def collect(self, step_now: int) -> None:
         """Log every result that has arrived; never waits."""
         for version in sorted(self.pending):
-            result = self.queue.result(version)
+            try:
+                result = self.queue.result(version)
+            except ValidationFormatError as e:  # not written by rollout.validate: report it
+                result = ValidationResult(version, -1, {}, skipped=str(e))
             if result is not None:
                 self.pending.discard(version)
                 self._log(result, step_now)
