@@ -91,13 +91,18 @@ class RewardFunctionConfig:
 
 
 @dataclasses.dataclass
-class WorkerSection:
-    id: str = F("", "worker id (letters, digits, _ . -); default: <hostname>-<pid>")
-    seed: int = F(0, "sampling and prompt-order seed; mixed with the worker id")
-    max_batches: int = F(0, "stop after this many batches (0: run until stopped)", ge=0)
+class EngineProcessSection:
+    """What every process with an engine (worker, validator) is told."""
+    seed: int = F(0, "sampling seed (a worker's also orders its prompts; mixed with its id)")
     weights_timeout_s: float = F(900.0, "seconds to wait for the trainer's first weight version",
                                  gt=0)
     device: str = F("auto", "torch device for the hf engine: auto|cpu|cuda")
+
+
+@dataclasses.dataclass
+class WorkerSection(EngineProcessSection):
+    id: str = F("", "worker id (letters, digits, _ . -); default: <hostname>-<pid>")
+    max_batches: int = F(0, "stop after this many batches (0: run until stopped)", ge=0)
 
 
 @dataclasses.dataclass
@@ -111,12 +116,8 @@ class WorkerConfig:
 
 
 @dataclasses.dataclass
-class ValidatorSection:
-    seed: int = F(0, "sampling seed when val_kwargs.do_sample is true")
+class ValidatorSection(EngineProcessSection):
     poll_interval_s: float = F(1.0, "seconds between looks for new validation requests", gt=0)
-    weights_timeout_s: float = F(900.0, "seconds to wait for the trainer's first weight version",
-                                 gt=0)
-    device: str = F("auto", "torch device for the hf engine: auto|cpu|cuda")
 
 
 @dataclasses.dataclass

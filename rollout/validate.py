@@ -23,14 +23,13 @@ import time
 
 from buffer.storage import atomic_write_json
 from buffer.weights import WeightStore
-from protocol.config import parse_cli
 from protocol.validation import ValidationRequest, ValidationResult
 from protocol.weights import ManifestError
 from rollout import reward
 from rollout.config import ValidatorConfig
 from rollout.dataset import Prompt, load_prompts
 from rollout.engine import SamplingSettings
-from rollout.worker import start_engine
+from rollout.worker import run_role, start_engine
 
 log = logging.getLogger("rollout.validate")
 NOTE_EVERY_S = 60.0  # a line while idle, naming what it waits for
@@ -176,16 +175,10 @@ class Validator:
 
 
 def main(argv: list[str] | None = None) -> int:
-    cfg = parse_cli(ValidatorConfig, argv, "python -m rollout.validate",
+    return run_role(Validator, ValidatorConfig, argv, "python -m rollout.validate",
                     "Validator: evaluates the weight versions the trainer asks for (every "
                     "trainer.test_freq steps) on data.val_files and writes verl's val-core / "
-                    "val-aux metrics beside them, for the trainer to log.")
-    logging.basicConfig(level=logging.INFO, stream=sys.stdout,
-                        format="%(asctime)s %(levelname)s validate[%(process)d] %(message)s")
-    import torch
-    torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
-    Validator(cfg).run()
-    return 0
+                    "val-aux metrics beside them, for the trainer to log.", "validate")
 
 
 if __name__ == "__main__":

@@ -277,16 +277,24 @@ class RolloutWorker:
         self.engine.close()
 
 
-def main(argv: list[str] | None = None) -> int:
-    cfg = parse_cli(WorkerConfig, argv, "python -m rollout.worker",
-                    "Rollout worker: samples groups of responses, scores them, and publishes "
-                    "experience shards to the run folder; reloads new weight versions in place.")
+def run_role(role, config_cls, argv: list[str] | None, prog: str, description: str,
+             tag: str) -> int:
+    """Entry point of a process with an engine: config from the command line, logs to stdout
+    tagged `tag`, torch threads from OMP_NUM_THREADS, then `role(cfg).run()`."""
+    cfg = parse_cli(config_cls, argv, prog, description)
     logging.basicConfig(level=logging.INFO, stream=sys.stdout,
-                        format="%(asctime)s %(levelname)s rollout[%(process)d] %(message)s")
+                        format=f"%(asctime)s %(levelname)s {tag}[%(process)d] %(message)s")
     import torch
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
-    RolloutWorker(cfg).run()
+    role(cfg).run()
     return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    return run_role(RolloutWorker, WorkerConfig, argv, "python -m rollout.worker",
+                    "Rollout worker: samples groups of responses, scores them, and publishes "
+                    "experience shards to the run folder; reloads new weight versions in place.",
+                    "rollout")
 
 
 if __name__ == "__main__":
