@@ -19,6 +19,8 @@ import time
 from pathlib import Path
 
 from buffer.layout import RunLayout
+from buffer.storage import filesystem
+from launch import status
 from rollout import builtin_task
 
 # The built-in task's recipe (tuned so a random-init model learns it by RL in a few minutes;
@@ -145,21 +147,10 @@ def start_children(layout: RunLayout, args, model: str, data: str,
     return trainer, workers
 
 
-def read_metrics(path: str) -> tuple[list[dict], list[dict]]:
-    """(one row per trainer step, one row per validation result) of metrics.jsonl."""
-    try:
-        with open(path) as f:
-            rows = [json.loads(line) for line in f if line.endswith("\n")]
-    except FileNotFoundError:
-        rows = []
-    return ([r for r in rows if "reward/mean" in r],
-            [r for r in rows if "val/weights_version" in r and "val/skipped" not in r])
-
-
-def val_core(row: dict) -> tuple[str, float]:
-    """The first val-core metric of a validation row (one per data source; the built-in task
-    has one): (name, value)."""
-    return min((k, v) for k, v in row.items() if k.startswith("val-core/"))
+def read_metrics(layout: RunLayout) -> tuple[list[dict], dict[str, list[list]]]:
+    """(one row per trainer step, every val-core metric's [step, unix time, value] points)."""
+    rows, vals = status.split_metrics(status.read_metrics(filesystem(layout.root)[0], layout))
+    return rows, status.validation_series(vals)
 
 
 def supervise(trainer: Child, workers: list[Child], layout: RunLayout, args) -> Child | None:
@@ -170,11 +161,11 @@ def supervise(trainer: Child, workers: list[Child], layout: RunLayout, args) -> 
                mininterval=1.0 if sys.stderr.isatty() else 15.0)
     try:
         while True:
-            rows, vals = read_metrics(layout.metrics)
+            rows, vals = read_metrics(layout)
             if rows and rows[-1]["step"] != bar.n:
+                val = {"val": f"{min(vals.items())[1][-1][2]:.3f}"} if vals else {}
                 bar.set_postfix(reward=f"{rows[-1]['reward/mean']:.3f}",
-                                version=rows[-1]["weights/version"], refresh=False,
-                                **({"val": f"{val_core(vals[-1])[1]:.3f}"} if vals else {}))
+                                version=rows[-1]["weights/version"], refresh=False, **val)
                 bar.update(rows[-1]["step"] - bar.n)  # redraws at most every `mininterval`
             code = trainer.poll()
             if code is not None:
@@ -190,7 +181,7 @@ def supervise(trainer: Child, workers: list[Child], layout: RunLayout, args) -> 
 
 
 def summarize(layout: RunLayout) -> None:
-    rows, vals = read_metrics(layout.metrics)
+    rows, vals = read_metrics(layout)
     if not rows:
         return
     k = min(10, len(rows))
@@ -198,11 +189,10 @@ def summarize(layout: RunLayout) -> None:
     last = sum(r["reward/mean"] for r in rows[-k:]) / k
     print(f"reward/mean: first {k} steps {first:.3f} -> last {k} steps {last:.3f}; "
           f"final weights v{rows[-1]['weights/version'] + 1} in {layout.weights_dir}")
-    if vals:
-        vals = sorted(vals, key=lambda r: r["step"])
-        (name, first), (_, last) = val_core(vals[0]), val_core(vals[-1])
-        print(f"validation (held-out prompts) {name}: step {vals[0]['step']} {first:.3f} "
-              f"-> step {vals[-1]['step']} {last:.3f} ({len(vals)} results)")
+    for name, points in sorted(vals.items()):
+        (first_step, _, first), (last_step, _, last) = points[0], points[-1]
+        print(f"validation (held-out prompts) {name}: step {first_step} {first:.3f} "
+              f"-> step {last_step} {last:.3f} ({len(points)} results)")
     for hb in sorted(Path(layout.workers_dir).glob("*.json")):
         beat = json.loads(hb.read_text())
         print(f"worker {beat['worker_id']}: {beat['samples_written']} samples, "

@@ -8,6 +8,7 @@ import sys
 import time
 
 
+from buffer.layout import RunLayout
 from launch.local import read_metrics
 from protocol.experience import decode, from_table
 
@@ -21,10 +22,10 @@ def test_local_pipeline_runs_steps_and_reloads_weights(tmp_path):
                            "--steps", str(steps), "--timeout", "400"],
                           capture_output=True, text=True, timeout=500)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    rows, vals = read_metrics(str(root / "metrics.jsonl"))
+    rows, vals = read_metrics(RunLayout(str(root)))
     assert [r["step"] for r in rows] == list(range(1, steps + 1))
     # the validator (on by default) measured v0 and the last step (test_freq 10 > steps)
-    assert [v["step"] for v in vals] == [0, steps]
+    assert [[p[0] for p in points] for points in vals.values()] == [[0, steps]]
     for r in rows:
         assert REQUIRED <= set(r), REQUIRED - set(r)
         assert 0.0 <= r["reward/mean"] <= 1.0

@@ -11,7 +11,9 @@ import pytest
 
 from buffer.weights import WeightStore
 from conftest import run_folder, subprocess_env, trainer_proc
-from launch.local import read_metrics
+from buffer.layout import RunLayout
+from buffer.storage import filesystem
+from launch import status
 from protocol.config import build
 from rollout import builtin_task
 from rollout.config import ValidatorConfig
@@ -20,6 +22,12 @@ from trainer.metrics import MetricsLog
 from trainer.validation import ValidationLog
 
 CORE = "val-core/tandem/copy/reward/mean@1"
+
+
+def _metrics(root) -> tuple[list[dict], list[dict]]:
+    """(trainer rows, validation rows) of a run's metrics.jsonl."""
+    layout = RunLayout(str(root))
+    return status.split_metrics(status.read_metrics(filesystem(layout.root)[0], layout))
 
 
 def test_held_out_split_is_disjoint_from_training_and_the_default_unchanged():
@@ -128,7 +136,7 @@ def test_trainer_logs_results_to_every_logger_with_their_step(experience, tmp_pa
             if p is not None and p.poll() is None:
                 p.kill()
                 p.wait(timeout=30)
-    rows, vals = read_metrics(str(root / "metrics.jsonl"))
+    rows, vals = _metrics(root)
     assert len(rows) == 5
     # v0, every 2 steps, and the last step (5: not a multiple of test_freq, published anyway)
     assert [(v["step"], v["val/weights_version"]) for v in vals] == [(0, 0), (2, 2), (4, 4), (5, 5)]
@@ -158,7 +166,7 @@ def test_pipeline_logs_held_out_accuracy_every_test_freq_steps_and_it_rises(tmp_
                            str(steps), "--test-freq", str(freq), "--timeout", "600"],
                           capture_output=True, text=True, timeout=700)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    rows, vals = read_metrics(str(root / "metrics.jsonl"))
+    rows, vals = _metrics(root)
     assert [r["step"] for r in rows] == list(range(1, steps + 1))
     # v0 (val_before_train), then every test_freq steps; publish_freq=1, so version = step
     assert [(v["step"], v["val/weights_version"]) for v in vals] == [(s, s) for s in range(0, steps + 1, freq)]

@@ -59,12 +59,13 @@ class ValidationLog:
         if r.skipped:
             log.warning("validation of weights v%d (step %d) skipped: %s", r.version, r.step, r.skipped)
             self.metrics.write_validation({"step": r.step, "val/weights_version": r.version,
-                                           "val/skipped": r.skipped}, step_now)
+                                           "val/skipped": r.skipped, "time/unix": time.time()},
+                                          step_now)
             return
         self.metrics.write_validation({
             "step": r.step, "val/weights_version": r.version, "val/prompts": r.prompts,
             "val/samples": r.samples, "val/generate_s": r.generate_s,
-            "val/logged_at_step": step_now, **r.metrics}, step_now)
+            "val/logged_at_step": step_now, "time/unix": time.time(), **r.metrics}, step_now)
 
     def finish(self, timeout_s: float, step_now: int) -> None:
         """After the last step: wait for the pending results while the validator runs, at most
