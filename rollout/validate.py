@@ -101,7 +101,7 @@ class Validator:
             self.engine.load_files(self.store.verified_files(version))
         except (OSError, ManifestError) as e:
             return (f"weight version {version} is no longer on disk (pruned before validation: "
-                    f"the validator fell behind, or trainer.test_freq differs): {e}")
+                    f"more than trainer.keep_versions validations were pending): {e}")
         self.version = version
         return ""
 
@@ -133,7 +133,7 @@ class Validator:
             "host": socket.gethostname(), "pid": os.getpid(), "state": state,
             "weight_version": self.version, "answered": self.answered, "last_beat": time.time()})
 
-    def step(self) -> bool:
+    def answer_next(self) -> bool:
         """Answer the oldest open request; False when there is none."""
         requests = self.queue.requests()
         if not requests:
@@ -157,7 +157,7 @@ class Validator:
             self.heartbeat("running")
             last_note = time.monotonic()
             while not self.stopping:
-                if self.step():
+                if self.answer_next():
                     last_note = time.monotonic()
                     continue
                 if self.fs.exists(self.layout.done_marker):

@@ -77,8 +77,8 @@ def test_pruned_version_is_skipped_with_a_message_and_nothing_waits(tmp_path, ca
         "root": str(root), "data.val_files": f"[{val}]", "data.max_response_length": "3"}))
     validator.start()
     t0 = time.monotonic()
-    assert validator.step() and validator.step()
-    assert not validator.step()  # nothing open: returns at once, never waits for a version
+    assert validator.answer_next() and validator.answer_next()
+    assert not validator.answer_next()  # nothing open: returns at once, never waits for a version
     assert time.monotonic() - t0 < 60  # two greedy passes over 29 prompts of 3 tokens
     skipped, done = store.validation.result(5), store.validation.result(10)
     assert "no longer on disk" in skipped.skipped and not skipped.metrics
