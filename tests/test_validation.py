@@ -76,10 +76,8 @@ def test_pruned_version_is_skipped_with_a_message_and_nothing_waits(tmp_path, ca
     validator = Validator(build(ValidatorConfig, {
         "root": str(root), "data.val_files": f"[{val}]", "data.max_response_length": "3"}))
     validator.start()
-    t0 = time.monotonic()
     assert validator.answer_next() and validator.answer_next()
-    assert not validator.answer_next()  # nothing open: returns at once, never waits for a version
-    assert time.monotonic() - t0 < 60  # two greedy passes over 29 prompts of 3 tokens
+    assert not validator.answer_next()  # nothing open: False at once, it never waits for a version
     skipped, done = store.validation.result(5), store.validation.result(10)
     assert "no longer on disk" in skipped.skipped and not skipped.metrics
     assert not done.skipped and done.prompts == done.samples == 29 and 0 <= done.metrics[CORE] <= 1
@@ -102,7 +100,8 @@ def test_pruned_version_is_skipped_with_a_message_and_nothing_waits(tmp_path, ca
     validator.heartbeat("stopped")
     t0 = time.monotonic()
     trainer_side.finish(timeout_s=600, step_now=20)
-    assert time.monotonic() - t0 < 5 and "the validator has stopped" in caplog.text
+    # 60 s: far below the 600 s a wait would last, far above one look at two small files
+    assert time.monotonic() - t0 < 60 and "the validator has stopped" in caplog.text
     (root / "validation" / "validator.json").unlink()
     trainer_side.finish(timeout_s=0, step_now=20)
     assert "trainer.val_timeout_s=0 s passed" in caplog.text
