@@ -1,6 +1,7 @@
 """Run the whole pipeline on one machine: a torchrun trainer and rollout workers as processes.
 
     python -m launch.local --root runs/demo --steps 150
+    python -m launch.local --root runs/warm --sft-steps 100    # SFT warm start, then RL
 
 Without inputs given, it builds the built-in tiny model and task into the run folder. Every
 child is its own process group, owned here: on success, on Ctrl-C, or when any child fails, all
@@ -24,6 +25,11 @@ from rollout import builtin_task
 # see rollout/builtin_task.py). User overrides (--trainer/--worker) come after and win.
 BUILTIN_TRAINER = ["actor_rollout_ref.actor.optim.lr=1e-3", "actor_rollout_ref.actor.optim.weight_decay=0",
                    "data.train_batch_size=16", "trainer.max_staleness=4", "buffer.poll_interval=0.2"]
+# SFT on the built-in task's (question, answer) pairs: 100 steps copy unseen questions greedily
+# (tests/test_sft.py). total_epochs is only a cap: --sft-steps sets the length.
+BUILTIN_SFT = ["data.train_batch_size=64", "optim.lr=3e-3", "optim.weight_decay=0",
+               "model.enable_gradient_checkpointing=false", "data.max_token_len_per_gpu=1024",
+               "trainer.total_epochs=1000"]
 BUILTIN_WORKER = ["actor_rollout_ref.rollout.n=16", "actor_rollout_ref.rollout.prompts_per_batch=16",
                   "buffer.flush_samples=128", "buffer.flush_interval=5", "buffer.max_backlog_samples=256"]
 
@@ -38,6 +44,12 @@ def parse_args(argv):
     p.add_argument("--model", help="HF model folder (default: build the built-in tiny model)")
     p.add_argument("--data", help="verl-format parquet (default: write the built-in task)")
     p.add_argument("--digits", type=int, default=3, help="built-in task: digits per prompt")
+    p.add_argument("--sft-steps", type=int, default=0,
+                   help="first warm-start the model with this many SFT steps (python -m trainer.sft) "
+                        "on the built-in task's (question, answer) pairs; RL then starts from "
+                        "ROOT/sft/hf (default 0: no SFT)")
+    p.add_argument("--sft", action="append", default=[], metavar="KEY=VALUE",
+                   help="extra trainer.sft override, repeatable (e.g. optim.lr=3e-4)")
     p.add_argument("--trainer", action="append", default=[], metavar="KEY=VALUE",
                    help="extra trainer override, repeatable (e.g. trainer.publish_freq=2)")
     p.add_argument("--worker", action="append", default=[], metavar="KEY=VALUE",
@@ -48,6 +60,8 @@ def parse_args(argv):
     args = p.parse_args(argv)
     if args.steps < 1 or args.workers < 1 or args.nproc < 1:
         p.error("--steps, --workers and --nproc must be at least 1")
+    if args.sft_steps < 0:
+        p.error("--sft-steps must be at least 0")
     return args
 
 
@@ -58,7 +72,11 @@ def prepare(layout: RunLayout, args) -> tuple[str, str]:
     model = args.model or layout.init_model
     if not args.model and not os.path.exists(model):
         builtin_task.write_model(model)
-    data = args.data or layout.train_parquet
+    if args.sft_steps and not os.path.exists(layout.prepared_parquet("rl", "train")):
+        builtin_task.write_sft_and_rl({(k, s): layout.prepared_parquet(k, s)
+                                       for k in ("sft", "rl") for s in ("train", "val")},
+                                      digits=args.digits)
+    data = args.data or (layout.prepared_parquet("rl", "train") if args.sft_steps else layout.train_parquet)
     if not args.data and not os.path.exists(data):
         builtin_task.write_parquet(data, builtin_task.make_rows(2000, args.digits))
     return model, data
@@ -105,6 +123,53 @@ class Child:
         return "\n".join([*errors, "...", *text[-lines:]] if errors else text[-lines:])
 
 
+def run_sft(layout: RunLayout, args, model: str) -> str:
+    """Run trainer.sft to completion (a bar from its metrics); returns its final HF folder."""
+    from tqdm import tqdm
+    out = RunLayout(layout.sft_dir)
+    child = Child("sft", [sys.executable, "-m", "torch.distributed.run", "--standalone",
+                          f"--nproc_per_node={args.nproc}", "-m", "trainer.sft",
+                          f"data.train_files=[{layout.prepared_parquet('sft', 'train')}]",
+                          f"data.val_files=[{layout.prepared_parquet('sft', 'val')}]",
+                          f"model.partial_pretrain={model}", f"trainer.default_local_dir={out.root}",
+                          f"trainer.total_training_steps={args.sft_steps}",
+                          f"data.max_length={2 * args.digits + 2}",  # digits '=' digits eos
+                          *BUILTIN_SFT, *args.sft],
+                  layout.log("sft"), args.trainer_gpus)
+    deadline = time.monotonic() + args.timeout
+    bar = tqdm(total=args.sft_steps, unit="step", desc="sft", dynamic_ncols=True,
+               mininterval=1.0 if sys.stderr.isatty() else 15.0)
+    try:
+        while child.poll() is None:
+            _advance(bar, read_metrics(out.metrics), lambda m: {"loss": f"{m['train/loss']:.3f}"})
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"launch.local: SFT did not finish within --timeout {args.timeout:.0f} s")
+            time.sleep(0.5)
+    finally:
+        bar.close()
+        code = child.stop(grace_s=60)
+    if code != 0:
+        raise ChildFailed(child)
+    rows = read_metrics(out.metrics)
+    val = next((r["val/loss"] for r in reversed(rows) if "val/loss" in r), float("nan"))
+    print(f"sft: {len(rows)} steps, train loss {rows[0]['train/loss']:.3f} -> "
+          f"{rows[-1]['train/loss']:.3f}, held-out loss {val:.3f}; RL starts from {out.hf_model}")
+    return out.hf_model
+
+
+class ChildFailed(RuntimeError):
+    def __init__(self, child: Child):
+        super().__init__(child.name)
+        self.child = child
+
+
+def _advance(bar, rows: list[dict], postfix) -> None:
+    """Move a progress bar to the newest metrics row."""
+    if rows and rows[-1]["step"] != bar.n:
+        bar.set_postfix(**postfix(rows[-1]), refresh=False)
+        bar.update(rows[-1]["step"] - bar.n)  # redraws at most every `mininterval`
+
+
 def start_children(layout: RunLayout, args, model: str, data: str) -> tuple[Child, list[Child]]:
     py = sys.executable
     trainer = Child("trainer", [py, "-m", "torch.distributed.run", "--standalone",
@@ -140,11 +205,8 @@ def supervise(trainer: Child, workers: list[Child], layout: RunLayout, args) -> 
                mininterval=1.0 if sys.stderr.isatty() else 15.0)
     try:
         while True:
-            rows = read_metrics(layout.metrics)
-            if rows and rows[-1]["step"] != bar.n:
-                bar.set_postfix(reward=f"{rows[-1]['reward/mean']:.3f}",
-                                version=rows[-1]["weights/version"], refresh=False)
-                bar.update(rows[-1]["step"] - bar.n)  # redraws at most every `mininterval`
+            _advance(bar, read_metrics(layout.metrics),
+                     lambda m: {"reward": f"{m['reward/mean']:.3f}", "version": m["weights/version"]})
             code = trainer.poll()
             if code is not None:
                 return None if code == 0 else trainer
@@ -180,6 +242,19 @@ def main(argv: list[str] | None = None) -> int:
     print(f"launch.local: run folder {layout.root}; logs in {os.path.dirname(layout.log('x'))}")
     # SIGTERM (e.g. from a batch system) is handled like Ctrl-C: stop every child, then exit.
     signal.signal(signal.SIGTERM, signal.default_int_handler)
+    if args.sft_steps:
+        try:
+            model = run_sft(layout, args, model)
+        except KeyboardInterrupt:
+            print("launch.local: interrupted during SFT", file=sys.stderr)
+            return 130
+        except TimeoutError as e:
+            print(e, file=sys.stderr)
+            return 1
+        except ChildFailed as e:
+            print(f"launch.local: sft exited with code {e.child.proc.returncode}; see "
+                  f"{e.child.log_path}. Last lines:\n{e.child.tail()}", file=sys.stderr)
+            return 1
     trainer, workers = start_children(layout, args, model, data)
     failed, code = None, 0
     try:
