@@ -237,6 +237,8 @@ def test_sft_warm_start_raises_held_out_accuracy_and_the_first_rl_rewards(tmp_pa
     # Mean reward of the first 3 RL steps (16 groups x 16 samples at temperature 1 each). From
     # random init it is ~0.09 (a digit right by chance, README's pipeline table); after SFT the
     # sampled answers are near-certain copies (measured 0.99). 0.3 and 0.8 sit far from both.
+    print(f"held-out greedy accuracy {before:.2f} -> {after:.2f}; first RL rewards from random "
+          f"init {cold_reward:.3f}, after SFT {warm_reward:.3f}")
     assert cold_reward < 0.3 and warm_reward > 0.8, (cold_reward, warm_reward)
 
 
