@@ -108,6 +108,7 @@ def main() -> int:
     from transformers import AutoConfig
     shape = AutoConfig.from_pretrained(model_dir)
     seqs = synthetic(args.batch * args.steps, shape.vocab_size, mix)
+    lengths = seqs.lengths
     trainer = SFTTrainer(cfg, device, seqs, None)
     n_params = sum(p.numel() for p in trainer.model.parameters())
     layers, hidden = shape.num_hidden_layers, shape.hidden_size
@@ -117,7 +118,7 @@ def main() -> int:
         indices = trainer.batch(step)
         plan = [mb for mb in trainer.plan(indices, "train") if mb]  # this rank's micro-batches
         mbs.append(len(plan))
-        fills.append(sum(seqs.lengths[i] for mb in plan for i in mb) / (max(1, len(plan)) * args.budget))
+        fills.append(sum(lengths[i] for mb in plan for i in mb) / (max(1, len(plan)) * args.budget))
         sync()
         dist.barrier()
         t0 = time.perf_counter()
@@ -126,14 +127,14 @@ def main() -> int:
         times.append(time.perf_counter() - t0)
         tokens.append(m["tokens/step"])
         loss_tokens.append(m["tokens/loss"])
-        flops.append(step_flops([seqs.lengths[i] for i in indices], n_params, layers, hidden))
+        flops.append(step_flops([lengths[i] for i in indices], n_params, layers, hidden))
     world = dist.get_world_size()
     gpu = torch.cuda.get_device_name(0) if device.type == "cuda" else "cpu"
     peak = next((v for k, v in PEAK_BF16.items() if k in gpu), 989e12)
     measured = slice(2, None)  # after warm-up
     step_s = sum(times[measured]) / len(times[measured])
     if rank == 0:
-        lengths = sorted(seqs.lengths)
+        lengths = sorted(lengths)
         result = {
             "date": time.strftime("%Y-%m-%d"), "gpu": gpu, "gpus": world,
             "model": ("tiny built-in Qwen2" if args.tiny else "Qwen2.5-0.5B shape") +

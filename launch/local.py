@@ -123,9 +123,25 @@ class Child:
         return "\n".join([*errors, "...", *text[-lines:]] if errors else text[-lines:])
 
 
+class ChildFailed(RuntimeError):
+    """A child that had to succeed before the next phase exited with an error."""
+
+
+def _progress(total: int, desc: str):
+    from tqdm import tqdm
+    return tqdm(total=total, unit="step", desc=desc, dynamic_ncols=True,
+                mininterval=1.0 if sys.stderr.isatty() else 15.0)
+
+
+def _advance(bar, rows: list[dict], postfix) -> None:
+    """Move a progress bar to the newest metrics row."""
+    if rows and rows[-1]["step"] != bar.n:
+        bar.set_postfix(**postfix(rows[-1]), refresh=False)
+        bar.update(rows[-1]["step"] - bar.n)  # redraws at most every `mininterval`
+
+
 def run_sft(layout: RunLayout, args, model: str) -> str:
     """Run trainer.sft to completion (a bar from its metrics); returns its final HF folder."""
-    from tqdm import tqdm
     out = RunLayout(layout.sft_dir)
     child = Child("sft", [sys.executable, "-m", "torch.distributed.run", "--standalone",
                           f"--nproc_per_node={args.nproc}", "-m", "trainer.sft",
@@ -137,37 +153,23 @@ def run_sft(layout: RunLayout, args, model: str) -> str:
                           *BUILTIN_SFT, *args.sft],
                   layout.log("sft"), args.trainer_gpus)
     deadline = time.monotonic() + args.timeout
-    bar = tqdm(total=args.sft_steps, unit="step", desc="sft", dynamic_ncols=True,
-               mininterval=1.0 if sys.stderr.isatty() else 15.0)
+    bar = _progress(args.sft_steps, "sft")
     try:
         while child.poll() is None:
             _advance(bar, read_metrics(out.metrics), lambda m: {"loss": f"{m['train/loss']:.3f}"})
             if time.monotonic() > deadline:
-                raise TimeoutError(f"launch.local: SFT did not finish within --timeout {args.timeout:.0f} s")
+                raise TimeoutError(f"SFT did not finish within --timeout {args.timeout:.0f} s")
             time.sleep(0.5)
     finally:
         bar.close()
         code = child.stop(grace_s=60)
     if code != 0:
-        raise ChildFailed(child)
+        raise ChildFailed(f"sft exited with code {code}; see {child.log_path}. Last lines:\n{child.tail()}")
     rows = read_metrics(out.metrics)
     val = next((r["val/loss"] for r in reversed(rows) if "val/loss" in r), float("nan"))
     print(f"sft: {len(rows)} steps, train loss {rows[0]['train/loss']:.3f} -> "
           f"{rows[-1]['train/loss']:.3f}, held-out loss {val:.3f}; RL starts from {out.hf_model}")
     return out.hf_model
-
-
-class ChildFailed(RuntimeError):
-    def __init__(self, child: Child):
-        super().__init__(child.name)
-        self.child = child
-
-
-def _advance(bar, rows: list[dict], postfix) -> None:
-    """Move a progress bar to the newest metrics row."""
-    if rows and rows[-1]["step"] != bar.n:
-        bar.set_postfix(**postfix(rows[-1]), refresh=False)
-        bar.update(rows[-1]["step"] - bar.n)  # redraws at most every `mininterval`
 
 
 def start_children(layout: RunLayout, args, model: str, data: str) -> tuple[Child, list[Child]]:
@@ -199,10 +201,8 @@ def read_metrics(path: str) -> list[dict]:
 
 def supervise(trainer: Child, workers: list[Child], layout: RunLayout, args) -> Child | None:
     """Wait for the trainer to finish; return the child that failed, if any."""
-    from tqdm import tqdm
     deadline = time.monotonic() + args.timeout
-    bar = tqdm(total=args.steps, unit="step", desc="training", dynamic_ncols=True,
-               mininterval=1.0 if sys.stderr.isatty() else 15.0)
+    bar = _progress(args.steps, "training")
     try:
         while True:
             _advance(bar, read_metrics(layout.metrics),
@@ -245,16 +245,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.sft_steps:
         try:
             model = run_sft(layout, args, model)
-        except KeyboardInterrupt:
-            print("launch.local: interrupted during SFT", file=sys.stderr)
-            return 130
-        except TimeoutError as e:
-            print(e, file=sys.stderr)
-            return 1
-        except ChildFailed as e:
-            print(f"launch.local: sft exited with code {e.child.proc.returncode}; see "
-                  f"{e.child.log_path}. Last lines:\n{e.child.tail()}", file=sys.stderr)
-            return 1
+        except (KeyboardInterrupt, TimeoutError, ChildFailed) as e:
+            print(f"launch.local: SFT stopped: {e or 'interrupted'}", file=sys.stderr)
+            return 130 if isinstance(e, KeyboardInterrupt) else 1
     trainer, workers = start_children(layout, args, model, data)
     failed, code = None, 0
     try:
