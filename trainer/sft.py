@@ -66,6 +66,7 @@ def packed_nll(model, p: Packed) -> torch.Tensor:
 
 
 def sft_line(m: dict) -> str:
+    """The console line: tokens/s of the training passes; the step time includes validation."""
     val = f" | val loss {m['val/loss']:.4f}" if "val/loss" in m else ""
     return (f"step {m['step']}/{m['total']} | epoch {m['epoch']} | loss {m['train/loss']:.4f}{val} | "
             f"lr {m['train/lr']:.2e} | grad norm {m['train/grad_norm']:.3f} | "
@@ -103,7 +104,7 @@ class SFTTrainer:
         resume = self._resume_path()
         if resume is not None:
             self._resume(resume)
-        elif self.rank == 0 and self.store.versions():
+        elif self.store.versions():  # every rank stops (none waits in a collective)
             raise FileExistsError(f"{self.layout.weights_dir} already holds HF weight folders but "
                                   "there is no checkpoint to resume from; choose a new "
                                   "trainer.default_local_dir")
@@ -231,12 +232,13 @@ class SFTTrainer:
             t0 = time.monotonic()
             metrics = {"step": step, "epoch": (step - 1) // self.steps_per_epoch + 1}
             metrics.update(self.train_step(step))
+            train_s = time.monotonic() - t0
             if (tc.test_freq > 0 and step % tc.test_freq == 0) or step % self.steps_per_epoch == 0 \
                     or step == self.total:
                 metrics.update(self.validate())
-            elapsed = time.monotonic() - t0
-            metrics.update({"time/step_s": elapsed, "perf/tokens_per_s": metrics["tokens/step"] / elapsed,
-                            "time/unix": time.time()})
+                metrics["time/val_s"] = time.monotonic() - t0 - train_s
+            metrics.update({"time/step_s": time.monotonic() - t0, "time/unix": time.time(),
+                            "perf/tokens_per_s": metrics["tokens/step"] / train_s})
             if self.rank == 0:
                 self.metrics.write(metrics)
             periodic = tc.save_freq > 0 and step % tc.save_freq == 0

@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 
 from protocol.config import F, ConfigError
+from trainer.config import check_betas
 
 
 @dataclasses.dataclass
@@ -80,8 +81,7 @@ class SFTOptimConfig:
     min_lr_ratio: float = F(0.0, "cosine floor as a fraction of lr", ge=0, le=1)
 
     def check(self) -> None:
-        if len(self.betas) != 2 or not all(0 <= b < 1 for b in self.betas):
-            raise ConfigError(f"optim.betas: two values in [0, 1), got {self.betas}")
+        check_betas(self.betas, "optim.betas")
 
 
 @dataclasses.dataclass
