@@ -73,6 +73,7 @@ def test_empty_file_and_bad_values_are_named(tmp_path, tok):
         load_sequences([str(tmp_path / "nope.parquet")], tok, SFTDataConfig(train_files=["x"]))
 
 
+@pytest.mark.slow
 def test_bad_file_stops_the_cli_before_training(tmp_path):
     f = _write(tmp_path / "long.parquet", [{"prompt": "1234", "response": "12345678"}])
     model = tmp_path / "model"
