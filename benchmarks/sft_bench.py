@@ -75,7 +75,7 @@ def main() -> int:
 
     import torch
     import torch.distributed as dist
-    from benchmarks.rollout_bench import QWEN25_05B, build_model
+    from benchmarks.rollout_bench import build_model
     from benchmarks.trainer_bench import PEAK_BF16
     from protocol.config import build
     from rollout import builtin_task
