@@ -17,6 +17,8 @@
       progress.json                the trainer's consumption count (for worker backpressure)
       checkpoints/step_<N>/        trainer checkpoints (DCP shards, trainer_state.json, pool.arrow)
       metrics.jsonl                one JSON object per trainer step
+      tensorboard/, swanlog/       trainer.logger backends' files (tensorboard, swanlab)
+      report/                      launch.report's plots, index.html and data.json
       logs/<process>.log           per-process logs under launch.local
       logs/slurm-<role>-%j.out     SLURM job output (launch.submit; %j/%A_%a filled in by SLURM)
       env/<node>.json              versions and checks recorded by launch.check_env on each node
@@ -179,8 +181,27 @@ class RunLayout:
         return self._p("tensorboard")
 
     @property
+    def swanlab_dir(self) -> str:
+        return self._p("swanlog")
+
+    @property
     def metrics(self) -> str:
         return self._p("metrics.jsonl")
+
+    @property
+    def report_dir(self) -> str:
+        return self._p("report")
+
+    @staticmethod
+    def heartbeat_worker(name: str) -> str | None:
+        """The worker id of a heartbeat file name, None for anything else (e.g. temporaries)."""
+        base = name.rsplit("/", 1)[-1]
+        if not base.endswith(".json"):
+            return None
+        try:
+            return check_worker_id(base[: -len(".json")])
+        except ValueError:
+            return None
 
     def log(self, process: str) -> str:
         return self._p("logs", f"{process}.log")

@@ -266,6 +266,8 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     if code == 0:
         summarize(layout)
+        from launch.report import write_report
+        print(f"report: {write_report(layout.root)} (live view of a run: python -m launch.status RUN)")
     return code
 
 

@@ -45,6 +45,8 @@ def test_interruptible_generation_resumes_on_new_weights(tmp_path):
     assert all(v == 0 for vs in batch.versions for v in vs)  # tagged with the oldest version
     for prompt, c in long:
         # The first segment was sampled by v0, the rest by v1: each token's logprob is its own.
+        # Cached decoding vs a full forward of the same fp32 weights: rounding of |logprob| <= ~3
+        # (measured <= 4.8e-7); the other version's differ by >= 0.03 here, so 1e-4 tells them apart.
         lp0 = _logprobs(m0, prompt.token_ids, c.token_ids, 0.9)
         lp1 = _logprobs(m1, prompt.token_ids, c.token_ids, 0.9)
         assert c.logprobs[:2] == pytest.approx(lp0[:2], abs=1e-4)

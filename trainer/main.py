@@ -90,7 +90,8 @@ class Trainer:
             self.metrics = MetricsLog(self.store.layout.metrics, cfg.trainer.total_training_steps,
                                       cfg.trainer.logger, cfg.trainer.project_name,
                                       cfg.trainer.experiment_name, to_dict(cfg),
-                                      self.store.layout.tensorboard_dir)
+                                      self.store.layout.tensorboard_dir,
+                                      self.store.layout.swanlab_dir)
         if resume is not None:
             self._resume(resume)
         self.server = None
@@ -162,7 +163,8 @@ class Trainer:
         stats = self.reader.stats
         atomic_write_json(self.fs, self.store.layout.progress, {
             "samples_retired": stats["consumed_samples"] + stats["dropped_stale_samples"],
-            "version": self.version, "time": time.time()})
+            "version": self.version, "time": time.time(),
+            "step": self.step, "total_steps": self.cfg.trainer.total_training_steps})  # launch.status
         samples = [s for g in groups for s in g.samples]
         info = {"sample_ids": [s.sample_id for s in samples]} if self.cfg.trainer.log_sample_ids else {}
         info |= {

@@ -21,7 +21,8 @@ class MetricsLog:
 
     def __init__(self, path: str, total_steps: int, backends: list[str] | None = None,
                  project: str = "tandem", experiment: str = "run", config: dict | None = None,
-                 tensorboard_dir: str | None = None, line: Callable[[dict], str] = rl_line):
+                 tensorboard_dir: str | None = None, swanlab_dir: str | None = None,
+                 line: Callable[[dict], str] = rl_line):
         os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
         self.file = open(path, "a", buffering=1)
         self.total = total_steps
@@ -29,8 +30,11 @@ class MetricsLog:
         self.tracking = None
         others = [b for b in backends or [] if b != "console"]
         if others:
-            if tensorboard_dir:
-                os.environ.setdefault("TENSORBOARD_DIR", tensorboard_dir)
+            # Default folders inside the run (verl's defaults are relative to the working dir).
+            # SwanLab: SWANLAB_MODE=local keeps it offline (verl's default mode is 'cloud').
+            for var, folder in (("TENSORBOARD_DIR", tensorboard_dir), ("SWANLAB_LOG_DIR", swanlab_dir)):
+                if folder:
+                    os.environ.setdefault(var, folder)
             from verl.utils.tracking import Tracking
             self.tracking = Tracking(project, experiment, default_backend=others, config=config)
 
@@ -40,8 +44,9 @@ class MetricsLog:
         self.file.flush()
         os.fsync(self.file.fileno())
         if self.tracking is not None:
-            self.tracking.log(data={k: v for k, v in metrics.items() if k != "step"},
-                              step=metrics["step"])
+            # scalars only: samples/ids (trainer.log_sample_ids) is a list, for metrics.jsonl
+            self.tracking.log(data={k: v for k, v in metrics.items() if k != "step"
+                                    and isinstance(v, (int, float))}, step=metrics["step"])
         print(self.line({**metrics, "total": self.total}), flush=True)
 
     def close(self) -> None:

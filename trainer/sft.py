@@ -112,7 +112,8 @@ class SFTTrainer:
         if self.rank == 0:
             self.metrics = MetricsLog(self.layout.metrics, self.total, cfg.trainer.logger,
                                       cfg.trainer.project_name, cfg.trainer.experiment_name,
-                                      to_dict(cfg), self.layout.tensorboard_dir, line=sft_line)
+                                      to_dict(cfg), self.layout.tensorboard_dir,
+                                      self.layout.swanlab_dir, line=sft_line)
 
     # --- resume ---------------------------------------------------------------------------
     def _resume_path(self) -> str | None:
