@@ -2,8 +2,10 @@
 
     ROOT/
       init_model/                  the built-in tiny model (HF folder), when launch.local made it
-      data/train.parquet           the built-in task in verl's RL dataset format
-      data/val.parquet             its held-out split (prompts never in train.parquet)
+      data/train.parquet           a whole-task parquet in verl's RL format (tests, examples)
+      data/{sft,rl}_{train,val}.parquet   the built-in task through rollout.preprocess, as
+                                   launch.local writes it (rl_val: validation, --sft-steps: sft_*)
+      sft/                         launch.local --sft-steps: the SFT output folder (below)
       experience/<worker>/<seq>.arrow     published shards (temporaries: .<seq>.arrow.tmp-<pid>)
       quarantine/<worker>/<seq>.arrow     shards the trainer rejected, with <seq>.arrow.reason.txt
       archive/<worker>/<seq // 10000>/<seq>.arrow   consumed shards kept by retention mode
@@ -27,6 +29,10 @@
       env/<node>.json              versions and checks recorded by launch.check_env on each node
       .check_env/                  launch.check_env's scratch files (removed after each check)
       DONE                         written by the trainer when it has finished its steps
+
+An SFT output folder (`trainer.sft`'s trainer.default_local_dir) uses the same names for what it
+shares with a run: checkpoints/, weights/v<step>/ (an HF folder per saved step), metrics.jsonl,
+tensorboard/, and hf -> weights/v<last step> (a symlink: the final HF folder).
 """
 from __future__ import annotations
 
@@ -63,9 +69,18 @@ class RunLayout:
     def train_parquet(self) -> str:
         return self._p("data", "train.parquet")
 
+    def prepared_parquet(self, kind: str, split: str) -> str:
+        """rollout.preprocess's outputs: kind 'sft' or 'rl', split 'train' or 'val'."""
+        return self._p("data", f"{kind}_{split}.parquet")
+
     @property
-    def val_parquet(self) -> str:
-        return self._p("data", "val.parquet")
+    def sft_dir(self) -> str:
+        return self._p("sft")
+
+    @property
+    def hf_model(self) -> str:
+        """An SFT folder's final HF model (a symlink to its last weight version)."""
+        return self._p("hf")
 
     # experience
     @property

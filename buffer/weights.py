@@ -34,7 +34,9 @@ def copy_model_metadata(model_path: str, dest: str) -> None:
     """Config, generation config and tokenizer files: what makes a version an HF model folder."""
     for name in os.listdir(model_path):
         src = os.path.join(model_path, name)
-        if os.path.isfile(src) and not name.endswith(_WEIGHT_SUFFIXES):
+        # A model folder that is itself a published version (an SFT output) has a manifest of
+        # its own files: never carry it into another version.
+        if os.path.isfile(src) and not name.endswith(_WEIGHT_SUFFIXES) and name != "manifest.json":
             shutil.copy2(src, os.path.join(dest, name))
 
 

@@ -1,9 +1,11 @@
 """Run the whole pipeline on one machine: a torchrun trainer and rollout workers as processes.
 
     python -m launch.local --root runs/demo --steps 150
+    python -m launch.local --root runs/warm --sft-steps 100    # SFT warm start, then RL
 
 Without inputs given, it builds the built-in tiny model and task into the run folder, with a
-held-out split that a validator (`rollout.validate`) measures every --test-freq steps. Every
+fifth of the task's distinct questions held out: a validator (`rollout.validate`) measures them
+every --test-freq steps. Every
 child is its own process group, owned here: on success, on Ctrl-C, or when any child fails, all
 are stopped (SIGTERM, then SIGKILL after a grace period) and the exit code says what happened.
 """
@@ -19,7 +21,6 @@ import time
 from pathlib import Path
 
 from buffer.layout import RunLayout
-from buffer.storage import filesystem
 from launch import status
 from rollout import builtin_task
 
@@ -27,6 +28,11 @@ from rollout import builtin_task
 # see rollout/builtin_task.py). User overrides (--trainer/--worker) come after and win.
 BUILTIN_TRAINER = ["actor_rollout_ref.actor.optim.lr=1e-3", "actor_rollout_ref.actor.optim.weight_decay=0",
                    "data.train_batch_size=16", "trainer.max_staleness=4", "buffer.poll_interval=0.2"]
+# SFT on the built-in task's (question, answer) pairs: 100 steps copy unseen questions greedily
+# (tests/test_sft.py). total_epochs is only a cap: --sft-steps sets the length.
+BUILTIN_SFT = ["data.train_batch_size=64", "optim.lr=3e-3", "optim.weight_decay=0",
+               "model.enable_gradient_checkpointing=false", "data.max_token_len_per_gpu=1024",
+               "trainer.total_epochs=1000"]
 BUILTIN_WORKER = ["actor_rollout_ref.rollout.n=16", "actor_rollout_ref.rollout.prompts_per_batch=16",
                   "buffer.flush_samples=128", "buffer.flush_interval=5", "buffer.max_backlog_samples=256"]
 
@@ -41,10 +47,16 @@ def parse_args(argv):
     p.add_argument("--model", help="HF model folder (default: build the built-in tiny model)")
     p.add_argument("--data", help="verl-format parquet (default: write the built-in task)")
     p.add_argument("--val-data", help="verl-format parquet of held-out prompts (default: the "
-                   "built-in task's held-out split when --data is not given; else none)")
+                   "built-in task's validation split when --data is not given; else none)")
     p.add_argument("--test-freq", type=int, default=10,
                    help="validate every this many steps when there is --val-data (0: never)")
     p.add_argument("--digits", type=int, default=3, help="built-in task: digits per prompt")
+    p.add_argument("--sft-steps", type=int, default=0,
+                   help="first warm-start the model with this many SFT steps (python -m trainer.sft) "
+                        "on the built-in task's (question, answer) pairs; RL then starts from "
+                        "ROOT/sft/hf (default 0: no SFT)")
+    p.add_argument("--sft", action="append", default=[], metavar="KEY=VALUE",
+                   help="extra trainer.sft override, repeatable (e.g. optim.lr=3e-4)")
     p.add_argument("--trainer", action="append", default=[], metavar="KEY=VALUE",
                    help="extra trainer override, repeatable (e.g. trainer.publish_freq=2)")
     p.add_argument("--worker", action="append", default=[], metavar="KEY=VALUE",
@@ -56,8 +68,10 @@ def parse_args(argv):
     p.add_argument("--worker-gpus", help="GPUs for the workers, one each in turn, e.g. 1,2")
     p.add_argument("--validator-gpu", help="CUDA_VISIBLE_DEVICES of the validator, e.g. 3")
     args = p.parse_args(argv)
-    if args.steps < 1 or args.workers < 1 or args.nproc < 1 or args.test_freq < 0:
-        p.error("--steps, --workers and --nproc must be at least 1, --test-freq at least 0")
+    if args.steps < 1 or args.workers < 1 or args.nproc < 1:
+        p.error("--steps, --workers and --nproc must be at least 1")
+    if args.sft_steps < 0 or args.test_freq < 0:
+        p.error("--sft-steps and --test-freq must be at least 0")
     return args
 
 
@@ -69,12 +83,13 @@ def prepare(layout: RunLayout, args) -> tuple[str, str, str | None]:
     model = args.model or layout.init_model
     if not args.model and not os.path.exists(model):
         builtin_task.write_model(model)
-    data = args.data or layout.train_parquet
-    if not args.data and not os.path.exists(data):
-        builtin_task.write_parquet(data, builtin_task.make_rows(2000, args.digits, split="train"))
-        builtin_task.write_parquet(layout.val_parquet,
-                                   builtin_task.make_rows(200, args.digits, split="val"))
-    val = args.val_data or (None if args.data else layout.val_parquet)
+    if not args.data and not os.path.exists(layout.prepared_parquet("rl", "train")):
+        # rollout.preprocess's files: the validation split holds out a fifth of the questions
+        builtin_task.write_sft_and_rl({(k, s): layout.prepared_parquet(k, s)
+                                       for k in ("sft", "rl") for s in ("train", "val")},
+                                      digits=args.digits)
+    data = args.data or layout.prepared_parquet("rl", "train")
+    val = args.val_data or (None if args.data else layout.prepared_parquet("rl", "val"))
     return model, data, (val if args.test_freq else None)
 
 
@@ -119,6 +134,55 @@ class Child:
         return "\n".join([*errors, "...", *text[-lines:]] if errors else text[-lines:])
 
 
+class ChildFailed(RuntimeError):
+    """A child that had to succeed before the next phase exited with an error."""
+
+
+def _progress(total: int, desc: str):
+    from tqdm import tqdm
+    return tqdm(total=total, unit="step", desc=desc, dynamic_ncols=True,
+                mininterval=1.0 if sys.stderr.isatty() else 15.0)
+
+
+def _advance(bar, rows: list[dict], postfix) -> None:
+    """Move a progress bar to the newest metrics row."""
+    if rows and rows[-1]["step"] != bar.n:
+        bar.set_postfix(**postfix(rows[-1]), refresh=False)
+        bar.update(rows[-1]["step"] - bar.n)  # redraws at most every `mininterval`
+
+
+def run_sft(layout: RunLayout, args, model: str) -> str:
+    """Run trainer.sft to completion (a bar from its metrics); returns its final HF folder."""
+    out = RunLayout(layout.sft_dir)
+    child = Child("sft", [sys.executable, "-m", "torch.distributed.run", "--standalone",
+                          f"--nproc_per_node={args.nproc}", "-m", "trainer.sft",
+                          f"data.train_files=[{layout.prepared_parquet('sft', 'train')}]",
+                          f"data.val_files=[{layout.prepared_parquet('sft', 'val')}]",
+                          f"model.partial_pretrain={model}", f"trainer.default_local_dir={out.root}",
+                          f"trainer.total_training_steps={args.sft_steps}",
+                          f"data.max_length={2 * args.digits + 2}",  # digits '=' digits eos
+                          *BUILTIN_SFT, *args.sft],
+                  layout.log("sft"), args.trainer_gpus)
+    deadline = time.monotonic() + args.timeout
+    bar = _progress(args.sft_steps, "sft")
+    try:
+        while child.poll() is None:
+            _advance(bar, read_metrics(out.metrics), lambda m: {"loss": f"{m['train/loss']:.3f}"})
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"SFT did not finish within --timeout {args.timeout:.0f} s")
+            time.sleep(0.5)
+    finally:
+        bar.close()
+        code = child.stop(grace_s=60)
+    if code != 0:
+        raise ChildFailed(f"sft exited with code {code}; see {child.log_path}. Last lines:\n{child.tail()}")
+    rows = read_metrics(out.metrics)
+    val = next((r["val/loss"] for r in reversed(rows) if "val/loss" in r), float("nan"))
+    print(f"sft: {len(rows)} steps, train loss {rows[0]['train/loss']:.3f} -> "
+          f"{rows[-1]['train/loss']:.3f}, held-out loss {val:.3f}; RL starts from {out.hf_model}")
+    return out.hf_model
+
+
 def start_children(layout: RunLayout, args, model: str, data: str,
                    val: str | None) -> tuple[Child, list[Child]]:
     """The trainer, and the other children: the workers, then the validator when there is `val`."""
@@ -147,26 +211,30 @@ def start_children(layout: RunLayout, args, model: str, data: str,
     return trainer, workers
 
 
-def read_metrics(layout: RunLayout) -> tuple[list[dict], dict[str, list[list]]]:
+def read_metrics(path: str) -> list[dict]:
+    try:
+        with open(path) as f:
+            return [json.loads(line) for line in f if line.endswith("\n")]
+    except FileNotFoundError:
+        return []
+
+
+def rl_metrics(layout: RunLayout) -> tuple[list[dict], dict[str, list[list]]]:
     """(one row per trainer step, every val-core metric's [step, unix time, value] points)."""
-    rows, vals = status.split_metrics(status.read_metrics(filesystem(layout.root)[0], layout))
+    rows, vals = status.split_metrics(read_metrics(layout.metrics))
     return rows, status.validation_series(vals)
 
 
 def supervise(trainer: Child, workers: list[Child], layout: RunLayout, args) -> Child | None:
     """Wait for the trainer to finish; return the child that failed, if any."""
-    from tqdm import tqdm
     deadline = time.monotonic() + args.timeout
-    bar = tqdm(total=args.steps, unit="step", desc="training", dynamic_ncols=True,
-               mininterval=1.0 if sys.stderr.isatty() else 15.0)
+    bar = _progress(args.steps, "training")
     try:
         while True:
-            rows, vals = read_metrics(layout)
-            if rows and rows[-1]["step"] != bar.n:
-                val = {"val": f"{min(vals.items())[1][-1][2]:.3f}"} if vals else {}
-                bar.set_postfix(reward=f"{rows[-1]['reward/mean']:.3f}",
-                                version=rows[-1]["weights/version"], refresh=False, **val)
-                bar.update(rows[-1]["step"] - bar.n)  # redraws at most every `mininterval`
+            rows, vals = rl_metrics(layout)
+            val = {"val": f"{min(vals.items())[1][-1][2]:.3f}"} if vals else {}
+            _advance(bar, rows, lambda m: {"reward": f"{m['reward/mean']:.3f}",
+                                           "version": m["weights/version"], **val})
             code = trainer.poll()
             if code is not None:
                 return None if code == 0 else trainer
@@ -181,7 +249,7 @@ def supervise(trainer: Child, workers: list[Child], layout: RunLayout, args) -> 
 
 
 def summarize(layout: RunLayout) -> None:
-    rows, vals = read_metrics(layout)
+    rows, vals = rl_metrics(layout)
     if not rows:
         return
     k = min(10, len(rows))
@@ -206,6 +274,12 @@ def main(argv: list[str] | None = None) -> int:
     print(f"launch.local: run folder {layout.root}; logs in {os.path.dirname(layout.log('x'))}")
     # SIGTERM (e.g. from a batch system) is handled like Ctrl-C: stop every child, then exit.
     signal.signal(signal.SIGTERM, signal.default_int_handler)
+    if args.sft_steps:
+        try:
+            model = run_sft(layout, args, model)
+        except (KeyboardInterrupt, TimeoutError, ChildFailed) as e:
+            print(f"launch.local: SFT stopped: {e or 'interrupted'}", file=sys.stderr)
+            return 130 if isinstance(e, KeyboardInterrupt) else 1
     trainer, workers = start_children(layout, args, model, data, val)
     failed, code = None, 0
     try:

@@ -6,13 +6,16 @@ The reward gives partial credit per position, so a randomly initialised model st
 16, lr 1e-3) was tuned so that it passes a mean reward of 0.5 in about 60-80 steps with samples
 two versions stale; with all ten digits, or eos in the target, learning was slow and flaky. Everything is generated
 locally: a character-level tokenizer built with `tokenizers`, a Qwen2-architecture model built
-from a small config, and a verl-format parquet of prompts.
+from a small config, and a verl-format parquet of prompts. For SFT, the same task goes through
+rollout.preprocess as (question, answer) pairs (`write_sft_and_rl`, or `--format qa`).
 """
 from __future__ import annotations
 
 import random
-import zlib
 from pathlib import Path
+
+from rollout import preprocess
+from rollout.preprocess import write_parquet  # noqa: F401  (the task's files are written with it)
 
 DATA_SOURCES = {"tandem/copy": lambda s: s, "tandem/reverse": lambda s: s[::-1]}
 SPECIALS = ["<pad>", "<eos>", "<unk>"]
@@ -28,51 +31,30 @@ def compute_score(data_source: str, solution_str: str, ground_truth: str, extra_
     return hits / max(len(target), len(solution_str))
 
 
-def held_out(question: str) -> bool:
-    """Whether a prompt string belongs to the validation split: a fixed fifth of all strings,
-    by checksum, so the split never depends on how many rows are drawn."""
-    return zlib.crc32(question.encode()) % 5 == 0
-
-
-def make_rows(num: int, digits: int, task: str = "tandem/copy", seed: int = 0,
-              alphabet: str = "01234", split: str | None = None) -> list[dict]:
-    """verl RL dataset rows for `num` random strings of `digits` characters from `alphabet`.
-    `split`: None, any string; "train", never a held-out one; "val", distinct held-out strings
-    (fewer than `num` when the task has fewer: 25 of the 125 for 3 digits from 0-4)."""
+def make_qa(num: int, digits: int, task: str = "tandem/copy", seed: int = 0,
+            alphabet: str = "01234") -> list[tuple[str, str]]:
+    """`num` (question, answer) pairs: random strings of `digits` characters from `alphabet`."""
     if task not in DATA_SOURCES:
         raise ValueError(f"task {task!r}: choose one of {sorted(DATA_SOURCES)}")
     if not alphabet or set(alphabet) - set("0123456789"):
         raise ValueError(f"alphabet {alphabet!r}: use digits only")
-    if split not in (None, "train", "val"):
-        raise ValueError(f"split {split!r}: use 'train' or 'val'")
     rng = random.Random(seed)
-    questions, seen = [], set()
-    for _ in range(100 * num + 10_000):  # bounded: a tiny task may have no string of a split
-        if len(questions) == num:
-            break
-        q = "".join(rng.choice(alphabet) for _ in range(digits))
-        if split is not None and held_out(q) != (split == "val") or (split == "val" and q in seen):
-            continue
-        seen.add(q)
-        questions.append(q)
-    if not questions or (split != "val" and len(questions) < num):
-        raise ValueError(f"{digits} digits from {alphabet!r}: too few strings for the {split} split")
-    return [{
-        "data_source": task,
-        "prompt": [{"role": "user", "content": q}],
-        "ability": "digits",
-        "reward_model": {"style": "rule", "ground_truth": DATA_SOURCES[task](q)},
-        "extra_info": {"split": split or "train", "index": i},
-    } for i, q in enumerate(questions)]
+    questions = ["".join(rng.choice(alphabet) for _ in range(digits)) for _ in range(num)]
+    return [(q, DATA_SOURCES[task](q)) for q in questions]
 
 
-def write_parquet(path: str | Path, rows: list[dict]) -> None:
-    import pyarrow as pa
-    import pyarrow.parquet as pq
-    Path(path).parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(f"{path}.tmp")
-    pq.write_table(pa.Table.from_pylist(rows), tmp)
-    tmp.replace(path)
+def make_rows(num: int, digits: int, task: str = "tandem/copy", seed: int = 0,
+              alphabet: str = "01234") -> list[dict]:
+    """verl RL dataset rows for `num` random strings of `digits` characters from `alphabet`."""
+    return preprocess.rl_rows(make_qa(num, digits, task, seed, alphabet), task, "digits", "train")
+
+
+def write_sft_and_rl(paths: dict[tuple[str, str], str], num: int = 2000, digits: int = 3,
+                     task: str = "tandem/copy", seed: int = 0, val_fraction: float = 0.2) -> dict:
+    """The task as (question, answer) pairs through rollout.preprocess: SFT and RL files whose
+    validation split holds out a fifth of the distinct questions (3 digits from 0-4: 125)."""
+    return preprocess.write_splits(make_qa(num, digits, task, seed), paths, task, "digits",
+                                   val_fraction, seed)
 
 
 def build_tokenizer():
@@ -120,16 +102,21 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--digits", type=int, default=3, help="digits per prompt (default 3)")
     p.add_argument("--task", default="tandem/copy", choices=sorted(DATA_SOURCES))
     p.add_argument("--alphabet", default="01234", help="digits the prompts are drawn from")
-    p.add_argument("--split", choices=["train", "val"],
-                   help="only strings of the training split, or only held-out ones (default: any)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--format", default="rl", choices=("rl", "qa"),
+                   help="rl: verl's RL format (default); qa: (question, answer) columns, the "
+                        "input of python -m rollout.preprocess")
     p.add_argument("--model", help="also write the random-init tiny model + tokenizer here")
     args = p.parse_args(argv)
     if args.rows < 1 or args.digits < 1:
         p.error("--rows and --digits must be at least 1")
-    rows = make_rows(args.rows, args.digits, args.task, args.seed, args.alphabet, args.split)
+    if args.format == "qa":
+        rows = [{"question": q, "answer": a}
+                for q, a in make_qa(args.rows, args.digits, args.task, args.seed, args.alphabet)]
+    else:
+        rows = make_rows(args.rows, args.digits, args.task, args.seed, args.alphabet)
     write_parquet(args.out, rows)
-    print(f"wrote {len(rows)} rows of {args.task} to {args.out}")
+    print(f"wrote {args.rows} rows of {args.task} to {args.out}")
     if args.model:
         write_model(args.model, seed=args.seed)
         print(f"wrote the tiny model to {args.model}")

@@ -1,6 +1,6 @@
 """Validation role: measure the trainer's weight versions on held-out prompts, as verl does.
 
-    python -m rollout.validate root=RUN data.val_files=[RUN/data/val.parquet]
+    python -m rollout.validate root=RUN data.val_files=[RUN/data/rl_val.parquet]
 
 The trainer asks for versions (the initial weights, every `trainer.test_freq` steps, the last
 step) by writing a validation request when it publishes them, and keeps them on disk until they

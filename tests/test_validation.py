@@ -1,4 +1,4 @@
-"""Validation: the held-out split, rollout.validate answering the trainer's requests (a pruned
+"""Validation: launch.local's held-out questions, rollout.validate answering the trainer's requests (a pruned
 version is skipped with a message, nothing waits on it), verl's metric names, and the whole
 pipeline logging held-out accuracy every test_freq steps while it rises."""
 import itertools
@@ -7,13 +7,15 @@ import subprocess
 import sys
 import time
 
+import pyarrow.parquet as pq
 import pytest
 
-from buffer.weights import WeightStore
-from conftest import run_folder, subprocess_env, trainer_proc
 from buffer.layout import RunLayout
 from buffer.storage import filesystem
+from buffer.weights import WeightStore
+from conftest import run_folder, subprocess_env, trainer_proc
 from launch import status
+from launch.local import parse_args, prepare
 from protocol.config import build
 from rollout import builtin_task
 from rollout.config import ValidatorConfig
@@ -30,15 +32,20 @@ def _metrics(root) -> tuple[list[dict], list[dict]]:
     return status.split_metrics(status.read_metrics(filesystem(layout.root)[0], layout))
 
 
-def test_held_out_split_is_disjoint_from_training_and_the_default_unchanged():
-    train = {r["prompt"][0]["content"] for r in builtin_task.make_rows(2000, 3, split="train")}
-    val = [r["prompt"][0]["content"] for r in builtin_task.make_rows(200, 3, split="val")]
-    assert len(val) == len(set(val)) == 29 and not train & set(val)
-    assert len(train) + len(val) == 5 ** 3  # every string is in exactly one split
-    assert all(r["extra_info"]["split"] == "val" for r in builtin_task.make_rows(5, 3, split="val"))
-    # split=None draws exactly the rows it always drew (other tests and recipes rely on them)
-    rows = builtin_task.make_rows(3, 3)
-    assert [r["prompt"][0]["content"] for r in rows] == ["330", "243", "323"]
+def _questions(path) -> list[str]:
+    return [r["prompt"][0]["content"] for r in pq.read_table(path).to_pylist()]
+
+
+def test_launch_local_holds_out_questions_for_validation(tmp_path):
+    layout = RunLayout(str(tmp_path / "run"))
+    model, data, val = prepare(layout, parse_args(["--root", layout.root]))
+    assert (data, val) == (layout.prepared_parquet("rl", "train"), layout.prepared_parquet("rl", "val"))
+    train, held = set(_questions(data)), set(_questions(val))
+    assert len(held) == 25 and not train & held  # a fifth of the 125 strings, never trained on
+    assert prepare(RunLayout(str(tmp_path / "b")), parse_args(
+        ["--root", str(tmp_path / "b"), "--model", model, "--test-freq", "0"]))[2] is None
+    assert prepare(RunLayout(str(tmp_path / "c")), parse_args(
+        ["--root", str(tmp_path / "c"), "--model", model, "--data", data]))[2] is None
 
 
 def test_val_metrics_use_verls_names_and_core_variable():
@@ -59,7 +66,7 @@ def test_pruned_version_is_skipped_with_a_message_and_nothing_waits(tmp_path, ca
     model = tmp_path / "m"
     builtin_task.write_model(model)
     val = tmp_path / "val.parquet"
-    builtin_task.write_parquet(val, builtin_task.make_rows(200, 3, split="val"))
+    builtin_task.write_parquet(val, builtin_task.make_rows(20, 3))
     root = tmp_path / "run"
     store = WeightStore(str(root))
     metrics = MetricsLog(str(root / "metrics.jsonl"), 20)
@@ -80,7 +87,7 @@ def test_pruned_version_is_skipped_with_a_message_and_nothing_waits(tmp_path, ca
     assert not validator.answer_next()  # nothing open: False at once, it never waits for a version
     skipped, done = store.validation.result(5), store.validation.result(10)
     assert "no longer on disk" in skipped.skipped and not skipped.metrics
-    assert not done.skipped and done.prompts == done.samples == 29 and 0 <= done.metrics[CORE] <= 1
+    assert not done.skipped and done.prompts == done.samples == 20 and 0 <= done.metrics[CORE] <= 1
     assert store.validation.held() == []
     _publish(store, model, 20, 20)
     assert store.versions() == [20]  # answered: v10 is released and pruned
@@ -116,7 +123,7 @@ def test_trainer_logs_results_to_every_logger_with_their_step(experience, tmp_pa
     """The trainer and a validator as processes, on the shared fixed experience."""
     root = run_folder(experience, "validated")
     val = tmp_path / "val.parquet"
-    builtin_task.write_parquet(val, builtin_task.make_rows(200, 3, split="val"))
+    builtin_task.write_parquet(val, builtin_task.make_rows(20, 3))
     validator = subprocess.Popen(
         [sys.executable, "-m", "rollout.validate", f"root={root}", f"data.val_files=[{val}]",
          "data.max_response_length=3", "validator.poll_interval_s=0.2"],
@@ -169,11 +176,13 @@ def test_pipeline_logs_held_out_accuracy_every_test_freq_steps_and_it_rises(tmp_
     assert [r["step"] for r in rows] == list(range(1, steps + 1))
     # v0 (val_before_train), then every test_freq steps; publish_freq=1, so version = step
     assert [(v["step"], v["val/weights_version"]) for v in vals] == [(s, s) for s in range(0, steps + 1, freq)]
-    assert all(v["val/prompts"] == 29 and v["val/logged_at_step"] >= v["step"] for v in vals)
-    # Greedy answers of the random-init model hold no digit (0.0). The best fixed answer
-    # scores 0.28 on these 29 prompts, never in training; answers that follow the prompt (even
-    # only its first digit, 0.48, what the model learns first) beat it. Requiring 0.1 above it
-    # (9 more of 87 positions right) asks for learning that carries over to unseen prompts.
-    floor = _best_constant_answer(builtin_task.make_rows(200, 3, split="val")) + 0.1
+    held_out = pq.read_table(RunLayout(str(root)).prepared_parquet("rl", "val")).to_pylist()
+    assert all(v["val/prompts"] == len(held_out) and v["val/logged_at_step"] >= v["step"] for v in vals)
+    # Greedy answers of the random-init model hold no digit (0.0). The best fixed answer scores
+    # about 0.3 on these prompts, never in training; answers that follow the prompt (even only
+    # its first digit, about 0.47, what the model learns first) beat it. Requiring 0.1 above it
+    # (a tenth more of all answer positions right) asks for learning that carries over to
+    # unseen prompts.
+    floor = _best_constant_answer(held_out) + 0.1
     assert vals[0][CORE] < floor and vals[-1][CORE] > floor, [v[CORE] for v in vals]
     assert f"validation (held-out prompts) {CORE}: step 0" in proc.stdout

@@ -7,6 +7,11 @@ from buffer.config import BufferConfig
 from protocol.config import F, ConfigError
 
 
+def check_betas(betas: list[float], setting: str) -> None:
+    if len(betas) != 2 or not all(0 <= b < 1 for b in betas):
+        raise ConfigError(f"{setting}: two values in [0, 1), got {betas}")
+
+
 @dataclasses.dataclass
 class OptimConfig:
     lr: float = F(1e-6, "AdamW learning rate", gt=0)
@@ -18,8 +23,7 @@ class OptimConfig:
     min_lr_ratio: float = F(0.0, "cosine floor as a fraction of lr", ge=0, le=1)
 
     def check(self) -> None:
-        if len(self.betas) != 2 or not all(0 <= b < 1 for b in self.betas):
-            raise ConfigError(f"actor_rollout_ref.actor.optim.betas: two values in [0, 1), got {self.betas}")
+        check_betas(self.betas, "actor_rollout_ref.actor.optim.betas")
 
 
 @dataclasses.dataclass

@@ -103,14 +103,7 @@ class Trainer:
             self.server = ShardServer(cfg.root, cfg.buffer, consumed=lambda: self.reader.consumed)
 
     def _resume_path(self) -> str | None:
-        mode = self.cfg.trainer.resume_mode
-        if mode == "disable":
-            return None
-        if mode == "auto":
-            return checkpoint.latest_complete(self.store.layout)
-        if not os.path.isdir(mode):
-            raise FileNotFoundError(f"trainer.resume_mode: {mode} is not a checkpoint folder")
-        return mode
+        return checkpoint.resume_path(self.cfg.trainer.resume_mode, self.store.layout)
 
     def _resume(self, path: str) -> None:
         """Restore weights, optimizer, step and the experience ledger; continue the version count."""

@@ -4,6 +4,16 @@ from __future__ import annotations
 
 import json
 import os
+from typing import Callable
+
+
+def rl_line(m: dict) -> str:
+    """The RL trainer's console line."""
+    return (f"step {m['step']}/{m['total']} | weights v{m['weights/version']} | "
+            f"reward {m['reward/mean']:.3f} | staleness {m['staleness/mean']:.2f} versions | "
+            f"loss {m['actor/pg_loss']:+.4f} | grad norm {m['actor/grad_norm']:.3f} | "
+            f"{m['samples/step']} samples, {m['tokens/step']} tokens | "
+            f"step {m['time/step_s']:.2f} s (wait {m['time/wait_s']:.2f} s)")
 
 
 class MetricsLog:
@@ -12,10 +22,12 @@ class MetricsLog:
 
     def __init__(self, path: str, total_steps: int, backends: list[str] | None = None,
                  project: str = "tandem", experiment: str = "run", config: dict | None = None,
-                 tensorboard_dir: str | None = None, swanlab_dir: str | None = None):
+                 tensorboard_dir: str | None = None, swanlab_dir: str | None = None,
+                 line: Callable[[dict], str] = rl_line):
         os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
         self.file = open(path, "a", buffering=1)
         self.total = total_steps
+        self.line = line  # the console line of a metrics row (with "total": the step count)
         self.tracking = None
         others = [b for b in backends or [] if b != "console"]
         if others:
@@ -43,12 +55,7 @@ class MetricsLog:
     def write(self, metrics: dict) -> None:
         self._append(metrics)
         self._track(metrics, metrics["step"])
-        m = metrics
-        print(f"step {m['step']}/{self.total} | weights v{m['weights/version']} | "
-              f"reward {m['reward/mean']:.3f} | staleness {m['staleness/mean']:.2f} versions | "
-              f"loss {m['actor/pg_loss']:+.4f} | grad norm {m['actor/grad_norm']:.3f} | "
-              f"{m['samples/step']} samples, {m['tokens/step']} tokens | "
-              f"step {m['time/step_s']:.2f} s (wait {m['time/wait_s']:.2f} s)", flush=True)
+        print(self.line({**metrics, "total": self.total}), flush=True)
 
     def write_validation(self, row: dict, step_now: int) -> None:
         """A validation result: its own line, whose `step` is the step of the weights it
