@@ -65,7 +65,7 @@ class Trainer:
             raise ValueError(f"data.train_batch_size={cfg.data.train_batch_size} must be at least "
                              f"the number of ranks ({self.world}): groups are not split")
         torch.manual_seed(cfg.trainer.seed)
-        self.model_path = cfg.actor_rollout_ref.model.path
+        self.model_path = os.path.expanduser(cfg.actor_rollout_ref.model.path)  # verl writes ~/models/...
         grad_ckpt = cfg.actor_rollout_ref.model.enable_gradient_checkpointing
         self.model = build_actor(self.model_path, device, gradient_checkpointing=grad_ckpt)
         self.ref_model = (build_actor(self.model_path, device, trainable=False)
@@ -293,7 +293,7 @@ class Trainer:
                                 "buffer/dropped_stale_samples": self.reader.stats["dropped_stale_samples"],
                                 "buffer/bad_shards": self.reader.stats["bad_shards"]})
                 self.metrics.write(metrics)
-            if tc.save_freq and step % tc.save_freq == 0:
+            if tc.save_freq > 0 and step % tc.save_freq == 0:
                 self.save_checkpoint()
         if self.rank == 0:
             atomic_write_json(self.fs, self.store.layout.done_marker,
