@@ -23,7 +23,8 @@ from rollout import builtin_task
 # The built-in task's recipe (tuned so a random-init model learns it by RL in a few minutes;
 # see rollout/builtin_task.py). User overrides (--trainer/--worker) come after and win.
 BUILTIN_TRAINER = ["actor_rollout_ref.actor.optim.lr=1e-3", "actor_rollout_ref.actor.optim.weight_decay=0",
-                   "data.train_batch_size=16", "trainer.max_staleness=4", "buffer.poll_interval=0.2"]
+                   "data.train_batch_size=16", "trainer.max_staleness=4", "buffer.poll_interval=0.2",
+                   "critic.optim.lr=1e-3"]  # the critic's, used with algorithm.adv_estimator=gae
 BUILTIN_WORKER = ["actor_rollout_ref.rollout.n=16", "actor_rollout_ref.rollout.prompts_per_batch=16",
                   "buffer.flush_samples=128", "buffer.flush_interval=5", "buffer.max_backlog_samples=256"]
 

@@ -121,10 +121,10 @@ def trainer_proc(root, model, nproc, *extra, steps=STEPS, groups=GROUPS, rendezv
         env=dict(os.environ, OMP_NUM_THREADS="1"))
 
 
-def uninterrupted_run(experience, name, nproc=2):
+def uninterrupted_run(experience, name, nproc=2, *extra):
     """A trainer run over the shared experience that must succeed; its run folder."""
     root = run_folder(experience, name)
-    p = trainer_proc(root, experience / "model", nproc)
+    p = trainer_proc(root, experience / "model", nproc, *extra)
     out, _ = p.communicate(timeout=300)
     assert p.returncode == 0, out[-3000:]
     return root

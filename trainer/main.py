@@ -199,7 +199,7 @@ class Trainer:
                  "info": info} for r in range(self.world)]
 
     # --- one optimisation step, top to bottom ------------------------------------------------
-    def train_step(self, samples: list, info: dict, group_index: list[int] | None = None) -> dict:
+    def train_step(self, samples: list, group_index: list[int] | None = None) -> dict:
         """`group_index`: the step-wide number of each sample's group (None: this rank's groups
         in order of appearance, numbered as rank 0 deals them)."""
         batch = collate(samples, self.pad_id).to(self.device)
@@ -314,7 +314,7 @@ class Trainer:
             t0 = time.monotonic()
             samples, groups, info = self.next_share()
             metrics = {"step": step, "weights/version": self.version}
-            metrics.update(self.train_step(samples, info, groups))
+            metrics.update(self.train_step(samples, groups))
             if step % tc.publish_freq == 0 or step == tc.total_training_steps:
                 self.version += 1
                 metrics.update(self.publish(step))

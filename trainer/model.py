@@ -22,10 +22,12 @@ def build_actor(model_path: str, device: torch.device, gradient_checkpointing: b
                 trainable: bool = True, value_head: bool = False):
     """`value_head`: the critic as verl builds it, AutoModelForTokenClassification with one label
     (the backbone's weights, a new linear `score` head, no dropout); its logits are (B, T, 1)."""
-    from transformers import AutoModelForCausalLM, AutoModelForTokenClassification
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForTokenClassification
     if value_head:
-        model = AutoModelForTokenClassification.from_pretrained(
-            model_path, dtype=torch.float32, num_labels=1, classifier_dropout=0.0)
+        config = AutoConfig.from_pretrained(model_path, num_labels=1)
+        config.classifier_dropout = 0.0  # not every config class declares it (Qwen2's does not)
+        model = AutoModelForTokenClassification.from_pretrained(model_path, config=config,
+                                                                dtype=torch.float32)
     else:
         model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
     model.config.use_cache = False

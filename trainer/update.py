@@ -76,6 +76,9 @@ def epochs(group_index: torch.Tensor, mini_batch_size: int, num_groups: int, ppo
     """Row sets of every optimizer step of the step, epoch by epoch. `group_index` (B,): the
     step-wide number of each row's group; `seed`: entropy for the shuffle (differs per step,
     rank and model, the same on resume)."""
+    if len(group_index) and int(group_index.max()) >= num_groups:
+        raise ValueError(f"group number {int(group_index.max())} outside the step's "
+                         f"{num_groups} groups (data.train_batch_size)")
     num_mini = num_groups // mini_batch_size
     mini_of_row = group_index // mini_batch_size
     base = [torch.nonzero(mini_of_row == k).flatten() for k in range(num_mini)]
