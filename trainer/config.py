@@ -101,12 +101,14 @@ class AlgorithmConfig:
 
 @dataclasses.dataclass
 class DataConfig:
-    train_batch_size: int = F(16, "prompt groups per trainer step (over all ranks)", ge=1)
+    train_batch_size: int = F(16, "prompt groups per trainer step (over all ranks), cut into "
+                              "actor_rollout_ref.actor.ppo_mini_batch_size mini-batches", ge=1)
 
 
 @dataclasses.dataclass
 class TrainerSection:
-    total_training_steps: int = F(100, "optimizer steps to run", ge=1)
+    total_training_steps: int = F(100, "trainer steps to run (each: data.train_batch_size "
+                                  "groups, one optimizer step per mini-batch and epoch)", ge=1)
     publish_freq: int = F(1, "publish a weight version every this many steps", ge=1)
     keep_versions: int = F(3, "weight versions kept on disk", ge=1)
     publish_dtype: str = F("auto", "dtype of published weights: auto (bfloat16 on GPU, float32 "

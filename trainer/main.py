@@ -204,8 +204,8 @@ class Trainer:
         in order of appearance, numbered as rank 0 deals them)."""
         batch = collate(samples, self.pad_id).to(self.device)
         if group_index is None:
-            order = list(dict.fromkeys(batch.group_ids))
-            group_index = [order.index(g) * self.world + self.rank for g in batch.group_ids]
+            order = {g: i for i, g in enumerate(dict.fromkeys(batch.group_ids))}
+            group_index = [order[g] * self.world + self.rank for g in batch.group_ids]
         groups = torch.tensor(group_index)
 
         # 1. The step's anchors at its starting weights, before any update: pi_old, pi_ref, V_old.
