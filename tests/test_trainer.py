@@ -8,7 +8,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from conftest import final_weights, run_folder, trainer_proc
+from conftest import REORDER_REL_BOUND, final_weights, run_folder, trainer_proc, weight_distances
 
 
 def _run(experience, name, nproc, *extra, steps=2, groups=4):
@@ -73,6 +73,17 @@ def test_clip_acts_over_mini_batches_and_epochs(experience):
     assert narrow[0]["actor/pg_clipfrac"] > wide[0]["actor/pg_clipfrac"]
     # Same data and seed: the two runs differ only by the clip, which changes the loss.
     assert narrow[0]["actor/pg_loss"] != pytest.approx(wide[0]["actor/pg_loss"], rel=1e-3)
+
+
+def test_two_ranks_update_as_one_over_mini_batches_and_batch_whitening(experience):
+    # reinforce_plus_plus whitens advantages over the whole batch, which only the gather of
+    # every rank's rows gets right; 2 mini-batches x 2 epochs, each mini-batch split over ranks.
+    keys = ("algorithm.adv_estimator=reinforce_plus_plus", "actor_rollout_ref.actor.ppo_mini_batch_size=2",
+            "actor_rollout_ref.actor.ppo_epochs=2")
+    one, two = (final_weights(_run(experience, f"ranks{n}", n, *keys)) for n in (1, 2))
+    differ, moved, worst = weight_distances(one, two, experience / "model")
+    # Only the order of fp32 sums differs between 1 and 2 ranks (bound justified in conftest).
+    assert moved > 1e-2 and differ < REORDER_REL_BOUND * moved, (differ, moved, worst)
 
 
 @pytest.mark.parametrize("estimator", ["grpo", "rloo", "reinforce_plus_plus",

@@ -235,21 +235,21 @@ class Trainer:
         inputs of every rank are gathered and each rank computes the same global result."""
         alg = self.cfg.algorithm
         mask = batch.response_mask
-        zeros = torch.zeros_like(mask)
-        parts = [batch.token_level_rewards, mask, old, ref if ref is not None else zeros,
-                 values if values is not None else zeros]
-        glob, first = update.gather_rows(torch.stack(parts))
+        local = {"scores": batch.token_level_rewards, "mask": mask, "old": old, "ref": ref,
+                 "values": values}
+        names = ["scores", "mask", *(["old", "ref"] if alg.use_kl_in_reward else []),
+                 *(["values"] if values is not None else [])]
+        glob, first = update.gather_rows(torch.stack([local[n] for n in names]))
+        g = dict(zip(names, glob))
         index, _ = update.gather_rows(groups.to(self.device).view(1, -1, 1))
-        scores, gmask, gold, gref, gvalues = glob
         metrics = {}
-        rewards = scores
+        rewards = g["scores"]
         if alg.use_kl_in_reward:
-            rewards, metrics = algo.kl_in_reward(scores, gold, gref, gmask, alg.kl_penalty,
-                                                 self.kl_ctrl)
-        adv, returns = algo.compute_advantage(alg, rewards, gmask, index.flatten().cpu().numpy(),
-                                              gvalues)
-        metrics |= algo.data_metrics(scores, rewards, adv, returns,
-                                     gvalues if values is not None else None, gmask)
+            rewards, metrics = algo.kl_in_reward(g["scores"], g["old"], g["ref"], g["mask"],
+                                                 alg.kl_penalty, self.kl_ctrl)
+        adv, returns = algo.compute_advantage(alg, rewards, g["mask"],
+                                              index.flatten().cpu().numpy(), g.get("values"))
+        metrics |= algo.data_metrics(g["scores"], rewards, adv, returns, g.get("values"), g["mask"])
         rows, r = slice(first, first + len(batch)), mask.shape[1]
         return adv[rows, :r], returns[rows, :r], metrics
 
