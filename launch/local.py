@@ -28,7 +28,8 @@ from rollout import builtin_task
 # The built-in task's recipe (tuned so a random-init model learns it by RL in a few minutes;
 # see rollout/builtin_task.py). User overrides (--trainer/--worker) come after and win.
 BUILTIN_TRAINER = ["actor_rollout_ref.actor.optim.lr=1e-3", "actor_rollout_ref.actor.optim.weight_decay=0",
-                   "data.train_batch_size=16", "trainer.max_staleness=4", "buffer.poll_interval=0.2"]
+                   "data.train_batch_size=16", "trainer.max_staleness=4", "buffer.poll_interval=0.2",
+                   "critic.optim.lr=1e-3"]  # the critic's, used with algorithm.adv_estimator=gae
 # SFT on the built-in task's (question, answer) pairs: 100 steps copy unseen questions greedily
 # (tests/test_sft.py). total_epochs is only a cap: --sft-steps sets the length.
 BUILTIN_SFT = ["data.train_batch_size=64", "optim.lr=3e-3", "optim.weight_decay=0",
