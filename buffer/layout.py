@@ -2,8 +2,9 @@
 
     ROOT/
       init_model/                  the built-in tiny model (HF folder), when launch.local made it
-      data/train.parquet           the built-in task in verl's RL dataset format
-      data/{sft,rl}_{train,val}.parquet   the built-in task through rollout.preprocess (--sft-steps)
+      data/train.parquet           a whole-task parquet in verl's RL format (tests, examples)
+      data/{sft,rl}_{train,val}.parquet   the built-in task through rollout.preprocess, as
+                                   launch.local writes it (rl_val: validation, --sft-steps: sft_*)
       sft/                         launch.local --sft-steps: the SFT output folder (below)
       experience/<worker>/<seq>.arrow     published shards (temporaries: .<seq>.arrow.tmp-<pid>)
       quarantine/<worker>/<seq>.arrow     shards the trainer rejected, with <seq>.arrow.reason.txt
@@ -12,11 +13,15 @@
       weights/v<version>/          published actor versions (HF safetensors + manifest.json)
       weights/LATEST               the newest complete version number, replaced atomically
       workers/<worker>.json        heartbeats
+      validation/requests/v<version>.json  a version the trainer asked rollout.validate to
+                                   evaluate; the version stays on disk while this exists
+      validation/v<version>.json   its result (metrics per data_source, or why it was skipped)
+      validation/validator.json    the validator's heartbeat
       control.json                 pool commands (protocol/control.py), written by launch.control
       pool/<supervisor>.json       a pool supervisor's applied commands, target and workers
       progress.json                the trainer's consumption count (for worker backpressure)
       checkpoints/step_<N>/        trainer checkpoints (DCP shards, trainer_state.json, pool.arrow)
-      metrics.jsonl                one JSON object per trainer step
+      metrics.jsonl                one JSON object per trainer step and per validation result
       tensorboard/, swanlog/       trainer.logger backends' files (tensorboard, swanlab)
       report/                      launch.report's plots, index.html and data.json
       logs/<process>.log           per-process logs under launch.local
@@ -156,6 +161,31 @@ class RunLayout:
 
     def manifest(self, version: int) -> str:
         return self._p("weights", f"v{version:06d}", "manifest.json")
+
+    # validation: requests from the trainer, results from rollout.validate
+    @property
+    def validation_dir(self) -> str:
+        return self._p("validation")
+
+    @property
+    def validation_requests_dir(self) -> str:
+        return self._p("validation", "requests")
+
+    def validation_request(self, version: int) -> str:
+        return self._p("validation", "requests", f"v{version:06d}.json")
+
+    def validation_result(self, version: int) -> str:
+        return self._p("validation", f"v{version:06d}.json")
+
+    @staticmethod
+    def validation_version(name: str) -> int | None:
+        """Version of a request or result file name, None for anything else."""
+        base = name.rsplit("/", 1)[-1]
+        return RunLayout.version_of(base[:-5]) if base.endswith(".json") else None
+
+    @property
+    def validator_heartbeat(self) -> str:
+        return self._p("validation", "validator.json")
 
     # status, metrics and logs
     @property

@@ -3,7 +3,8 @@
 A version is staged in a hidden temporary folder, fsynced, renamed to `weights/v<N>/`, and only
 then announced by atomically replacing `weights/LATEST`. A reader that follows LATEST therefore
 never sees a partial version; it still verifies checksums against the manifest before loading.
-Only the newest `keep` versions are kept on disk.
+Only the newest `keep` versions are kept on disk, plus up to `keep` older ones that wait for
+validation (buffer/validation.py).
 """
 from __future__ import annotations
 
@@ -22,6 +23,7 @@ import torch
 
 from buffer.layout import RunLayout
 from buffer.storage import atomic_write_json, filesystem, fsync_tree, read_json
+from buffer.validation import ValidationQueue
 from protocol.weights import FileEntry, ManifestError, TensorEntry, WeightManifest, sha256_file, verify_files
 
 log = logging.getLogger(__name__)
@@ -50,6 +52,7 @@ class WeightStore:
         self.fs, root_path = filesystem(root)
         self.layout = RunLayout(root_path)
         self.announced_at: float | None = None  # unix time of the last publish()'s announcement
+        self.validation = ValidationQueue(root)
 
     # --- trainer side -------------------------------------------------------------------
     def stage(self, version: int) -> str:
@@ -182,7 +185,17 @@ class WeightStore:
         return sorted(v for v in found if v is not None)
 
     def prune(self, keep: int) -> None:
-        for v in self.versions()[:-keep]:
+        """Remove all but the newest `keep` versions, except the newest `keep` of the older
+        ones that a validation request holds (a stalled validator cannot fill the disk: the
+        ones beyond go, and the validator reports them as skipped)."""
+        old = self.versions()[:-keep]
+        held = [v for v in self.validation.held() if v in old][-keep:]
+        for v in old:
+            if v in held:
+                continue
+            if self.fs.exists(self.layout.validation_request(v)):
+                log.warning("pruning weight version %d before its validation: more than "
+                            "keep_versions=%d versions wait for rollout.validate", v, keep)
             shutil.rmtree(self.layout.version_dir(v), ignore_errors=True)
 
     # --- worker side --------------------------------------------------------------------

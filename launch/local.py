@@ -4,9 +4,11 @@
     python -m launch.local --root runs/warm --sft-steps 100    # SFT warm start, then RL
     python -m launch.local --root runs/grpo --config my_verl_grpo.yaml
 
-Without inputs given, it builds the built-in tiny model and task into the run folder. A --config
-file (verl's shape) goes to both roles; its model path, train files and step count are used unless
---model, --data, --steps say otherwise, and its settings win over the built-in recipe. Every
+Without inputs given, it builds the built-in tiny model and task into the run folder, with a
+fifth of the task's distinct questions held out: a validator (`rollout.validate`) measures them
+every --test-freq steps. A --config file (verl's shape) goes to both roles; its model path, train
+files and step count are used unless --model, --data, --steps say otherwise, and its settings win
+over the built-in recipe. Every
 child is its own process group, owned here: on success, on Ctrl-C, or when any child fails, all
 are stopped (SIGTERM, then SIGKILL after a grace period) and the exit code says what happened.
 """
@@ -23,6 +25,7 @@ from pathlib import Path
 
 from buffer.layout import RunLayout
 from protocol.config import ConfigError, file_values, load, split_argv
+from launch import status
 from rollout import builtin_task
 
 # The built-in task's recipe (tuned so a random-init model learns it by RL in a few minutes;
@@ -53,6 +56,10 @@ def parse_args(argv):
     p.add_argument("--nproc", type=int, default=2, help="trainer ranks under torchrun (default 2)")
     p.add_argument("--model", help="HF model folder (default: build the built-in tiny model)")
     p.add_argument("--data", help="verl-format parquet (default: write the built-in task)")
+    p.add_argument("--val-data", help="verl-format parquet of held-out prompts (default: the "
+                   "built-in task's validation split when --data is not given; else none)")
+    p.add_argument("--test-freq", type=int, default=10,
+                   help="validate every this many steps when there is --val-data (0: never)")
     p.add_argument("--digits", type=int, default=3, help="built-in task: digits per prompt")
     p.add_argument("--sft-steps", type=int, default=0,
                    help="first warm-start the model with this many SFT steps (python -m trainer.sft) "
@@ -64,14 +71,17 @@ def parse_args(argv):
                    help="extra trainer override, repeatable (e.g. trainer.publish_freq=2)")
     p.add_argument("--worker", action="append", default=[], metavar="KEY=VALUE",
                    help="extra worker override, repeatable")
+    p.add_argument("--validator", action="append", default=[], metavar="KEY=VALUE",
+                   help="extra validator override, repeatable (e.g. data.val_batch_size=64)")
     p.add_argument("--timeout", type=float, default=3600, help="seconds before giving up (default 3600)")
     p.add_argument("--trainer-gpus", help="CUDA_VISIBLE_DEVICES of the trainer, e.g. 0")
     p.add_argument("--worker-gpus", help="GPUs for the workers, one each in turn, e.g. 1,2")
+    p.add_argument("--validator-gpu", help="CUDA_VISIBLE_DEVICES of the validator, e.g. 3")
     args = p.parse_args(argv)
     if (args.steps is not None and args.steps < 1) or args.workers < 1 or args.nproc < 1:
         p.error("--steps, --workers and --nproc must be at least 1")
-    if args.sft_steps < 0:
-        p.error("--sft-steps must be at least 0")
+    if args.sft_steps < 0 or args.test_freq < 0:
+        p.error("--sft-steps and --test-freq must be at least 0")
     return args
 
 
@@ -91,9 +101,10 @@ def from_config(args, layout: RunLayout) -> dict:
         raise SystemExit(f"launch.local: {e}") from None
 
 
-def prepare(layout: RunLayout, args, config: dict) -> tuple[str, str | None]:
-    """Model folder and dataset for the run (flags, else the config, else the built-in ones,
-    built when missing). The dataset is None when the config names the train files."""
+def prepare(layout: RunLayout, args, config: dict) -> tuple[str, str | None, str | None]:
+    """Model folder, dataset and validation dataset for the run (flags, else the config, else the
+    built-in ones, built when missing). The dataset is None when the config names the train
+    files; the validation dataset is None when there is no validation."""
     if os.path.exists(layout.weights_dir) or os.path.exists(layout.metrics):
         raise SystemExit(f"launch.local: {layout.root} already holds a run; choose a new --root")
     model = os.path.expanduser(args.model or config.get(MODEL) or layout.init_model)
@@ -102,15 +113,15 @@ def prepare(layout: RunLayout, args, config: dict) -> tuple[str, str | None]:
     elif not os.path.isdir(model):
         where = "--model" if args.model else f"{MODEL} in --config {args.config}"
         raise SystemExit(f"launch.local: {where}: {model} is not a model folder")
-    if args.sft_steps and not os.path.exists(layout.prepared_parquet("rl", "train")):
+    builtin = not args.data and TRAIN_FILES not in config
+    if builtin and not os.path.exists(layout.prepared_parquet("rl", "train")):
+        # rollout.preprocess's files: the validation split holds out a fifth of the questions
         builtin_task.write_sft_and_rl({(k, s): layout.prepared_parquet(k, s)
                                        for k in ("sft", "rl") for s in ("train", "val")},
                                       digits=args.digits)
-    builtin = layout.prepared_parquet("rl", "train") if args.sft_steps else layout.train_parquet
-    data = args.data or (None if TRAIN_FILES in config else builtin)
-    if data == builtin and not os.path.exists(data):
-        builtin_task.write_parquet(data, builtin_task.make_rows(2000, args.digits))
-    return model, data
+    data = args.data or (layout.prepared_parquet("rl", "train") if builtin else None)
+    val = args.val_data or (layout.prepared_parquet("rl", "val") if builtin else None)
+    return model, data, (val if args.test_freq else None)
 
 
 def recipe(config: dict, args) -> tuple[list[str], list[str]]:
@@ -210,13 +221,15 @@ def run_sft(layout: RunLayout, args, model: str) -> str:
     return out.hf_model
 
 
-def role_args(layout: RunLayout, args, model: str, data: str | None,
-              config: dict) -> tuple[list[str], list[str]]:
+def role_args(layout: RunLayout, args, model: str, data: str | None, config: dict,
+              val: str | None) -> tuple[list[str], list[str]]:
     """The trainer's and the workers' config arguments (each worker adds its id and seed)."""
     common = ["--config", os.path.abspath(args.config)] if args.config else []
     common.append(f"root={layout.root}")
     trainer_recipe, worker_recipe = recipe(config, args)
-    trainer = [*common, f"{MODEL}={model}", f"{STEPS}={args.steps}", *trainer_recipe, *args.trainer]
+    validation = [f"trainer.test_freq={args.test_freq}"] if val else []
+    trainer = [*common, f"{MODEL}={model}", f"{STEPS}={args.steps}", *trainer_recipe,
+               *validation, *args.trainer]
     data_arg = [f"{TRAIN_FILES}=[{data}]"] if data else []
     return trainer, [*common, *data_arg, *worker_recipe, *args.worker]
 
@@ -238,8 +251,9 @@ def check_config(trainer_args: list[str], worker_args: list[str]) -> None:
         print(f"config: {line}", file=sys.stderr)
 
 
-def start_children(layout: RunLayout, args, trainer_args: list[str],
-                   worker_args: list[str]) -> tuple[Child, list[Child]]:
+def start_children(layout: RunLayout, args, trainer_args: list[str], worker_args: list[str],
+                   val: str | None) -> tuple[Child, list[Child]]:
+    """The trainer, and the other children: the workers, then the validator when there is `val`."""
     py = sys.executable
     trainer = Child("trainer", [py, "-m", "torch.distributed.run", "--standalone",
                                 f"--nproc_per_node={args.nproc}", "-m", "trainer.main", *trainer_args],
@@ -249,6 +263,12 @@ def start_children(layout: RunLayout, args, trainer_args: list[str],
                                       *worker_args], layout.log(f"worker-w{i}"),
                      worker_gpus[i % len(worker_gpus)] if worker_gpus else None)
                for i in range(args.workers)]
+    if val:
+        workers.append(Child("validator", [py, "-m", "rollout.validate", f"root={layout.root}",
+                                           f"data.val_files=[{val}]",
+                                           f"data.max_response_length={args.digits}",
+                                           "validator.poll_interval_s=0.5", *args.validator],
+                             layout.log("validator"), args.validator_gpu))
     return trainer, workers
 
 
@@ -260,14 +280,22 @@ def read_metrics(path: str) -> list[dict]:
         return []
 
 
+def rl_metrics(layout: RunLayout) -> tuple[list[dict], dict[str, list[list]]]:
+    """(one row per trainer step, every val-core metric's [step, unix time, value] points)."""
+    rows, vals = status.split_metrics(read_metrics(layout.metrics))
+    return rows, status.validation_series(vals)
+
+
 def supervise(trainer: Child, workers: list[Child], layout: RunLayout, args) -> Child | None:
     """Wait for the trainer to finish; return the child that failed, if any."""
     deadline = time.monotonic() + args.timeout
     bar = _progress(args.steps, "training")
     try:
         while True:
-            _advance(bar, read_metrics(layout.metrics),
-                     lambda m: {"reward": f"{m['reward/mean']:.3f}", "version": m["weights/version"]})
+            rows, vals = rl_metrics(layout)
+            val = {"val": f"{min(vals.items())[1][-1][2]:.3f}"} if vals else {}
+            _advance(bar, rows, lambda m: {"reward": f"{m['reward/mean']:.3f}",
+                                           "version": m["weights/version"], **val})
             code = trainer.poll()
             if code is not None:
                 return None if code == 0 else trainer
@@ -282,7 +310,7 @@ def supervise(trainer: Child, workers: list[Child], layout: RunLayout, args) -> 
 
 
 def summarize(layout: RunLayout) -> None:
-    rows = read_metrics(layout.metrics)
+    rows, vals = rl_metrics(layout)
     if not rows:
         return
     k = min(10, len(rows))
@@ -290,6 +318,10 @@ def summarize(layout: RunLayout) -> None:
     last = sum(r["reward/mean"] for r in rows[-k:]) / k
     print(f"reward/mean: first {k} steps {first:.3f} -> last {k} steps {last:.3f}; "
           f"final weights v{rows[-1]['weights/version'] + 1} in {layout.weights_dir}")
+    for name, points in sorted(vals.items()):
+        (first_step, _, first), (last_step, _, last) = points[0], points[-1]
+        print(f"validation (held-out prompts) {name}: step {first_step} {first:.3f} "
+              f"-> step {last_step} {last:.3f} ({len(points)} results)")
     for hb in sorted(Path(layout.workers_dir).glob("*.json")):
         beat = json.loads(hb.read_text())
         print(f"worker {beat['worker_id']}: {beat['samples_written']} samples, "
@@ -301,8 +333,8 @@ def main(argv: list[str] | None = None) -> int:
     layout = RunLayout(os.path.abspath(args.root))
     config = from_config(args, layout)
     args.steps = int(args.steps or config.get(STEPS) or DEFAULT_STEPS)
-    model, data = prepare(layout, args, config)
-    check_config(*role_args(layout, args, model, data, config))  # before SFT: fail fast
+    model, data, val = prepare(layout, args, config)
+    check_config(*role_args(layout, args, model, data, config, val))  # before SFT: fail fast
     print(f"launch.local: run folder {layout.root}; logs in {os.path.dirname(layout.log('x'))}")
     # SIGTERM (e.g. from a batch system) is handled like Ctrl-C: stop every child, then exit.
     signal.signal(signal.SIGTERM, signal.default_int_handler)
@@ -312,7 +344,8 @@ def main(argv: list[str] | None = None) -> int:
         except (KeyboardInterrupt, TimeoutError, ChildFailed) as e:
             print(f"launch.local: SFT stopped: {e or 'interrupted'}", file=sys.stderr)
             return 130 if isinstance(e, KeyboardInterrupt) else 1
-    trainer, workers = start_children(layout, args, *role_args(layout, args, model, data, config))
+    trainer, workers = start_children(layout, args, *role_args(layout, args, model, data, config, val),
+                                      val)
     failed, code = None, 0
     try:
         failed = supervise(trainer, workers, layout, args)

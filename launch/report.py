@@ -46,7 +46,7 @@ def collect(root: str) -> dict:
     """The series every plot draws, as plain data (written as data.json)."""
     fs, root_path = filesystem(root)
     layout = RunLayout(root_path)
-    rows = status.read_metrics(fs, layout)
+    rows, vals = status.split_metrics(status.read_metrics(fs, layout))
     beats = status.read_heartbeats(fs, layout)
     timed = [r for r in rows if "time/unix" in r]
     published = {r["weights/published"]: r["weights/published_at"] for r in rows
@@ -56,7 +56,7 @@ def collect(root: str) -> dict:
         "steps": [r["step"] for r in rows],
         "time": [r.get("time/unix") for r in rows],
         "reward": [r["reward/mean"] for r in rows],
-        "validation": status.validation_series(rows),
+        "validation": status.validation_series(vals),
         "staleness_mean": [r["staleness/mean"] for r in rows],
         "staleness_max": [r["staleness/max"] for r in rows],
         "dropped_stale_samples": rows[-1].get("buffer/dropped_stale_samples", 0) if rows else 0,

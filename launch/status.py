@@ -48,6 +48,15 @@ def read_metrics(fs, layout: RunLayout) -> list[dict]:
     return rows
 
 
+def split_metrics(rows: list[dict]) -> tuple[list[dict], list[dict]]:
+    """(one row per trainer step, one row per validation result in step order). metrics.jsonl
+    interleaves them: a validation row is written when its result arrives, and its `step` is the
+    step of the weights it measured (trainer/validation.py)."""
+    train = [r for r in rows if "val/weights_version" not in r]
+    vals = sorted((r for r in rows if "val/weights_version" in r), key=lambda r: r["step"])
+    return train, vals
+
+
 def read_heartbeats(fs, layout: RunLayout) -> dict[str, dict]:
     """Worker id -> its last heartbeat."""
     out = {}
@@ -146,7 +155,7 @@ def _buffer(fs, layout: RunLayout, rows: list[dict]) -> dict:
 
 
 def validation_series(rows: list[dict]) -> dict[str, list[list]]:
-    """Every val-core/* metric: [step, unix time, value] per step that measured it."""
+    """Every val-core/* metric of validation rows: [step, unix time, value] per step measured."""
     out: dict[str, list[list]] = {}
     for r in rows:
         for key, value in r.items():
@@ -166,12 +175,12 @@ def snapshot(root: str, silent_after: float = 300.0, now: float | None = None) -
     fs, root_path = filesystem(root)
     layout = RunLayout(root_path)
     now = time.time() if now is None else now
-    rows = read_metrics(fs, layout)
+    rows, vals = split_metrics(read_metrics(fs, layout))
     beats = read_heartbeats(fs, layout)
     return {"root": root_path, "time": now, "silent_after_s": silent_after,
             "trainer": _trainer(fs, layout, rows, now),
             "workers": [_worker(w, b, now, silent_after) for w, b in beats.items()],
-            "buffer": _buffer(fs, layout, rows), "validation": validation(rows)}
+            "buffer": _buffer(fs, layout, rows), "validation": validation(vals)}
 
 
 # --- text -------------------------------------------------------------------------------------

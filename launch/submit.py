@@ -1,18 +1,22 @@
-"""Submit one role of a run as a SLURM job: the rollout workers or the trainer.
+"""Submit one role of a run as a SLURM job: the rollout workers, the trainer, the validator or SFT.
 
     python -m launch.submit rollout --root /shared/runs/r1 --partition cheap --nodes 2 \\
         --gpus-per-node 8 data.train_files=[/shared/data/train.parquet] actor_rollout_ref.rollout.name=vllm
     python -m launch.submit trainer --root /shared/runs/r1 --partition big --nodes 4 \\
-        --gpus-per-node 8 --nproc-per-node 8 actor_rollout_ref.model.path=/shared/models/base
+        --gpus-per-node 8 --nproc-per-node 8 actor_rollout_ref.model.path=/shared/models/base \\
+        trainer.test_freq=10
+    python -m launch.submit validate --root /shared/runs/r1 --partition cheap --gpus-per-node 1 \\
+        data.val_files=[/shared/data/test.parquet] actor_rollout_ref.rollout.name=vllm
     python -m launch.submit sft --root /shared/sft/s1 --partition big --nodes 2 --gpus-per-node 8 \\
         --config sft.yaml model.partial_pretrain=/shared/models/base
 
-Renders the role's sbatch script (launch/slurm/rollout.sbatch, or trainer.sbatch for the torchrun
-roles trainer and sft) with these settings, submits it with `sbatch --parsable` and prints the
-job id; `--dry-run` prints the script instead. Every `key=value` argument goes to the role's
-process (`python -m rollout.worker` per task, `trainer.main` or `trainer.sft` under torchrun)
-and is validated here first. The run folder (for sft: the output folder,
-trainer.default_local_dir) must be on a filesystem every node sees at the same path.
+Renders the role's sbatch script (launch/slurm/rollout.sbatch, validate.sbatch, or trainer.sbatch
+for the torchrun roles trainer and sft) with these settings, submits it with `sbatch --parsable`
+and prints the job id; `--dry-run` prints the script instead. Every `key=value` argument goes to
+the role's process (`python -m rollout.worker` per task, `python -m rollout.validate`,
+`trainer.main` or `trainer.sft` under torchrun) and is validated here first. The run folder (for
+sft: the output folder, trainer.default_local_dir) must be on a filesystem every node sees at the
+same path.
 """
 from __future__ import annotations
 
@@ -27,7 +31,7 @@ from protocol.config import ConfigError, build, split_argv
 def parse_args(argv):
     p = argparse.ArgumentParser(prog="python -m launch.submit", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter, allow_abbrev=False)
-    p.add_argument("role", choices=["rollout", "trainer", "sft"])
+    p.add_argument("role", choices=["rollout", "trainer", "sft", "validate"])
     p.add_argument("--root", required=True, help="run folder, on the shared filesystem (sft: the "
                    "output folder, trainer.default_local_dir)")
     p.add_argument("--partition", help="SLURM partition (default: the cluster's default)")
@@ -64,6 +68,8 @@ def role_args(role: str, root: str, rest: list[str]) -> list[str]:
         from rollout.config import WorkerConfig as cls
         if "worker.id" in overrides or "id" in overrides:
             raise ConfigError("worker.id: set per task by the job (use --worker-prefix)")
+    elif role == "validate":
+        from rollout.config import ValidatorConfig as cls
     elif role == "sft":
         from trainer.sft_config import SFTConfig as cls
     else:
@@ -77,7 +83,7 @@ def role_args(role: str, root: str, rest: list[str]) -> list[str]:
 
 def spec_from(args) -> slurm.JobSpec:
     nproc = args.nproc_per_node or args.gpus_per_node or 1
-    cpus = args.cpus_per_task or (nproc if args.role != "rollout" else 1)
+    cpus = args.cpus_per_task or (nproc if args.role in slurm.TORCHRUN_ROLES else 1)
     return slurm.JobSpec(
         root=os.path.abspath(args.root), partition=args.partition, nodes=args.nodes,
         gpus_per_node=args.gpus_per_node, tasks_per_node=args.tasks_per_node, cpus_per_task=cpus,
@@ -93,6 +99,8 @@ def main(argv: list[str] | None = None) -> int:
         extra = role_args(args.role, spec.root, rest)
         if args.role == "rollout":
             script = slurm.render_rollout(spec, extra)
+        elif args.role == "validate":
+            script = slurm.render_validate(spec, extra)
         else:
             script = slurm.render_trainer(spec, extra, args.role)
     except (ConfigError, ValueError) as e:

@@ -47,6 +47,23 @@ def _bounded(rows: list, row: list) -> list:
     return rows[::2] + rows[-1:] if len(rows) >= HISTORY_ROWS else rows
 
 
+def start_engine(store: WeightStore, rollout_cfg, device: str, timeout_s: float, who: str):
+    """(engine, version): an engine built from the newest published version, waiting up to
+    `timeout_s` for the trainer's first one."""
+    for attempt in range(5):
+        version = store.wait_latest(timeout_s)
+        model_dir = store.layout.version_dir(version)
+        log.info("%s starting engine %s from %s", who, rollout_cfg.name, model_dir)
+        try:
+            return build_engine(model_dir, rollout_cfg, device), version
+        except (OSError, ValueError):
+            # The trainer keeps only the newest versions: this one may have been pruned
+            # while it loaded. Start again from the newest; anything else is a real error.
+            if os.path.isdir(model_dir) or attempt == 4:
+                raise
+            log.warning("weight version %d was pruned while loading; retrying", version)
+
+
 @dataclasses.dataclass
 class GeneratedBatch:
     prompts: list[Prompt]
@@ -91,21 +108,9 @@ class RolloutWorker:
     def start(self) -> None:
         signal.signal(signal.SIGTERM, self._on_signal)
         signal.signal(signal.SIGINT, self._on_signal)
-        for attempt in range(5):
-            self.version = self.store.wait_latest(self.cfg.worker.weights_timeout_s)
-            model_dir = self.layout.version_dir(self.version)
-            log.info("worker %s starting engine %s from %s", self.id,
-                     self.cfg.actor_rollout_ref.rollout.name, model_dir)
-            try:
-                self.engine = build_engine(model_dir, self.cfg.actor_rollout_ref.rollout,
-                                           self.cfg.worker.device)
-                break
-            except (OSError, ValueError):
-                # The trainer keeps only the newest versions: this one may have been pruned
-                # while it loaded. Start again from the newest; anything else is a real error.
-                if os.path.isdir(model_dir) or attempt == 4:
-                    raise
-                log.warning("weight version %d was pruned while loading; retrying", self.version)
+        self.engine, self.version = start_engine(self.store, self.cfg.actor_rollout_ref.rollout,
+                                                 self.cfg.worker.device,
+                                                 self.cfg.worker.weights_timeout_s, f"worker {self.id}")
         self.versions_loaded.append(self.version)
         self.loads = _bounded(self.loads, [self.version, time.time()])
         self.prompts = PromptStream(
@@ -272,16 +277,24 @@ class RolloutWorker:
         self.engine.close()
 
 
-def main(argv: list[str] | None = None) -> int:
-    cfg = parse_cli(WorkerConfig, argv, "python -m rollout.worker",
-                    "Rollout worker: samples groups of responses, scores them, and publishes "
-                    "experience shards to the run folder; reloads new weight versions in place.")
+def run_role(role, config_cls, argv: list[str] | None, prog: str, description: str,
+             tag: str) -> int:
+    """Entry point of a process with an engine: config from the command line, logs to stdout
+    tagged `tag`, torch threads from OMP_NUM_THREADS, then `role(cfg).run()`."""
+    cfg = parse_cli(config_cls, argv, prog, description)
     logging.basicConfig(level=logging.INFO, stream=sys.stdout,
-                        format="%(asctime)s %(levelname)s rollout[%(process)d] %(message)s")
+                        format=f"%(asctime)s %(levelname)s {tag}[%(process)d] %(message)s")
     import torch
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
-    RolloutWorker(cfg).run()
+    role(cfg).run()
     return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    return run_role(RolloutWorker, WorkerConfig, argv, "python -m rollout.worker",
+                    "Rollout worker: samples groups of responses, scores them, and publishes "
+                    "experience shards to the run folder; reloads new weight versions in place.",
+                    "rollout")
 
 
 if __name__ == "__main__":

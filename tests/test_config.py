@@ -243,7 +243,8 @@ def test_worker_config_lists_and_check():
     with pytest.raises(ConfigError, match=r"^data\.train_files"):
         build(WorkerConfig, {"root": "/r"})
     with pytest.raises(ConfigError, match=r"^actor_rollout_ref\.rollout\.top_p:"):
-        build(WorkerConfig, {"root": "/r", "train_files": "a", "top_p": "1.01"})
+        build(WorkerConfig, {"root": "/r", "train_files": "a",
+                             "actor_rollout_ref.rollout.top_p": "1.01"})
 
 
 @pytest.mark.parametrize("text", ["3.5", "true"])

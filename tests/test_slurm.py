@@ -145,7 +145,7 @@ def test_submit_errors_are_clear(slurm, tmp_path):
     assert out.returncode == 2 and "no_such_key" in out.stderr
 
 
-def test_dry_run_renders_both_roles(tmp_path):
+def test_dry_run_renders_every_role(tmp_path):
     root = str(tmp_path / "r")
     out = _run([sys.executable, "-m", "launch.submit", "trainer", "--root", root, "--partition", "big",
                 "--nodes", "4", "--gpus-per-node", "8", "--port", "29555", "--dry-run",
@@ -167,6 +167,22 @@ def test_dry_run_renders_both_roles(tmp_path):
                  "slurm-rollout-%A_%a.out", "TANDEM_BIND_GPU=1", "-m rollout.worker",
                  "buffer.flush_interval=30", "'data.train_files=[t.parquet]'"):
         assert want in s, f"{want!r} not in rollout script:\n{s}"
+    out = _run([sys.executable, "-m", "launch.submit", "validate", "--root", root, "--partition",
+                "cheap", "--gpus-per-node", "1", "--dry-run", "data.val_files=[v.parquet]",
+                "actor_rollout_ref.rollout.val_kwargs.n=4"])
+    assert out.returncode == 0, out.stderr
+    s = out.stdout
+    for want in ("#SBATCH --partition=cheap", "#SBATCH --nodes=1", "#SBATCH --gpus-per-node=1",
+                 "#SBATCH --signal=TERM@120", "slurm-validate-%j.out", "-m rollout.validate",
+                 f"root={root}", "'data.val_files=[v.parquet]'",
+                 "actor_rollout_ref.rollout.val_kwargs.n=4"):
+        assert want in s, f"{want!r} not in validate script:\n{s}"
+    # the validator's own settings are checked before anything is submitted
+    out = _run([sys.executable, "-m", "launch.submit", "validate", "--root", root, "--dry-run"])
+    assert out.returncode == 2 and "data.val_files" in out.stderr, out.stderr
+    out = _run([sys.executable, "-m", "launch.submit", "validate", "--root", root, "--nodes", "2",
+                "--dry-run", "data.val_files=[v.parquet]"])
+    assert out.returncode == 2 and "one validator per run" in out.stderr, out.stderr
 
 
 def test_dry_run_renders_the_sft_role(tmp_path):

@@ -34,8 +34,20 @@ def _status(root, *args) -> dict:
     return json.loads(_cli("launch.status", str(root), "--json", *args))
 
 
-def _rows(root) -> list[dict]:
+CORE = "val-core/tandem/copy/reward/mean@1"  # launch.local validates every 10 steps
+
+
+def _lines(root) -> list[dict]:
     return [json.loads(line) for line in (root / "metrics.jsonl").read_text().splitlines()]
+
+
+def _rows(root) -> list[dict]:
+    """The trainer's rows (a validation result is a row of its own, with val/weights_version)."""
+    return [r for r in _lines(root) if "val/weights_version" not in r]
+
+
+def _vals(root) -> list[dict]:
+    return sorted((r for r in _lines(root) if "val/weights_version" in r), key=lambda r: r["step"])
 
 
 def _beats(root) -> dict[str, dict]:
@@ -153,7 +165,10 @@ def test_finished_status_equals_files(run):
     assert b["run_staleness_max"] == max(r["staleness/max"] for r in rows)
     assert b["bad_shards"] == last["buffer/bad_shards"] == 1 and b["quarantined_shards"] == 1
     assert b["bytes"]["weights"] > 0 and b["disk_free_bytes"] > 0
-    assert s["validation"] == {}  # this recipe runs no validation
+    vals = _vals(root)
+    assert [v["step"] for v in vals] == list(range(0, STEPS + 1, 10))
+    assert s["validation"] == {CORE: {"step": STEPS, "value": vals[-1][CORE], "first": vals[0][CORE],
+                                      "best": max(v[CORE] for v in vals)}}
     assert f"report: {root / 'report' / 'index.html'}" in live["local_out"]  # launch.local wrote it
 
 
@@ -183,6 +198,7 @@ def test_finished_report_equals_files(run):
     root, _ = run
     _cli("launch.report", str(root))  # again, now that every process has stopped
     data = _check_report(root / "report", _rows(root), _beats(root))
+    assert data["validation"] == {CORE: [[v["step"], v["time/unix"], v[CORE]] for v in _vals(root)]}
     for w, points in data["sync_latency"].items():
         # a version is loaded after LATEST named it; each worker loaded several in place
         assert len(points) >= 2 and all(lat >= 0 for _, lat in points), (w, points)

@@ -30,9 +30,10 @@ def test_interruptible_generation_resumes_on_new_weights(tmp_path):
     store = WeightStore(str(root))
     store.publish_hf_folder(tmp_path / "m0", 0, 0, keep=5)
     cfg = build(WorkerConfig, {"root": str(root), "train_files": f"[{tmp_path / 't.parquet'}]",
-                               "worker.id": "w", "max_response_length": "6", "n": "3",
-                               "prompts_per_batch": "4", "interruptible": "true",
-                               "segment_tokens": "2", "temperature": "0.9"})
+                               "worker.id": "w", "max_response_length": "6",
+                               "actor_rollout_ref.rollout.n": "3", "prompts_per_batch": "4",
+                               "interruptible": "true", "segment_tokens": "2",
+                               "actor_rollout_ref.rollout.temperature": "0.9"})
     worker = RolloutWorker(cfg)
     worker.start()
     assert worker.version == 0

@@ -33,6 +33,7 @@ from trainer.critic import Critic
 from trainer.metrics import MetricsLog
 from trainer.model import build_actor
 from trainer.publish import publish_version
+from trainer.validation import ValidationLog, validation_due
 
 log = logging.getLogger("trainer")
 
@@ -98,6 +99,8 @@ class Trainer:
                                       cfg.trainer.experiment_name, to_dict(cfg),
                                       self.store.layout.tensorboard_dir,
                                       self.store.layout.swanlab_dir)
+        self.validation = (ValidationLog(self.store, self.metrics)
+                           if self.rank == 0 and cfg.trainer.test_freq > 0 else None)
         if resume is not None:
             self._resume(resume)
         self.server = None
@@ -300,19 +303,27 @@ class Trainer:
         return publish_version(self.model, self.store, self.model_path, self.version, step,
                                self.cfg.trainer.keep_versions, dtype)
 
+    def request_validation(self, step: int, due: bool) -> None:
+        """Ask rollout.validate for the version just published (rank 0; never waits)."""
+        if due and self.validation is not None:
+            self.validation.request(self.version, step)
+
     def run(self) -> None:
         tc = self.cfg.trainer
         # v0 (or, on resume, the restored weights): every sample names a published version.
         self.publish(step=self.step)
+        self.request_validation(self.step, validation_due(tc, self.step, first=True))
         for step in range(self.step + 1, tc.total_training_steps + 1):
             self.step = step
             t0 = time.monotonic()
             samples, groups, info = self.next_share()
             metrics = {"step": step, "weights/version": self.version}
             metrics.update(self.train_step(samples, groups))
-            if step % tc.publish_freq == 0 or step == tc.total_training_steps:
+            validate = validation_due(tc, step, first=False)
+            if step % tc.publish_freq == 0 or step == tc.total_training_steps or validate:
                 self.version += 1
                 metrics.update(self.publish(step))
+                self.request_validation(step, validate)
             if self.rank == 0:
                 metrics.update({k: v for k, v in info.items() if k not in ("wait_s", "seqs", "tokens")})
                 if "sample_ids" in metrics:
@@ -324,8 +335,12 @@ class Trainer:
                                 "buffer/dropped_stale_samples": self.reader.stats["dropped_stale_samples"],
                                 "buffer/bad_shards": self.reader.stats["bad_shards"]})
                 self.metrics.write(metrics)
+                if self.validation is not None:
+                    self.validation.collect(step)
             if tc.save_freq > 0 and step % tc.save_freq == 0:
                 self.save_checkpoint()
+        if self.validation is not None:
+            self.validation.finish(tc.val_timeout_s, self.step)
         if self.rank == 0:
             atomic_write_json(self.fs, self.store.layout.done_marker,
                               {"steps": tc.total_training_steps, "version": self.version})

@@ -1,4 +1,5 @@
-"""One console line per step with units, and the same numbers as JSON lines."""
+"""One console line per step with units, and the same numbers as JSON lines; validation
+results as lines of their own."""
 from __future__ import annotations
 
 import json
@@ -41,16 +42,35 @@ class MetricsLog:
             from verl.utils.tracking import Tracking
             self.tracking = Tracking(project, experiment, default_backend=others, config=config)
 
-    def write(self, metrics: dict) -> None:
+    def _append(self, row: dict) -> None:
         # One write() per line: a reader tailing the file never sees half an object.
-        self.file.write(json.dumps(metrics, sort_keys=True) + "\n")
+        self.file.write(json.dumps(row, sort_keys=True) + "\n")
         self.file.flush()
         os.fsync(self.file.fileno())
+
+    def _track(self, row: dict, step: int) -> None:
         if self.tracking is not None:
-            # scalars only: samples/ids (trainer.log_sample_ids) is a list, for metrics.jsonl
-            self.tracking.log(data={k: v for k, v in metrics.items() if k != "step"
-                                    and isinstance(v, (int, float))}, step=metrics["step"])
+            # scalars only: samples/ids (trainer.log_sample_ids) is a list, val/skipped a
+            # string, for metrics.jsonl
+            self.tracking.log(data={k: v for k, v in row.items() if k != "step"
+                                    and isinstance(v, (int, float))}, step=step)
+
+    def write(self, metrics: dict) -> None:
+        self._append(metrics)
+        self._track(metrics, metrics["step"])
         print(self.line({**metrics, "total": self.total}), flush=True)
+
+    def write_validation(self, row: dict, step_now: int) -> None:
+        """A validation result: its own line, whose `step` is the step of the weights it
+        measured. Trackers get it at `step_now`, the trainer's latest step (wandb ignores a step
+        below its current one); `val/step` there names the measured step."""
+        self._append(row)
+        self._track({**row, "val/step": row["step"]}, step_now)
+        scores = "; ".join(f"{k} {v:.3f}" for k, v in sorted(row.items()) if k.startswith("val-core/"))
+        print(f"validation of step {row['step']} (weights v{row['val/weights_version']}): "
+              f"{scores or 'skipped: ' + row.get('val/skipped', '?')}"
+              + (f" | {row['val/prompts']} prompts in {row['val/generate_s']:.2f} s"
+                 if "val/prompts" in row else ""), flush=True)
 
     def close(self) -> None:
         self.file.close()

@@ -1,7 +1,7 @@
-"""SLURM job scripts for the two roles, rendered from the templates in this folder, and the few
+"""SLURM job scripts for the roles, rendered from the templates in this folder, and the few
 SLURM commands tandem runs (sbatch, scancel, squeue, scontrol), with their errors surfaced.
 
-`render_rollout` / `render_trainer` take a `JobSpec` (the run's settings) and the role's own
+`render_rollout` / `render_trainer` / `render_validate` take a `JobSpec` (the run's settings) and the role's own
 `key=value` arguments and return the sbatch script text; `submit` hands it to `sbatch --parsable`.
 The torchrun roles (TORCHRUN_ROLES: the RL trainer and SFT) share trainer.sbatch.
 """
@@ -46,7 +46,7 @@ class JobSpec:
     nproc_per_node: int = 1          # trainer only: ranks per node
     port: str = "auto"               # trainer only: rendezvous port ("auto": 20000 + job id % 20000)
     worker_prefix: str = ""          # rollout only: worker ids <prefix>[-a<k>][-t<rank>]
-    signal_before_s: int = 120       # rollout only: SIGTERM this long before the time limit
+    signal_before_s: int = 120       # rollout, validate: SIGTERM this long before the time limit
     output: str | None = None        # default: <root>/logs/slurm-<role>-%j.out
     sbatch_args: list[str] = dataclasses.field(default_factory=list)  # extra #SBATCH lines
     python: str = sys.executable
@@ -139,6 +139,16 @@ def render_trainer(spec: JobSpec, trainer_args: list[str], role: str = "trainer"
     values.update(nproc_per_node=spec.nproc_per_node, port=spec.port, role=role, module=module,
                   trainer_args=_q([f"{root_key}={spec.root}", *trainer_args]))
     return _finish(_template("trainer.sbatch").substitute(values), spec)
+
+
+def render_validate(spec: JobSpec, validate_args: list[str]) -> str:
+    spec.check("validate")
+    if spec.nodes != 1 or spec.array:
+        raise ValueError("validate job: one validator per run: one node, no --array")
+    values = _common(spec, "validate")
+    values.update(signal_before_s=spec.signal_before_s,
+                  validate_args=_q([f"root={spec.root}", *validate_args]))
+    return _finish(_template("validate.sbatch").substitute(values), spec)
 
 
 # --- SLURM commands -------------------------------------------------------------------------
