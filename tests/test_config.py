@@ -500,9 +500,11 @@ def test_verl_keys_report_counts_every_class(capsys):
 
 def test_pool_validates_the_workers_config_and_passes_it_on():
     from rollout.pool import parse
-    cfg, worker_args = parse(["root=/r", "pool.id=p", "--config", str(VERL_YAML), "--n", "2"])
+    # The worker resolves a short key (rollout.n's `n` is ambiguous beside val_kwargs.n).
+    cfg, worker_args = parse(["root=/r", "pool.id=p", "--config", str(VERL_YAML),
+                              "--prompts_per_batch", "2"])
     assert cfg.pool.id == "p"
-    assert worker_args == ["--config", str(VERL_YAML), "n=2"]  # the worker resolves the short key
+    assert worker_args == ["--config", str(VERL_YAML), "prompts_per_batch=2"]
     with pytest.raises(ConfigError, match="lora_rank=8"):
         parse(["root=/r", "--config", str(VERL_YAML), "actor_rollout_ref.model.lora_rank=8"])
 
@@ -566,7 +568,7 @@ CLI_RUNS = {
     "trainer_verl_lora": ["-m", "trainer.main", "--config", "tests/data/verl_grpo.yaml", "root=/x",
                           "actor_rollout_ref.model.lora_rank=8"],
     "worker_verl_inf": ["-m", "rollout.worker", "--config", "tests/data/verl_grpo.yaml", "root=/x",
-                        "--top_p", "inf"],
+                        "--actor_rollout_ref.rollout.top_p", "inf"],
 }
 
 
