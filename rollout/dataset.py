@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import os
 import random
 from pathlib import Path
 
@@ -42,7 +43,7 @@ def load_prompts(files: list[str], tokenizer, prompt_key: str, max_prompt_length
                  field: str = "data.train_files") -> list[Prompt]:
     """Every usable row of `files`; `field` is the setting they came from, for errors."""
     prompts, skipped = [], 0
-    for file in files:
+    for file in map(os.path.expanduser, files):  # verl's configs write ~/data/...
         if not Path(file).exists():
             raise DatasetError(f"{field}: {file} does not exist")
         try:

@@ -18,12 +18,18 @@ def _ids_by_step(root: Path) -> dict[int, list[str]]:
     return {r["step"]: r["samples/ids"] for r in rows}
 
 
+# A critic (GAE) and an adaptive in-reward KL coefficient: the actor's final weights depend on
+# both, so they must resume exactly too.
+CRITIC = ("algorithm.adv_estimator=gae", "critic.optim.lr=1e-2", "algorithm.use_kl_in_reward=true",
+          "algorithm.kl_ctrl.type=adaptive", "algorithm.kl_ctrl.kl_coef=0.1", "algorithm.kl_ctrl.horizon=10")
+
+
 def test_sigkill_and_resume_on_one_rank_matches_uninterrupted_run(experience):
     model = experience / "model"
-    ref = uninterrupted_run(experience, "uninterrupted", 2, "trainer.log_sample_ids=true")
+    ref = uninterrupted_run(experience, "uninterrupted", 2, "trainer.log_sample_ids=true", *CRITIC)
 
     run = _run_folder(experience, "killed")
-    p = _trainer(run, model, 2, "trainer.save_freq=3", "trainer.log_sample_ids=true")
+    p = _trainer(run, model, 2, "trainer.save_freq=3", "trainer.log_sample_ids=true", *CRITIC)
     ckpt = Path(RunLayout(str(run)).checkpoint(3))
     deadline = time.monotonic() + 240
     try:
@@ -44,8 +50,9 @@ def test_sigkill_and_resume_on_one_rank_matches_uninterrupted_run(experience):
     assert RunLayout.checkpoint_step(resumed_from) in (3, 6)
     saved = json.loads((Path(resumed_from) / "trainer_state.json").read_text())
     assert len(saved["rng"]["cpu"]) > 0 and saved["model_path"] == str(model)
+    assert saved["critic"] and saved["kl_coef"] != 0.1
 
-    p = _trainer(run, model, 1, "trainer.save_freq=3", "trainer.log_sample_ids=true")  # 2 ranks -> 1
+    p = _trainer(run, model, 1, "trainer.save_freq=3", "trainer.log_sample_ids=true", *CRITIC)  # 2 ranks -> 1
     out, _ = p.communicate(timeout=300)
     assert p.returncode == 0, out[-3000:]
     assert "resumed from" in out

@@ -38,14 +38,14 @@ def _questions(path) -> list[str]:
 
 def test_launch_local_holds_out_questions_for_validation(tmp_path):
     layout = RunLayout(str(tmp_path / "run"))
-    model, data, val = prepare(layout, parse_args(["--root", layout.root]))
+    model, data, val = prepare(layout, parse_args(["--root", layout.root]), {})
     assert (data, val) == (layout.prepared_parquet("rl", "train"), layout.prepared_parquet("rl", "val"))
     train, held = set(_questions(data)), set(_questions(val))
     assert len(held) == 25 and not train & held  # a fifth of the 125 strings, never trained on
     assert prepare(RunLayout(str(tmp_path / "b")), parse_args(
-        ["--root", str(tmp_path / "b"), "--model", model, "--test-freq", "0"]))[2] is None
+        ["--root", str(tmp_path / "b"), "--model", model, "--test-freq", "0"]), {})[2] is None
     assert prepare(RunLayout(str(tmp_path / "c")), parse_args(
-        ["--root", str(tmp_path / "c"), "--model", model, "--data", data]))[2] is None
+        ["--root", str(tmp_path / "c"), "--model", model, "--data", data]), {})[2] is None
 
 
 def test_val_metrics_use_verls_names_and_core_variable():

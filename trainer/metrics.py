@@ -11,8 +11,11 @@ def rl_line(m: dict) -> str:
     """The RL trainer's console line."""
     return (f"step {m['step']}/{m['total']} | weights v{m['weights/version']} | "
             f"reward {m['reward/mean']:.3f} | staleness {m['staleness/mean']:.2f} versions | "
-            f"loss {m['actor/pg_loss']:+.4f} | grad norm {m['actor/grad_norm']:.3f} | "
-            f"{m['samples/step']} samples, {m['tokens/step']} tokens | "
+            + (f"loss {m['actor/pg_loss']:+.4f} | clipfrac {m['actor/pg_clipfrac']:.3f} | "
+               f"grad norm {m['actor/grad_norm']:.3f} | " if "actor/pg_loss" in m
+               else "actor: critic warmup | ")
+            + (f"vf_loss {m['critic/vf_loss']:.4f} | " if "critic/vf_loss" in m else "")
+            + f"{m['samples/step']} samples, {m['tokens/step']} tokens | "
             f"step {m['time/step_s']:.2f} s (wait {m['time/wait_s']:.2f} s)")
 
 

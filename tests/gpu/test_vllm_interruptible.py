@@ -7,9 +7,9 @@ Run on the device machine: python -m pytest -m gpu tests/gpu -rA
 """
 import pytest
 import torch
-from vllm_helpers import mean_abs
+from vllm_helpers import mean_abs, needs_gpus
 
-pytestmark = pytest.mark.gpu
+pytestmark = [pytest.mark.gpu, needs_gpus(1)]
 
 SEGMENT = 3
 
