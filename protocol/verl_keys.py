@@ -25,7 +25,8 @@ from collections import Counter
 from typing import Any, Callable
 
 # The role schemas that share one config file; each accepts the others' keys silently.
-ROLES = ("trainer.config:TrainerConfig", "rollout.config:WorkerConfig")
+ROLES = ("trainer.config:TrainerConfig", "rollout.config:WorkerConfig",
+         "rollout.config:ValidatorConfig")
 
 PENDING, ALIAS, WARN, SAME = "pending", "alias", "warn", "same"
 
@@ -105,8 +106,7 @@ RULES: list[Rule] = [
     *warn("Hydra's own settings; tandem reads the file with OmegaConf", "hydra"),
     *warn(PROFILER, "**.profiler", "global_profiler"),
     # PENDING: the lead drops these entries when the algo (ppo_mini_batch_size, ppo_epochs,
-    # clip_ratio_low/high/c, shuffle, GAE, critic, KL in reward) and val (data.val_files,
-    # test_freq, val_before_train, val_kwargs) branches add the fields.
+    # clip_ratio_low/high/c, shuffle, GAE, critic, KL in reward) branch adds the fields.
     *pending(f"{ACTOR}.ppo_mini_batch_size", f"{ACTOR}.ppo_epochs", f"{ACTOR}.clip_ratio_low",
              f"{ACTOR}.clip_ratio_high", f"{ACTOR}.clip_ratio_c", f"{ACTOR}.shuffle",
              "algorithm.gamma", "algorithm.lam", "algorithm.use_kl_in_reward",
@@ -118,9 +118,7 @@ RULES: list[Rule] = [
              "critic.ppo_mini_batch_size", "critic.ppo_micro_batch_size_per_gpu", "critic.ppo_epochs",
              "critic.shuffle", "critic.cliprange_value", "critic.loss_agg_mode", "critic.grad_clip",
              "critic.use_dynamic_bsz", "critic.ppo_max_token_len_per_gpu",
-             "critic.forward_micro_batch_size_per_gpu", "critic.forward_max_token_len_per_gpu",
-             "data.val_files", "trainer.test_freq", "trainer.val_before_train",
-             f"{ROLLOUT}.val_kwargs"),
+             "critic.forward_micro_batch_size_per_gpu", "critic.forward_max_token_len_per_gpu"),
     # verl's spellings of tandem keys
     alias(f"{ACTOR}.optim.clip_grad", f"{ACTOR}.grad_clip"),
     alias(f"{ACTOR}.optim.lr_scheduler_type", f"{ACTOR}.optim.warmup_style"),
@@ -247,7 +245,7 @@ RULES: list[Rule] = [
     *warn("validation reads all of data.val_files", "data.val_max_samples"),
     *same("rewards are chosen by each row's data_source", one_of("data_source"), "data.reward_fn_key"),
     *warn("workers generate actor_rollout_ref.rollout.prompts_per_batch prompts at a time",
-          "data.gen_batch_size", "data.val_batch_size"),
+          "data.gen_batch_size"),
     *same("tool calling is not supported yet", unset, "data.tool_config_path", "data.function_tool_path"),
     *warn("the format of verl's dataloader output; workers tokenize the chat prompt themselves",
           "data.return_raw_input_ids", "data.return_raw_chat", "data.return_full_prompt",
