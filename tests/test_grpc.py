@@ -14,6 +14,7 @@ from buffer.grpc_transport import DAMAGED_RESENDS, GrpcShardWriter, ShardServer
 from buffer.layout import RunLayout
 from buffer.reader import ExperienceReader
 from conftest import TESTS_DIR, free_port, make_group, subprocess_env
+from launch.local import rl_metrics
 from protocol import experience_pb2 as pb
 from protocol import experience_pb2_grpc as pb_grpc
 from protocol.experience import SCHEMA_VERSION, encode, to_table
@@ -206,5 +207,7 @@ def test_pipeline_over_grpc(tmp_path):
                            "--worker", f"buffer.grpc_address=127.0.0.1:{port}"],
                           capture_output=True, text=True, timeout=500, env=env)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert len((root / "metrics.jsonl").read_text().splitlines()) == 4
+    rows, vals = rl_metrics(RunLayout(str(root)))
+    # the validator (weights and validation still go through the run folder) measured v0 and v4
+    assert len(rows) == 4 and [[p[0] for p in v] for v in vals.values()] == [[0, 4]]
     assert "experience gRPC server listening" in (root / "logs" / "trainer.log").read_text()

@@ -15,6 +15,7 @@ from safetensors.torch import load_file
 
 from buffer.layout import RunLayout
 from conftest import REPO_ROOT, free_port, kill_tree
+from launch.local import rl_metrics
 from protocol.config import ConfigError, build
 from rollout import builtin_task, preprocess
 from trainer import checkpoint
@@ -217,7 +218,7 @@ def _local(root, *args):
                           "--nproc", "1", "--workers", "1", "--timeout", "600", *args],
                          capture_output=True, text=True, timeout=700, cwd=REPO_ROOT)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
-    rows = [json.loads(line) for line in (root / "metrics.jsonl").read_text().splitlines()]
+    rows, _ = rl_metrics(RunLayout(str(root)))  # the trainer's rows (not the validator's)
     return sum(r["reward/mean"] for r in rows) / len(rows)
 
 
