@@ -3,7 +3,6 @@
 One YAML file in the shape of verl's `ppo_trainer.yaml` (the flat `_generated_ppo_trainer.yaml`)
 serves both roles. A key in it is
   honoured   a field of a role's schema (ROLES below): not listed here;
-  PENDING    honoured once the fields of the algo / val branches land (accepted silently);
   ALIAS      verl's spelling of a tandem key, which it sets (see protocol/config.py);
   WARN       accepted with one warning line saying why it does not apply to a decoupled run;
   SAME       accepted silently: its value asks for what tandem always does.
@@ -28,7 +27,7 @@ from typing import Any, Callable
 ROLES = ("trainer.config:TrainerConfig", "rollout.config:WorkerConfig",
          "rollout.config:ValidatorConfig")
 
-PENDING, ALIAS, WARN, SAME = "pending", "alias", "warn", "same"
+ALIAS, WARN, SAME = "alias", "warn", "same"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -71,10 +70,6 @@ def at_most(n) -> Callable[[Any], bool]:
     return lambda v: v is None or v <= n
 
 
-def pending(*patterns: str) -> list[Rule]:
-    return [Rule(p, PENDING, "honoured by a schema field of the algo/val branches") for p in patterns]
-
-
 def warn(reason: str, *patterns: str) -> list[Rule]:
     return [Rule(p, WARN, reason) for p in patterns]
 
@@ -105,23 +100,15 @@ RULES: list[Rule] = [
     *warn("Hydra composition: keys this file does not set take tandem's defaults", "defaults"),
     *warn("Hydra's own settings; tandem reads the file with OmegaConf", "hydra"),
     *warn(PROFILER, "**.profiler", "global_profiler"),
-    # PENDING: the lead drops these entries when the algo (ppo_mini_batch_size, ppo_epochs,
-    # clip_ratio_low/high/c, shuffle, GAE, critic, KL in reward) branch adds the fields.
-    *pending(f"{ACTOR}.ppo_mini_batch_size", f"{ACTOR}.ppo_epochs", f"{ACTOR}.clip_ratio_low",
-             f"{ACTOR}.clip_ratio_high", f"{ACTOR}.clip_ratio_c", f"{ACTOR}.shuffle",
-             "algorithm.gamma", "algorithm.lam", "algorithm.use_kl_in_reward",
-             "algorithm.kl_penalty", "algorithm.kl_ctrl", "trainer.critic_warmup",
-             "critic.enable", "critic.model.path", "critic.model.enable_gradient_checkpointing",
-             "critic.optim.lr", "critic.optim.weight_decay", "critic.optim.betas",
-             "critic.optim.lr_warmup_steps_ratio", "critic.optim.min_lr_ratio",
-             "critic.optim.warmup_style", "critic.optim.lr_scheduler_type", "critic.optim.clip_grad",
-             "critic.ppo_mini_batch_size", "critic.ppo_micro_batch_size_per_gpu", "critic.ppo_epochs",
-             "critic.shuffle", "critic.cliprange_value", "critic.loss_agg_mode", "critic.grad_clip",
-             "critic.use_dynamic_bsz", "critic.ppo_max_token_len_per_gpu",
-             "critic.forward_micro_batch_size_per_gpu", "critic.forward_max_token_len_per_gpu"),
+    # verl's critic keys that tandem's critic has no use for
+    *warn("tandem's critic computes values inside its training micro-batches "
+          "(critic.ppo_max_token_len_per_gpu / ppo_micro_batch_size_per_gpu)",
+          "critic.forward_max_token_len_per_gpu", "critic.forward_micro_batch_size_per_gpu"),
     # verl's spellings of tandem keys
     alias(f"{ACTOR}.optim.clip_grad", f"{ACTOR}.grad_clip"),
     alias(f"{ACTOR}.optim.lr_scheduler_type", f"{ACTOR}.optim.warmup_style"),
+    alias("critic.optim.lr_scheduler_type", "critic.optim.warmup_style"),
+    alias("critic.optim.clip_grad", "critic.grad_clip"),
     alias("algorithm.rollout_correction.rollout_is_threshold", "algorithm.rollout_is_threshold"),
     alias(f"{ROLLOUT}.prompt_length", "data.max_prompt_length"),
     alias(f"{ROLLOUT}.response_length", "data.max_response_length"),
