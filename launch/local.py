@@ -99,8 +99,10 @@ def from_config(args, layout: RunLayout) -> dict:
         return {}
     recipe_keys = [a.split("=", 1)[0] for part in builtin_recipe(args.digits) for a in part]
     try:
+        # --data replaces the file's train files for its interpolations too (val_files may be
+        # ${data.train_files}, as in tests/data/verl_grpo.yaml)
         return file_values(args.config, [MODEL, TRAIN_FILES, STEPS, VAL_FILES, TEST_FREQ, *recipe_keys],
-                           {"root": layout.root})
+                           {"root": layout.root, **({TRAIN_FILES: [args.data]} if args.data else {})})
     except ConfigError as e:
         raise SystemExit(f"launch.local: {e}") from None
 
