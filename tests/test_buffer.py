@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import collections
 import os
-import random
 import subprocess
 import sys
 import threading
@@ -80,19 +79,17 @@ def test_killed_writer_leaves_only_temporaries_that_reader_ignores(tmp_path):
     script.write_text(LOOP_WRITER)
     wid = "killme"
     wdir = root / "experience" / wid
-    rng = random.Random(1234)
-    found_tmp = False
-    attempts = 0
-    while attempts < 12 and not (found_tmp and _published(wdir)):
+    found_tmp, published, attempts = False, [], 0
+    while attempts < 12 and not (found_tmp and published):
         attempts += 1
         p = subprocess.Popen([sys.executable, str(script), str(root), wid, str(TESTS_DIR)],
                              env=subprocess_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE)
         try:
-            time.sleep(rng.uniform(0.0, 1.5))
-            # then SIGKILL as soon as a temporary is being written (they exist for ~10-100 ms)
-            deadline = time.monotonic() + 15
-            while time.monotonic() < deadline and p.poll() is None:
-                if wdir.is_dir() and _tmps(wdir):
+            # SIGKILL once a shard is published and a temporary is being written (they exist for
+            # ~10-100 ms; a kill that lands after the rename leaves none: the next attempt goes on)
+            deadline = time.monotonic() + 120
+            while p.poll() is None and time.monotonic() < deadline:
+                if wdir.is_dir() and _published(wdir) and _tmps(wdir):
                     break
                 time.sleep(0.001)
             crashed = p.poll() is not None
@@ -100,9 +97,8 @@ def test_killed_writer_leaves_only_temporaries_that_reader_ignores(tmp_path):
             p.kill()
             _, err = p.communicate(timeout=10)
         assert not crashed, err.decode()[-2000:]
-        found_tmp = bool(_tmps(wdir))
+        found_tmp, published = bool(_tmps(wdir)), _published(wdir)
     assert found_tmp, f"no temporary file left behind after {attempts} kills"
-    published = _published(wdir)
     assert published, "no shard was published before the kills"
     tmps = _tmps(wdir)
     assert all(n.startswith(".") for n in tmps)
