@@ -2,11 +2,11 @@
 # Everything the GPU issues need, in one device call. Usage: bash benchmarks/gpu_all.sh OUT_DIR [tests|bench|e2e]...
 set -uo pipefail
 out=${1:?OUT_DIR}; shift
-export PYTHONPATH=$PWD:${PYTHONPATH:-} VLLM_ENABLE_V1_MULTIPROCESSING=0
+export PYTHONPATH=$PWD:${PYTHONPATH:-}
 for what in "$@"; do
   case $what in
     tests) timeout 300 python -m pytest -m gpu tests/gpu -rA -s -p no:cacheprovider > "$out/gpu_tests.txt" 2>&1 ;;
-    bench) timeout 330 python benchmarks/rollout_bench.py --out "$out/rollout_bench.json" > "$out/rollout_bench.log" 2>&1 ;;
+    bench) timeout 420 python benchmarks/rollout_bench.py --out "$out/rollout_bench.json" > "$out/rollout_bench.log" 2>&1 ;;
     e2e) timeout 400 bash benchmarks/gpu_e2e.sh "$out" > "$out/e2e.log" 2>&1 ;;
     trainer1) timeout 250 torchrun --standalone --nproc_per_node 1 benchmarks/trainer_bench.py \
                 --out "$out/trainer_bench_1gpu.json" > "$out/trainer_bench_1gpu.log" 2>&1 ;;

@@ -19,7 +19,7 @@ python -m launch.local --root "$work/run" --steps 20 --workers 1 --nproc 1 \
     --trainer-gpus 0 --worker-gpus 1 \
     --trainer actor_rollout_ref.actor.optim.lr=1e-6 --trainer actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=64 \
     --worker actor_rollout_ref.rollout.name=vllm --worker actor_rollout_ref.rollout.dtype=bfloat16 \
-    --worker actor_rollout_ref.rollout.gpu_memory_utilization=0.5 --worker data.max_response_length=64 \
+    --worker data.max_response_length=64 \
     2>&1 | tail -n 20 | tee "$out/e2e_console.txt"
 cp "$work/run/metrics.jsonl" "$out/e2e_metrics.jsonl"
 cp "$work/run/logs/trainer.log" "$out/e2e_trainer.log"

@@ -32,7 +32,9 @@ def copy_model_metadata(model_path: str, dest: str) -> None:
     """Config, generation config and tokenizer files: what makes a version an HF model folder."""
     for name in os.listdir(model_path):
         src = os.path.join(model_path, name)
-        if os.path.isfile(src) and not name.endswith(_WEIGHT_SUFFIXES):
+        # A model folder that is itself a published version (an SFT output) has a manifest of
+        # its own files: never carry it into another version.
+        if os.path.isfile(src) and not name.endswith(_WEIGHT_SUFFIXES) and name != "manifest.json":
             shutil.copy2(src, os.path.join(dest, name))
 
 
@@ -47,6 +49,7 @@ class WeightStore:
     def __init__(self, root: str):
         self.fs, root_path = filesystem(root)
         self.layout = RunLayout(root_path)
+        self.announced_at: float | None = None  # unix time of the last publish()'s announcement
 
     # --- trainer side -------------------------------------------------------------------
     def stage(self, version: int) -> str:
@@ -126,6 +129,9 @@ class WeightStore:
         if os.path.exists(final):
             raise FileExistsError(f"{final} already exists: weight versions are never rewritten")
         os.rename(staged, final)
+        # Taken before LATEST names the version: no worker can have loaded it earlier (the
+        # weight-sync latency in launch.report is never negative on one clock).
+        self.announced_at = time.time()
         atomic_write_json(self.fs, self.layout.latest_pointer, {"version": version, "step": step})
         self.prune(keep)
         return manifest
@@ -204,13 +210,26 @@ class WeightStore:
             raise ManifestError(f"{path}: says version {manifest.version}, expected {version}")
         return manifest
 
-    def tensors(self, version: int) -> Iterator[tuple[str, torch.Tensor]]:
-        """Verify the version's checksums, then yield its tensors one at a time (bounded memory)."""
-        from safetensors import safe_open
+    def verified_files(self, version: int) -> list[str]:
+        """Paths of the version's safetensors files, in order, after every checksum matched.
+
+        Engines read these themselves (vLLM's worker processes open them directly), so the
+        bytes are checked once here and never shipped between processes.
+        """
         manifest = self.manifest(version)
         folder = self.layout.version_dir(version)
         verify_files(manifest, folder)
-        for file in sorted({t.file for t in manifest.tensors.values()}):
-            with safe_open(os.path.join(folder, file), framework="pt") as f:
-                for key in f.keys():
-                    yield key, f.get_tensor(key)
+        return [os.path.join(folder, f) for f in sorted({t.file for t in manifest.tensors.values()})]
+
+    def tensors(self, version: int) -> Iterator[tuple[str, torch.Tensor]]:
+        """Verify the version's checksums, then yield its tensors one at a time (bounded memory)."""
+        yield from read_tensors(self.verified_files(version))
+
+
+def read_tensors(paths: list[str]) -> Iterator[tuple[str, torch.Tensor]]:
+    """HF-named tensors of safetensors files, one at a time (memory-mapped, bounded memory)."""
+    from safetensors import safe_open
+    for path in paths:
+        with safe_open(path, framework="pt") as f:
+            for key in f.keys():
+                yield key, f.get_tensor(key)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import os
 import random
 from pathlib import Path
 
@@ -40,7 +41,7 @@ def _row_field(row: dict, field: str, where: str):
 
 def load_prompts(files: list[str], tokenizer, prompt_key: str, max_prompt_length: int) -> list[Prompt]:
     prompts, skipped = [], 0
-    for file in files:
+    for file in map(os.path.expanduser, files):  # verl's configs write ~/data/...
         if not Path(file).exists():
             raise DatasetError(f"data.train_files: {file} does not exist")
         try:

@@ -31,8 +31,9 @@ class Engine(Protocol):
     def generate(self, prompts: list[list[int]], params: SamplingSettings) -> list[list[Completion]]:
         """For each prompt, `params.n` completions."""
 
-    def load_weights(self, tensors: Iterable[tuple[str, torch.Tensor]]) -> int:
-        """Copy HF-named tensors into the running model; returns how many were loaded."""
+    def load_files(self, paths: list[str]) -> int:
+        """Copy the HF-named tensors of verified safetensors files into the running model, in
+        place; returns how many were loaded."""
 
     def close(self) -> None: ...
 
@@ -94,6 +95,10 @@ class HFEngine:
                                         "stop" if hit else "length"))
             results.append(group)
         return results
+
+    def load_files(self, paths: list[str]) -> int:
+        from buffer.weights import read_tensors
+        return self.load_weights(read_tensors(paths))
 
     @torch.no_grad()
     def load_weights(self, tensors: Iterable[tuple[str, torch.Tensor]]) -> int:

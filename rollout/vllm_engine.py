@@ -1,27 +1,46 @@
 """vLLM engine for GPU rollout nodes (tested against vLLM 0.26).
 
+The engine runs in vLLM's default mode: the model lives in separate engine processes (one per
+tensor-parallel rank), started fresh by vLLM, with CUDA graphs unless `enforce_eager`.
 Logprobs are requested in `processed_logprobs` mode, i.e. of the distribution the sampler drew
-from (temperature applied), which is what the trainer's importance weights need. New weights go
-into the running engine through `collective_rpc`: every vLLM worker calls the model's own
-`load_weights`, which takes HF names and full tensors and shards them for tensor parallelism.
-Tensors travel in buckets of at most `bucket_bytes`, so host memory stays bounded.
+from (temperature applied), which is what the trainer's importance weights need.
+
+New weights: `WeightLoader` is registered as vLLM's `worker_extension_cls`, so every engine
+process gains a `tandem_load_files` method that `collective_rpc` calls by name. Only file paths
+cross the process boundary (no pickled functions or tensors, no insecure serialization): each
+engine process reads the version's safetensors files itself (memory-mapped, one tensor at a time,
+so host memory stays bounded) and hands HF-named full tensors to the model's own `load_weights`,
+which shards them for tensor parallelism and copies them into the existing parameters, so CUDA
+graphs stay valid. Checksums are verified once, by the caller, before the call.
+
+Debugging: `VLLM_ENABLE_V1_MULTIPROCESSING=0` in the environment (with `enforce_eager=true`)
+runs the model in this process, where its errors surface directly; never needed in production.
 """
 from __future__ import annotations
 
 import os
-from typing import Iterable
-
-import torch
 
 from rollout.engine import Completion, SamplingSettings
 
-BUCKET_BYTES = 512 << 20
+RELOAD_TIMEOUT_S = 600.0  # a reload that takes longer is a hung engine process, not a slow disk
 
 
-def _load_bucket(worker, bucket: list[tuple[str, torch.Tensor]]) -> int:
-    """Runs inside each vLLM worker process (module-level so it pickles by reference)."""
-    worker.model_runner.model.load_weights(weights=bucket)
-    return len(bucket)
+class WeightLoader:
+    """Mixed into vLLM's worker class in each engine process (`worker_extension_cls`)."""
+
+    def tandem_load_files(self, paths: list[str]) -> int:
+        """Load HF-named tensors from verified safetensors files into the running model."""
+        from buffer.weights import read_tensors
+        count = 0
+
+        def counted():
+            nonlocal count
+            for item in read_tensors(paths):
+                count += 1
+                yield item
+
+        self.model_runner.model.load_weights(weights=counted())
+        return count
 
 
 class VLLMEngine:
@@ -34,7 +53,8 @@ class VLLMEngine:
                        gpu_memory_utilization=cfg.gpu_memory_utilization,
                        tensor_parallel_size=cfg.tensor_model_parallel_size,
                        enforce_eager=cfg.enforce_eager, logprobs_mode="processed_logprobs",
-                       enable_prefix_caching=True, seed=0)
+                       enable_prefix_caching=True, seed=0,
+                       worker_extension_cls=f"{__name__}.{WeightLoader.__qualname__}")
 
     def generate(self, prompts: list[list[int]], params: SamplingSettings) -> list[list[Completion]]:
         from vllm import SamplingParams
@@ -55,19 +75,14 @@ class VLLMEngine:
             results.append(group)
         return results
 
-    def load_weights(self, tensors: Iterable[tuple[str, torch.Tensor]],
-                     bucket_bytes: int = BUCKET_BYTES) -> int:
-        loaded, bucket, size = 0, [], 0
-        for name, t in tensors:
-            bucket.append((name, t))
-            size += t.numel() * t.element_size()
-            if size >= bucket_bytes:
-                loaded += self.llm.collective_rpc(_load_bucket, args=(bucket,))[0]
-                bucket, size = [], 0
-        if bucket:
-            loaded += self.llm.collective_rpc(_load_bucket, args=(bucket,))[0]
+    def load_files(self, paths: list[str]) -> int:
+        # Every tensor-parallel rank reads all files; each keeps its own shard.
+        counts = self.llm.collective_rpc("tandem_load_files", timeout=RELOAD_TIMEOUT_S,
+                                         args=(list(paths),))
         self.llm.reset_prefix_cache()  # cached KV was computed by the old weights
-        return loaded
+        return counts[0]
 
     def close(self) -> None:
+        if self.llm is not None:
+            self.llm.llm_engine.engine_core.shutdown()  # the engine processes, now, not at exit
         self.llm = None

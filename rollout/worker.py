@@ -13,6 +13,7 @@ from __future__ import annotations
 import concurrent.futures
 import dataclasses
 import logging
+import math
 import os
 import signal
 import socket
@@ -33,6 +34,17 @@ from rollout.dataset import Prompt, PromptStream, load_prompts
 from rollout.engine import Completion, SamplingSettings, build_engine
 
 log = logging.getLogger("rollout.worker")
+
+HISTORY_ROWS = 256  # heartbeat history bound: at this length every other row is dropped
+WAITING_BEAT_S = 5.0  # heartbeat period while held back by backpressure (launch.status: not silent)
+
+
+def _bounded(rows: list, row: list) -> list:
+    """Append `row`; at HISTORY_ROWS (even) keep every other row, the first and the newest
+    included: the history spans the whole run, older parts at a coarser step, and a heartbeat
+    stays a few kB (every worker reads all heartbeats for backpressure)."""
+    rows.append(row)
+    return rows[::2] + rows[-1:] if len(rows) >= HISTORY_ROWS else rows
 
 
 @dataclasses.dataclass
@@ -61,6 +73,11 @@ class RolloutWorker:
         self.stopping = False
         self.version: int | None = None
         self.versions_loaded: list[int] = []
+        # For launch.report: [version, unix time loaded] per load (weight-sync latency, version
+        # over time) and per batch [unix time generated, version, samples, tokens, generate s].
+        self.loads: list[list] = []
+        self.history: list[list] = []
+        self._last_beat = -math.inf
         self.batches = 0
         self.tokens = 0
         self.gen_seconds = 0.0
@@ -90,6 +107,7 @@ class RolloutWorker:
                     raise
                 log.warning("weight version %d was pruned while loading; retrying", self.version)
         self.versions_loaded.append(self.version)
+        self.loads = _bounded(self.loads, [self.version, time.time()])
         self.prompts = PromptStream(
             load_prompts(self.cfg.data.train_files, self.engine.tokenizer, self.cfg.data.prompt_key,
                          self.cfg.data.max_prompt_length),
@@ -102,13 +120,18 @@ class RolloutWorker:
             return False
         t0 = time.monotonic()
         try:
-            count = self.engine.load_weights(self.store.tensors(latest))
+            files = self.store.verified_files(latest)
+            t1 = time.monotonic()
+            count = self.engine.load_files(files)
         except FileNotFoundError as e:  # pruned while we read: the next batch sees a newer one
             log.warning("weight version %d vanished while loading (%s); retrying later", latest, e)
             return False
         self.version = latest
         self.versions_loaded.append(latest)
-        log.info("loaded weights v%d in place: %d tensors in %.3f s", latest, count, time.monotonic() - t0)
+        self.loads = _bounded(self.loads, [latest, time.time()])
+        t2 = time.monotonic()
+        log.info("loaded weights v%d in place: %d tensors in %.3f s (checksums %.3f s, load %.3f s)",
+                 latest, count, t2 - t0, t1 - t0, t2 - t1)
         return True
 
     def _samples(self, prompt: Prompt, group: list[Completion], versions: list[int],
@@ -135,13 +158,19 @@ class RolloutWorker:
                                   seed=self.seed + self.batches)
         started = time.time()
         t0 = time.monotonic()
+        version = self.version
         if rc.interruptible:
             groups, versions = self._generate_interruptible(prompts, params, rc.segment_tokens)
         else:
             groups = self.engine.generate([p.token_ids for p in prompts], params)
             versions = [[self.version] * len(g) for g in groups]
-        self.gen_seconds += time.monotonic() - t0
+        seconds = time.monotonic() - t0
+        tokens = sum(len(c.token_ids) for g in groups for c in g)
+        self.gen_seconds += seconds
+        self.tokens += tokens
         self.batches += 1
+        self.history = _bounded(self.history, [round(time.time(), 3), version,
+                                               sum(map(len, groups)), tokens, round(seconds, 4)])
         return GeneratedBatch(prompts, groups, versions, started)
 
     def _generate_interruptible(self, prompts: list[Prompt], params: SamplingSettings,
@@ -174,7 +203,6 @@ class RolloutWorker:
         rewards = []
         for prompt, group, versions in zip(batch.prompts, batch.groups, batch.versions):
             samples = self._samples(prompt, group, versions, batch.started)
-            self.tokens += sum(len(s.response_ids) for s in samples)
             rewards += [s.reward for s in samples]
             self.writer.add_group(samples)
         return sum(rewards) / len(rewards)
@@ -197,7 +225,15 @@ class RolloutWorker:
             "shards_written": self.writer.shards_written, "next_seq": self.writer.seq,
             "tokens_per_s": self.tokens / self.gen_seconds if self.gen_seconds else 0.0,
             "resumed_on_new_weights": self.resumed_on_new_weights,
-            "last_beat": time.time()})
+            "loads": self.loads, "history": self.history, "last_beat": time.time()})
+        self._last_beat = time.monotonic()
+
+    def _stop_while_waiting(self) -> bool:
+        """`should_stop` of the backpressure wait; it also keeps the heartbeat fresh, so that
+        launch.status tells a worker held back by a full buffer from a silent one."""
+        if time.monotonic() - self._last_beat >= WAITING_BEAT_S:
+            self.heartbeat("waiting")
+        return self.should_stop()
 
     def should_stop(self) -> bool:
         if self.stopping:
@@ -216,7 +252,7 @@ class RolloutWorker:
             while not self.should_stop():
                 if self.cfg.buffer.transport == "fs":  # over gRPC, unacknowledged pushes bound it
                     wait_for_room(self.fs, self.layout, self.cfg.buffer.max_backlog_samples,
-                                  self.cfg.buffer.backlog_timeout_s, self.should_stop)
+                                  self.cfg.buffer.backlog_timeout_s, self._stop_while_waiting)
                 if self.should_stop():
                     break
                 self.maybe_reload()

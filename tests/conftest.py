@@ -96,6 +96,28 @@ def experience(tmp_path_factory):
     return base
 
 
+def kill_tree(pid: int) -> None:
+    """SIGKILL a process and all its descendants, as a node failure would. torchrun starts each
+    rank in a session of its own, so killpg on torchrun's group leaves the ranks running."""
+    import glob
+    import signal
+    pids, todo = [], [pid]
+    while todo:
+        p = todo.pop()
+        pids.append(p)
+        for children in glob.glob(f"/proc/{p}/task/*/children"):
+            try:
+                with open(children) as f:
+                    todo += [int(c) for c in f.read().split()]
+            except OSError:  # the task ended meanwhile
+                pass
+    for p in pids:
+        try:
+            os.kill(p, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -61,10 +61,12 @@ def _pool_rounds(root: Path, saves: int = 3) -> None:
 
 
 def _running(root: Path) -> set:
-    """Workers the pool runs whose heartbeat says they are generating."""
+    """Workers the pool runs whose heartbeat says they are generating (or held back by
+    backpressure: 'waiting', which a worker says only once it has started)."""
     beats = _beats(root)
     return {w["worker_id"] for w in _pool_state(root).get("workers", [])
-            if w["state"] == "running" and beats.get(w["worker_id"], {}).get("state") == "running"}
+            if w["state"] == "running"
+            and beats.get(w["worker_id"], {}).get("state") in ("running", "waiting")}
 
 
 def _control(root: Path, *args):

@@ -32,9 +32,22 @@ def latest_complete(layout: RunLayout) -> str | None:
     return layout.checkpoint(complete[-1]) if complete else None
 
 
+def resume_path(mode: str, layout: RunLayout, setting: str = "trainer.resume_mode") -> str | None:
+    """The checkpoint to resume from: 'disable' none, 'auto' the newest complete one of the run
+    (if any), else `mode` is a checkpoint folder."""
+    if mode == "disable":
+        return None
+    if mode == "auto":
+        return latest_complete(layout)
+    if not os.path.isdir(mode):
+        raise FileNotFoundError(f"{setting}: {mode} is not a checkpoint folder")
+    return mode
+
+
 def save(model, optimizer, layout: RunLayout, step: int, state: dict | None,
          pool: list[Group] | None, keep: int) -> str:
-    """Collective. `state` and `pool` are rank 0's; other ranks pass None."""
+    """Collective. `state` and `pool` are rank 0's; other ranks pass None. A rank 0 `pool` of
+    None (SFT has no experience) writes no pool.arrow."""
     tmp = layout.checkpoint_tmp(step)
     if dist.get_rank() == 0:
         shutil.rmtree(tmp, ignore_errors=True)  # debris of a save that was killed
@@ -46,9 +59,10 @@ def save(model, optimizer, layout: RunLayout, step: int, state: dict | None,
     if dist.get_rank() == 0:
         with open(os.path.join(tmp, "trainer_state.json"), "w") as f:
             json.dump(state, f)
-        samples = [s for g in pool or [] for s in g.samples]
-        with open(os.path.join(tmp, "pool.arrow"), "wb") as f:
-            f.write(encode(to_table(samples)))
+        if pool is not None:
+            samples = [s for g in pool for s in g.samples]
+            with open(os.path.join(tmp, "pool.arrow"), "wb") as f:
+                f.write(encode(to_table(samples)))
     dist.barrier()  # every rank's shard is on disk
     if dist.get_rank() == 0:
         fsync_tree(tmp)
@@ -70,8 +84,10 @@ def load(model, optimizer, path: str) -> tuple[dict, list[Group]]:
     set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
     with open(os.path.join(path, "trainer_state.json")) as f:
         trainer_state = json.load(f)
-    with open(os.path.join(path, "pool.arrow"), "rb") as f:
-        samples = from_table(decode(f.read()))
+    samples = []
+    if os.path.isfile(os.path.join(path, "pool.arrow")):
+        with open(os.path.join(path, "pool.arrow"), "rb") as f:
+            samples = from_table(decode(f.read()))
     groups: dict[str, list] = {}
     for s in samples:
         groups.setdefault(s.group_id, []).append(s)

@@ -65,7 +65,7 @@ class Trainer:
             raise ValueError(f"data.train_batch_size={cfg.data.train_batch_size} must be at least "
                              f"the number of ranks ({self.world}): groups are not split")
         torch.manual_seed(cfg.trainer.seed)
-        self.model_path = cfg.actor_rollout_ref.model.path
+        self.model_path = os.path.expanduser(cfg.actor_rollout_ref.model.path)  # verl writes ~/models/...
         grad_ckpt = cfg.actor_rollout_ref.model.enable_gradient_checkpointing
         self.model = build_actor(self.model_path, device, gradient_checkpointing=grad_ckpt)
         self.ref_model = (build_actor(self.model_path, device, trainable=False)
@@ -90,7 +90,8 @@ class Trainer:
             self.metrics = MetricsLog(self.store.layout.metrics, cfg.trainer.total_training_steps,
                                       cfg.trainer.logger, cfg.trainer.project_name,
                                       cfg.trainer.experiment_name, to_dict(cfg),
-                                      self.store.layout.tensorboard_dir)
+                                      self.store.layout.tensorboard_dir,
+                                      self.store.layout.swanlab_dir)
         if resume is not None:
             self._resume(resume)
         self.server = None
@@ -99,14 +100,7 @@ class Trainer:
             self.server = ShardServer(cfg.root, cfg.buffer, consumed=lambda: self.reader.consumed)
 
     def _resume_path(self) -> str | None:
-        mode = self.cfg.trainer.resume_mode
-        if mode == "disable":
-            return None
-        if mode == "auto":
-            return checkpoint.latest_complete(self.store.layout)
-        if not os.path.isdir(mode):
-            raise FileNotFoundError(f"trainer.resume_mode: {mode} is not a checkpoint folder")
-        return mode
+        return checkpoint.resume_path(self.cfg.trainer.resume_mode, self.store.layout)
 
     def _resume(self, path: str) -> None:
         """Restore weights, optimizer, step and the experience ledger; continue the version count."""
@@ -169,7 +163,8 @@ class Trainer:
         stats = self.reader.stats
         atomic_write_json(self.fs, self.store.layout.progress, {
             "samples_retired": stats["consumed_samples"] + stats["dropped_stale_samples"],
-            "version": self.version, "time": time.time()})
+            "version": self.version, "time": time.time(),
+            "step": self.step, "total_steps": self.cfg.trainer.total_training_steps})  # launch.status
         samples = [s for g in groups for s in g.samples]
         info = {"sample_ids": [s.sample_id for s in samples]} if self.cfg.trainer.log_sample_ids else {}
         info |= {
@@ -298,7 +293,7 @@ class Trainer:
                                 "buffer/dropped_stale_samples": self.reader.stats["dropped_stale_samples"],
                                 "buffer/bad_shards": self.reader.stats["bad_shards"]})
                 self.metrics.write(metrics)
-            if tc.save_freq and step % tc.save_freq == 0:
+            if tc.save_freq > 0 and step % tc.save_freq == 0:
                 self.save_checkpoint()
         if self.rank == 0:
             atomic_write_json(self.fs, self.store.layout.done_marker,

@@ -18,9 +18,13 @@ def decoder_layers(model) -> list[torch.nn.Module]:
 
 
 def build_actor(model_path: str, device: torch.device, gradient_checkpointing: bool = False,
-                trainable: bool = True):
+                trainable: bool = True, trust_remote_code: bool = False,
+                attn_implementation: str | None = None):
+    """`attn_implementation` None: transformers' default for the model (sdpa for Qwen2)."""
     from transformers import AutoModelForCausalLM
-    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
+    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32,
+                                                 trust_remote_code=trust_remote_code,
+                                                 attn_implementation=attn_implementation)
     model.config.use_cache = False
     if gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})

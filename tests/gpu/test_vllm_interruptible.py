@@ -1,23 +1,17 @@
 """Interruptible generation on vLLM: a batch in flight moves to newly published weights between
 segments, and every token keeps the logprob of the policy that sampled it.
 
-The worker starts its own engine (a second one in the process when run with
-test_vllm_engine.py; seen to work with vLLM 0.26 in-process, VLLM_ENABLE_V1_MULTIPROCESSING=0).
+The worker starts its engine in vLLM's default multiprocess mode with CUDA graphs, as in
+production; the trainer's logprobs are computed on the CPU (see conftest.py).
 Run on the device machine: python -m pytest -m gpu tests/gpu -rA
 """
 import pytest
 import torch
+from vllm_helpers import mean_abs
 
 pytestmark = pytest.mark.gpu
 
-if not torch.cuda.is_available():
-    pytest.skip("needs a CUDA GPU", allow_module_level=True)
-
 SEGMENT = 3
-
-
-def _mean_abs(lp, behaviour, mask) -> float:
-    return (((lp - behaviour).abs() * mask).sum() / mask.sum()).item()
 
 
 def test_interruptible_generation_resumes_on_new_weights(tmp_path):
@@ -33,7 +27,7 @@ def test_interruptible_generation_resumes_on_new_weights(tmp_path):
     from trainer.batch import collate
 
     # hidden 256 / 4 heads: head_dim 64, which every vLLM attention backend supports.
-    for seed in (0, 1):  # on the CPU, before CUDA is touched (NOTES pitfall)
+    for seed in (0, 1):
         builtin_task.write_model(tmp_path / f"m{seed}", seed=seed, hidden=256)
     builtin_task.write_parquet(tmp_path / "t.parquet", builtin_task.make_rows(32, 3))
     models = [AutoModelForCausalLM.from_pretrained(tmp_path / f"m{s}", dtype=torch.float32)
@@ -60,13 +54,13 @@ def test_interruptible_generation_resumes_on_new_weights(tmp_path):
         assert worker.resumed_on_new_weights >= len(long)
         samples = [Sample(f"s{i}", f"g{i}", "p", "w", 0, p.token_ids, c.token_ids, c.logprobs, 0.0,
                           c.finish_reason, 0.9, "x", 0.0, 0.0) for i, (p, c) in enumerate(long)]
-        b = collate(samples).to("cuda")
+        b = collate(samples)
         with torch.no_grad():
-            lp = [algo.response_logprobs(m.to("cuda"), b)[0] for m in models]
+            lp = [algo.response_logprobs(m, b)[0] for m in models]
         first = torch.zeros_like(b.response_mask)
         first[:, :SEGMENT] = 1
         head, rest = b.response_mask * first, b.response_mask * (1 - first)
-        d = {(v, part): _mean_abs(lp[v], b.behaviour_logprobs, m)
+        d = {(v, part): mean_abs(lp[v], b.behaviour_logprobs, m)
              for v in (0, 1) for part, m in (("head", head), ("rest", rest))}
         print("mean |trainer - vLLM| logprob per token:", {f"v{v} {p}": f"{x:.1e}" for (v, p), x in d.items()})
         assert d[0, "head"] < 1e-2 < d[1, "head"]  # the first segment was sampled by v0
