@@ -31,10 +31,12 @@ def retired(stats) -> int:
             + stats["quarantined_samples"])
 
 
-def write_progress(fs, layout: RunLayout, stats, version: int, batch_groups: int) -> None:
+def write_progress(fs, layout: RunLayout, stats, version: int, batch_groups: int,
+                   step: int | None = None, total_steps: int | None = None) -> None:
+    """`step`, `total_steps`: the trainer's, for launch.status."""
     atomic_write_json(fs, layout.progress, {
         "samples_retired": retired(stats), "version": version, "batch_groups": batch_groups,
-        "time": time.time()})
+        "time": time.time(), "step": step, "total_steps": total_steps})
 
 
 def _written(fs, layout: RunLayout) -> int:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import os
 import random
 from pathlib import Path
 
@@ -38,15 +39,17 @@ def _row_field(row: dict, field: str, where: str):
     return value
 
 
-def load_prompts(files: list[str], tokenizer, prompt_key: str, max_prompt_length: int) -> list[Prompt]:
+def load_prompts(files: list[str], tokenizer, prompt_key: str, max_prompt_length: int,
+                 field: str = "data.train_files") -> list[Prompt]:
+    """Every usable row of `files`; `field` is the setting they came from, for errors."""
     prompts, skipped = [], 0
-    for file in files:
+    for file in map(os.path.expanduser, files):  # verl's configs write ~/data/...
         if not Path(file).exists():
-            raise DatasetError(f"data.train_files: {file} does not exist")
+            raise DatasetError(f"{field}: {file} does not exist")
         try:
             rows = pq.read_table(file).to_pylist()
         except Exception as e:  # pyarrow raises several types for a non-parquet file
-            raise DatasetError(f"data.train_files: {file} is not a readable parquet file: {e}") from None
+            raise DatasetError(f"{field}: {file} is not a readable parquet file: {e}") from None
         for i, row in enumerate(rows):
             where = f"{file} row {i}"
             messages = _row_field(row, prompt_key, where)
@@ -69,7 +72,7 @@ def load_prompts(files: list[str], tokenizer, prompt_key: str, max_prompt_length
     if skipped:
         log.warning("skipped %d prompts longer than data.max_prompt_length=%d", skipped, max_prompt_length)
     if not prompts:
-        raise DatasetError(f"data.train_files: no usable prompts in {files}")
+        raise DatasetError(f"{field}: no usable prompts in {files}")
     return prompts
 
 

@@ -35,16 +35,26 @@ def _default(data_source, solution_str, ground_truth, extra_info=None):
     return default_compute_score(data_source, solution_str, ground_truth, extra_info)
 
 
-def resolve(path: str | None, name: str) -> Callable[[str, str, object, dict], float]:
+def resolve_details(path: str | None, name: str) -> Callable[[str, str, object, dict], tuple[float, dict]]:
+    """The reward function as f(data_source, solution, ground_truth, extra_info) ->
+    (score, extra): `extra` holds the other keys of a function that returns a dict (verl's
+    reward_extra_info, e.g. acc or pred), which validation reports as val-aux metrics."""
     fn = _load_custom(path, name) if path else _default
 
-    def score(data_source: str, solution_str: str, ground_truth, extra_info: dict) -> float:
+    def score(data_source: str, solution_str: str, ground_truth, extra_info: dict) -> tuple[float, dict]:
         result = fn(data_source, solution_str, ground_truth, extra_info)
+        extra = {}
         if isinstance(result, dict):  # verl's functions may return {"score": ..., ...}
+            extra = {k: v for k, v in result.items() if k != "score"}
             result = result["score"]
         value = float(result)
         if not math.isfinite(value):
             raise RewardError(f"reward for data_source {data_source!r} is not finite: {value}")
-        return value
+        return value, extra
 
     return score
+
+
+def resolve(path: str | None, name: str) -> Callable[[str, str, object, dict], float]:
+    details = resolve_details(path, name)
+    return lambda *args: details(*args)[0]

@@ -1,7 +1,7 @@
 """Trainer checkpoints that are visible only when complete, and resumable on any number of ranks.
 
-Every rank writes its shard of the model and optimizer with torch.distributed.checkpoint into a
-hidden temporary folder; rank 0 adds `trainer_state.json` (step, weight version, the experience
+Every rank writes its shard of the model and optimizer (and of the critic and its optimizer, when
+there is one) with torch.distributed.checkpoint into a hidden temporary folder; rank 0 adds `trainer_state.json` (step, weight version, the experience
 ledger: consumed shards and reader counters) and `pool.arrow` (groups read but not yet trained).
 After a barrier, rank 0 renames the folder to `step_<N>`: that rename is the commit, so a
 checkpoint killed half-written is never found by `resume_mode=auto`. DCP reshards on load, so a
@@ -37,11 +37,32 @@ def latest_complete(layout: RunLayout) -> str | None:
     return layout.checkpoint(complete[-1]) if complete else None
 
 
+def resume_path(mode: str, layout: RunLayout, setting: str = "trainer.resume_mode") -> str | None:
+    """The checkpoint to resume from: 'disable' none, 'auto' the newest complete one of the run
+    (if any), else `mode` is a checkpoint folder."""
+    if mode == "disable":
+        return None
+    if mode == "auto":
+        return latest_complete(layout)
+    if not os.path.isdir(mode):
+        raise FileNotFoundError(f"{setting}: {mode} is not a checkpoint folder")
+    return mode
+
+
+def _modules(model, optimizer, critic) -> dict:
+    """The DCP state of the actor ("model", "optim") and of the critic ("critic", "critic_optim")."""
+    model_sd, optim_sd = get_state_dict(model, optimizer)
+    out = {"model": model_sd, "optim": optim_sd}
+    if critic is not None:
+        out["critic"], out["critic_optim"] = get_state_dict(critic.model, critic.optimizer)
+    return out
+
+
 def save(model, optimizer, layout: RunLayout, step: int, state: dict | None,
-         pool: list[Group] | None, keep: int) -> str | None:
-    """Collective. `state` and `pool` are rank 0's; other ranks pass None. Returns the committed
-    folder, or None when the disk was full: the attempt is removed, training goes on and the
-    next save tries again (retention prunes only after a committed checkpoint, so skipping one
+         pool: list[Group] | None, keep: int, critic=None) -> str | None:
+    """Collective. `state` and `pool` are rank 0's; other ranks pass None. `critic`:
+    trainer.critic.Critic or None. Returns the committed folder, or None when the disk was full:
+    the attempt is removed, training goes on and the next save tries again (retention prunes only after a committed checkpoint, so skipping one
     loses nothing)."""
     rank0 = dist.get_rank() == 0
     owner = [f"{socket.gethostname()}-{os.getpid()}" if rank0 else None]
@@ -62,9 +83,8 @@ def save(model, optimizer, layout: RunLayout, step: int, state: dict | None,
 
     if rank0_writes(lambda: (_remove_debris(layout), os.makedirs(tmp))):
         return None
-    model_sd, optim_sd = get_state_dict(model, optimizer)
     try:
-        dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=tmp)
+        dcp.save(_modules(model, optimizer, critic), checkpoint_id=tmp)
     except CheckpointException as e:  # raised on every rank, whichever failed
         full = [exc for exc, _ in e.failures.values() if _from_full_disk(exc)]
         # torch's own file writer reports a short write as a RuntimeError ("unexpected pos"),
@@ -78,10 +98,11 @@ def save(model, optimizer, layout: RunLayout, step: int, state: dict | None,
 
     def state_and_pool():
         with open(os.path.join(tmp, "trainer_state.json"), "w") as f:
-            json.dump(state, f)
-        samples = [s for g in pool or [] for s in g.samples]
-        with open(os.path.join(tmp, "pool.arrow"), "wb") as f:
-            f.write(encode(to_table(samples)))
+            json.dump(state | {"critic": critic is not None}, f)
+        if pool is not None:
+            samples = [s for g in pool for s in g.samples]
+            with open(os.path.join(tmp, "pool.arrow"), "wb") as f:
+                f.write(encode(to_table(samples)))
     if rank0_writes(state_and_pool):  # every rank's shard is on disk once this agrees
         return None
     final = layout.checkpoint(step)
@@ -138,18 +159,27 @@ def _remove_debris(layout: RunLayout) -> None:
             shutil.rmtree(os.path.join(layout.checkpoints_dir, name), ignore_errors=True)
 
 
-def load(model, optimizer, path: str) -> tuple[dict, list[Group]]:
-    """Collective: restore model and optimizer in place; returns (trainer state, pool)."""
+def load(model, optimizer, path: str, critic=None) -> tuple[dict, list[Group]]:
+    """Collective: restore model and optimizer (and the critic's) in place; returns
+    (trainer state, pool)."""
     if not os.path.isfile(os.path.join(path, "trainer_state.json")):
         raise FileNotFoundError(f"{path}: not a complete tandem checkpoint (no trainer_state.json)")
-    model_sd, optim_sd = get_state_dict(model, optimizer)
-    state = {"model": model_sd, "optim": optim_sd}
-    dcp.load(state, checkpoint_id=path)
-    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
     with open(os.path.join(path, "trainer_state.json")) as f:
         trainer_state = json.load(f)
-    with open(os.path.join(path, "pool.arrow"), "rb") as f:
-        samples = from_table(decode(f.read()))
+    if critic is not None and not trainer_state.get("critic"):
+        raise ValueError(f"{path}: this run trains a critic (algorithm.adv_estimator=gae or "
+                         "critic.enable) but the checkpoint has none; resume without it or "
+                         "start a new run folder")
+    state = _modules(model, optimizer, critic)
+    dcp.load(state, checkpoint_id=path)
+    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    if critic is not None:
+        set_state_dict(critic.model, critic.optimizer, model_state_dict=state["critic"],
+                       optim_state_dict=state["critic_optim"])
+    samples = []
+    if os.path.isfile(os.path.join(path, "pool.arrow")):  # SFT checkpoints have no pool
+        with open(os.path.join(path, "pool.arrow"), "rb") as f:
+            samples = from_table(decode(f.read()))
     groups: dict[str, list] = {}
     for s in samples:
         groups.setdefault(s.group_id, []).append(s)

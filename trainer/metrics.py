@@ -1,11 +1,25 @@
-"""One console line per step with units, and the same numbers as JSON lines."""
+"""One console line per step with units, and the same numbers as JSON lines; validation
+results as lines of their own."""
 from __future__ import annotations
 
 import errno
 import json
 import os
+from typing import Callable
 
 from buffer.storage import when_space
+
+
+def rl_line(m: dict) -> str:
+    """The RL trainer's console line."""
+    return (f"step {m['step']}/{m['total']} | weights v{m['weights/version']} | "
+            f"reward {m['reward/mean']:.3f} | staleness {m['staleness/mean']:.2f} versions | "
+            + (f"loss {m['actor/pg_loss']:+.4f} | clipfrac {m['actor/pg_clipfrac']:.3f} | "
+               f"grad norm {m['actor/grad_norm']:.3f} | " if "actor/pg_loss" in m
+               else "actor: critic warmup | ")
+            + (f"vf_loss {m['critic/vf_loss']:.4f} | " if "critic/vf_loss" in m else "")
+            + f"{m['samples/step']} samples, {m['tokens/step']} tokens | "
+            f"step {m['time/step_s']:.2f} s (wait {m['time/wait_s']:.2f} s)")
 
 
 def _print(line: str) -> None:
@@ -22,35 +36,31 @@ class MetricsLog:
 
     def __init__(self, path: str, total_steps: int, backends: list[str] | None = None,
                  project: str = "tandem", experiment: str = "run", config: dict | None = None,
-                 tensorboard_dir: str | None = None):
+                 tensorboard_dir: str | None = None, swanlab_dir: str | None = None,
+                 line: Callable[[dict], str] = rl_line):
         os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
         self.path = path
         self.fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
         self.total = total_steps
+        self.line = line  # the console line of a metrics row (with "total": the step count)
         self.tracking = None
         others = [b for b in backends or [] if b != "console"]
         if others:
-            if tensorboard_dir:
-                os.environ.setdefault("TENSORBOARD_DIR", tensorboard_dir)
+            # Default folders inside the run (verl's defaults are relative to the working dir).
+            # SwanLab: SWANLAB_MODE=local keeps it offline (verl's default mode is 'cloud').
+            for var, folder in (("TENSORBOARD_DIR", tensorboard_dir), ("SWANLAB_LOG_DIR", swanlab_dir)):
+                if folder:
+                    os.environ.setdefault(var, folder)
             from verl.utils.tracking import Tracking
             self.tracking = Tracking(project, experiment, default_backend=others, config=config)
 
-    def write(self, metrics: dict) -> None:
+    def _append(self, row: dict) -> None:
         # One write() per line: a reader tailing the file never sees half an object. On a full
         # disk the line waits for space (a partial one is cut off first).
-        line = (json.dumps(metrics, sort_keys=True) + "\n").encode()
-        when_space(lambda: self._append(line), self.path)
-        if self.tracking is not None:
-            self.tracking.log(data={k: v for k, v in metrics.items() if k != "step"},
-                              step=metrics["step"])
-        m = metrics
-        _print(f"step {m['step']}/{self.total} | weights v{m['weights/version']} | "
-              f"reward {m['reward/mean']:.3f} | staleness {m['staleness/mean']:.2f} versions | "
-              f"loss {m['actor/pg_loss']:+.4f} | grad norm {m['actor/grad_norm']:.3f} | "
-              f"{m['samples/step']} samples, {m['tokens/step']} tokens | "
-              f"step {m['time/step_s']:.2f} s (wait {m['time/wait_s']:.2f} s)")
+        line = (json.dumps(row, sort_keys=True) + "\n").encode()
+        when_space(lambda: self._write_line(line), self.path)
 
-    def _append(self, line: bytes) -> None:
+    def _write_line(self, line: bytes) -> None:
         size = os.fstat(self.fd).st_size
         try:
             if os.write(self.fd, line) != len(line):
@@ -59,6 +69,30 @@ class MetricsLog:
         except OSError:
             os.ftruncate(self.fd, size)
             raise
+
+    def _track(self, row: dict, step: int) -> None:
+        if self.tracking is not None:
+            # scalars only: samples/ids (trainer.log_sample_ids) is a list, val/skipped a
+            # string, for metrics.jsonl
+            self.tracking.log(data={k: v for k, v in row.items() if k != "step"
+                                    and isinstance(v, (int, float))}, step=step)
+
+    def write(self, metrics: dict) -> None:
+        self._append(metrics)
+        self._track(metrics, metrics["step"])
+        _print(self.line({**metrics, "total": self.total}))
+
+    def write_validation(self, row: dict, step_now: int) -> None:
+        """A validation result: its own line, whose `step` is the step of the weights it
+        measured. Trackers get it at `step_now`, the trainer's latest step (wandb ignores a step
+        below its current one); `val/step` there names the measured step."""
+        self._append(row)
+        self._track({**row, "val/step": row["step"]}, step_now)
+        scores = "; ".join(f"{k} {v:.3f}" for k, v in sorted(row.items()) if k.startswith("val-core/"))
+        _print(f"validation of step {row['step']} (weights v{row['val/weights_version']}): "
+               f"{scores or 'skipped: ' + row.get('val/skipped', '?')}"
+               + (f" | {row['val/prompts']} prompts in {row['val/generate_s']:.2f} s"
+                  if "val/prompts" in row else ""))
 
     def close(self) -> None:
         os.close(self.fd)
