@@ -101,22 +101,27 @@ def experience(tmp_path_factory):
     return base
 
 
+def descendants(pid: int) -> list[int]:
+    """Every live descendant of `pid` (torchrun's ranks run in sessions of their own)."""
+    import glob
+    out, todo = [], [pid]
+    while todo:
+        for children in glob.glob(f"/proc/{todo.pop()}/task/*/children"):
+            try:
+                with open(children) as f:
+                    found = [int(c) for c in f.read().split()]
+            except OSError:  # the task ended meanwhile
+                continue
+            out += found
+            todo += found
+    return out
+
+
 def kill_tree(pid: int) -> None:
     """SIGKILL a process and all its descendants, as a node failure would. torchrun starts each
     rank in a session of its own, so killpg on torchrun's group leaves the ranks running."""
-    import glob
     import signal
-    pids, todo = [], [pid]
-    while todo:
-        p = todo.pop()
-        pids.append(p)
-        for children in glob.glob(f"/proc/{p}/task/*/children"):
-            try:
-                with open(children) as f:
-                    todo += [int(c) for c in f.read().split()]
-            except OSError:  # the task ended meanwhile
-                pass
-    for p in pids:
+    for p in [pid, *descendants(pid)]:
         try:
             os.kill(p, signal.SIGKILL)
         except ProcessLookupError:

@@ -12,7 +12,7 @@ from buffer.layout import RunLayout
 from buffer.reader import ExperienceReader
 from buffer.retention import prune_consumed
 from buffer.writer import ShardWriter
-from conftest import free_port, make_group, small_filesystem
+from conftest import descendants, free_port, make_group, small_filesystem
 from protocol.experience import decode, from_table
 
 N = 4  # samples per group
@@ -266,30 +266,11 @@ def _wait_steps(root, proc, steps: int, timeout_s: float = 300) -> None:
         time.sleep(0.1)
 
 
-def _descendants(pid: int) -> list[int]:
-    """Every live descendant of `pid` (torchrun's ranks run in sessions of their own)."""
-    children: dict[int, list[int]] = {}
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                with open(f"/proc/{entry}/stat") as f:
-                    ppid = int(f.read().rsplit(")", 1)[1].split()[1])
-            except (OSError, IndexError, ValueError):
-                continue
-            children.setdefault(ppid, []).append(int(entry))
-    out, todo = [], [pid]
-    while todo:
-        for child in children.get(todo.pop(), []):
-            out.append(child)
-            todo.append(child)
-    return out
-
-
 def _stop_group(proc) -> str:
     """SIGKILL a process started with start_new_session and everything it started."""
     import signal
     if proc.poll() is None:
-        for pid in _descendants(proc.pid):
+        for pid in descendants(proc.pid):
             try:
                 os.kill(pid, signal.SIGKILL)
             except ProcessLookupError:
@@ -346,7 +327,7 @@ def test_killing_torchrun_kills_its_ranks(experience):
     ranks: list[int] = []
     try:
         _wait_steps(root, p, 1)
-        ranks = [pid for pid in _descendants(p.pid) if _alive(pid)]
+        ranks = [pid for pid in descendants(p.pid) if _alive(pid)]
         assert len(ranks) >= 2, ranks  # torchrun's ranks (and any helper they started)
         os.killpg(p.pid, signal.SIGKILL)  # what a user's kill -9 of the job does
         p.wait(timeout=60)

@@ -33,17 +33,17 @@ import os
 import random
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(REPO))
+sys.path[:0] = [str(REPO), str(REPO / "tests")]
 
 from buffer.layout import RunLayout  # noqa: E402
 from buffer.ledger import Ledger  # noqa: E402
+from conftest import descendants, free_port  # noqa: E402
 from launch.local import BUILTIN_TRAINER, BUILTIN_WORKER  # noqa: E402
 from protocol.experience import decode, from_table  # noqa: E402
 from rollout import builtin_task  # noqa: E402
@@ -54,24 +54,6 @@ TOKEN = "chaos-token"
 
 class Failure(Exception):
     """Something the run must survive was not survived."""
-
-
-def descendants(pid: int) -> list[int]:
-    children: dict[int, list[int]] = {}
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                with open(f"/proc/{entry}/stat") as f:
-                    ppid = int(f.read().rsplit(")", 1)[1].split()[1])
-            except (OSError, IndexError, ValueError):
-                continue
-            children.setdefault(ppid, []).append(int(entry))
-    out, todo = [], [pid]
-    while todo:
-        for child in children.get(todo.pop(), []):
-            out.append(child)
-            todo.append(child)
-    return out
 
 
 def alive(pid: int) -> bool:
@@ -349,12 +331,6 @@ def _lock_holder_alive(layout: RunLayout) -> bool:
     except (OSError, ValueError):
         return False
     return alive(int(holder["pid"]))
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def main(argv: list[str] | None = None) -> int:
