@@ -11,7 +11,7 @@ import logging
 import time
 
 from buffer.layout import RunLayout
-from buffer.storage import atomic_write, filesystem
+from buffer.storage import atomic_write, filesystem, when_space
 from protocol.validation import ValidationFormatError, ValidationRequest, ValidationResult
 
 log = logging.getLogger(__name__)
@@ -32,7 +32,8 @@ class ValidationQueue:
     # --- trainer side ---------------------------------------------------------------------
     def request(self, version: int, step: int) -> None:
         req = ValidationRequest(version=version, step=step, requested_at=time.time())
-        atomic_write(self.fs, self.layout.validation_request(version), req.to_json().encode())
+        path = self.layout.validation_request(version)  # on a full disk: wait for space
+        when_space(lambda: atomic_write(self.fs, path, req.to_json().encode()), path)
 
     def result(self, version: int) -> ValidationResult | None:
         path = self.layout.validation_result(version)
@@ -68,7 +69,8 @@ class ValidationQueue:
     def answer(self, result: ValidationResult) -> None:
         """Publish the result, then release the version. A crash in between leaves a request
         whose result exists; `requests` releases it without evaluating it again."""
-        atomic_write(self.fs, self.layout.validation_result(result.version), result.to_json().encode())
+        path = self.layout.validation_result(result.version)  # on a full disk: wait for space
+        when_space(lambda: atomic_write(self.fs, path, result.to_json().encode()), path)
         self._release(result.version)
 
     def _release(self, version: int) -> None:

@@ -21,7 +21,7 @@ import socket
 import sys
 import time
 
-from buffer.storage import atomic_write_json
+from buffer.storage import atomic_write_json, is_disk_full
 from buffer.weights import WeightStore
 from protocol.validation import ValidationRequest, ValidationResult
 from protocol.weights import ManifestError
@@ -129,9 +129,15 @@ class Validator:
                                 generate_s=time.monotonic() - t0, finished_at=time.time())
 
     def heartbeat(self, state: str) -> None:
-        atomic_write_json(self.fs, self.layout.validator_heartbeat, {
-            "host": socket.gethostname(), "pid": os.getpid(), "state": state,
-            "weight_version": self.version, "answered": self.answered, "last_beat": time.time()})
+        try:
+            atomic_write_json(self.fs, self.layout.validator_heartbeat, {
+                "host": socket.gethostname(), "pid": os.getpid(), "state": state,
+                "weight_version": self.version, "answered": self.answered, "last_beat": time.time()})
+        except OSError as e:
+            if not is_disk_full(e):
+                raise
+            log.warning("disk full at %s: heartbeat skipped (the next one tries again)",
+                        self.layout.validator_heartbeat)
 
     def answer_next(self) -> bool:
         """Answer the oldest open request; False when there is none."""
