@@ -240,6 +240,7 @@ class RolloutWorker:
                 raise
             log.warning("disk full at %s: heartbeat skipped (the next one tries again)",
                         self.layout.heartbeat(self.id))
+            self._last_beat = time.monotonic()  # while held back: one try (and line) per period
 
     def _write_heartbeat(self, state: str) -> None:
         atomic_write_json(self.fs, self.layout.heartbeat(self.id), {
