@@ -170,6 +170,20 @@ def final_weights(root):
     return dict(store.tensors(store.versions()[-1]))
 
 
+def fill_disk(filler: str) -> None:
+    """Append to `filler` until its filesystem is full to the last byte."""
+    fd = os.open(filler, os.O_WRONLY | os.O_CREAT | os.O_APPEND)
+    try:
+        for block in (1 << 20, 4096, 1):
+            try:
+                while os.write(fd, b"\0" * block):
+                    pass
+            except OSError:
+                pass
+    finally:
+        os.close(fd)
+
+
 def small_filesystem(mountpoint, size_mb: int, argv: list[str]) -> list[str]:
     """`argv` run with a `size_mb` tmpfs mounted at `mountpoint`, in a user and mount namespace
     of its own (no root needed where unprivileged user namespaces are allowed); the test is

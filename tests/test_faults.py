@@ -621,6 +621,7 @@ def test_grpc_spool_stops_growing_while_the_trainer_does_not_consume(tmp_path, m
 
 FILL_DISK = r"""
 import json, os, shutil, subprocess, sys, time
+from conftest import fill_disk
 small, out, steps = sys.argv[1], sys.argv[2], int(sys.argv[3])
 root = os.path.join(small, "run")
 # logs on the big disk (a bind mount in this namespace): what a full disk does to a log file
@@ -652,24 +653,13 @@ filler = os.path.join(small, "filler")
 roles = ["logs/trainer.log", "logs/worker-w0.log", "logs/worker-w1.log"]
 
 
-def fill():
-    fd = os.open(filler, os.O_WRONLY | os.O_CREAT | os.O_APPEND)
-    for block in (1 << 20, 4096, 1):  # fill the disk to the last byte
-        try:
-            while os.write(fd, b"\0" * block):
-                pass
-        except OSError:
-            pass
-    os.close(fd)
-
-
 def fill_and_free():
-    fill()
+    fill_disk(filler)
     full_at = time.time()
     try:
         # the disk stays full until every role has said so: space a role frees (the temporaries
         # of its failed attempt) is taken again at once
-        wait(lambda: (fill(), all("disk full at" in lines(r) for r in roles))[1],
+        wait(lambda: (fill_disk(filler), all("disk full at" in lines(r) for r in roles))[1],
              "every role to say disk full", 300)
     finally:
         os.remove(filler)
@@ -701,7 +691,7 @@ def test_every_role_outlives_a_full_disk(tmp_path):
     small.mkdir()
     out.mkdir()
     script = tmp_path / "fill_disk.py"
-    script.write_text(FILL_DISK)
+    script.write_text(f"import sys; sys.path.insert(0, {os.path.dirname(__file__)!r})\n" + FILL_DISK)
     p = subprocess.run(small_filesystem(small, 48, [sys.executable, str(script), str(small),
                                                     str(out), str(steps)]),
                        capture_output=True, text=True, timeout=2400, env=subprocess_env())

@@ -43,7 +43,7 @@ sys.path[:0] = [str(REPO), str(REPO / "tests")]
 
 from buffer.layout import RunLayout  # noqa: E402
 from buffer.ledger import Ledger  # noqa: E402
-from conftest import descendants, free_port  # noqa: E402
+from conftest import descendants, fill_disk, free_port  # noqa: E402
 from launch.local import BUILTIN_TRAINER, BUILTIN_WORKER  # noqa: E402
 from protocol.experience import decode, from_table  # noqa: E402
 from rollout import builtin_task  # noqa: E402
@@ -234,14 +234,7 @@ class Chaos:
     def fault_disk_full(self) -> None:
         filler = os.path.join(os.path.dirname(self.layout.root), "filler")
         marks = {p.name: len(p.text()) for p in [self.trainer, *self.workers]}
-        fd = os.open(filler, os.O_WRONLY | os.O_CREAT)
-        for block in (1 << 20, 4096, 1):  # to the last byte
-            try:
-                while os.write(fd, b"\0" * block):
-                    pass
-            except OSError:
-                pass
-        os.close(fd)
+        fill_disk(filler)
         said = lambda p: "disk full at" in p.text()[marks[p.name]:]  # noqa: E731
         try:
             wait_until(lambda: said(self.trainer), "the trainer to say 'disk full at'", 300,
