@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 import logging
 import time
-from typing import Callable
+from typing import Callable, Iterator
 
 from buffer.layout import RunLayout
 from buffer.storage import read_json
@@ -17,15 +17,19 @@ from buffer.storage import read_json
 log = logging.getLogger(__name__)
 
 
-def backlog(fs, layout: RunLayout) -> int:
-    written = 0
+def heartbeats(fs, layout: RunLayout) -> Iterator[dict]:
+    """Every worker's last heartbeat (one small file each)."""
     if fs.exists(layout.workers_dir):
         for path in fs.ls(layout.workers_dir, detail=False):
             if path.endswith(".json"):
                 try:
-                    written += int(json.loads(fs.cat_file(path)).get("samples_written", 0))
+                    yield json.loads(fs.cat_file(path))
                 except (FileNotFoundError, ValueError):
                     continue  # a heartbeat being replaced or removed; the next look sees it
+
+
+def backlog(fs, layout: RunLayout) -> int:
+    written = sum(int(b.get("samples_written", 0)) for b in heartbeats(fs, layout))
     progress = read_json(fs, layout.progress) or {}
     return written - int(progress.get("samples_retired", 0))
 
