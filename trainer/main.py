@@ -61,6 +61,20 @@ def init_distributed(device_pref: str, timeout_s: float) -> torch.device:
     return device
 
 
+def publishes_at(tc, step: int) -> bool:
+    """Whether a version is published after `step` (`tc`: the trainer section)."""
+    return (step % tc.publish_freq == 0 or step == tc.total_training_steps
+            or validation_due(tc, step, first=False))
+
+
+def sync_groups(tc, train_batch_size: int, step: int) -> int:
+    """Synchronous mode: the groups the trainer takes with the version published after `step`,
+    one batch per step until the next publish (0 after the last step)."""
+    last = tc.total_training_steps
+    until = next((t for t in range(step + 1, last + 1) if publishes_at(tc, t)), step)
+    return train_batch_size * (until - step)
+
+
 class Trainer:
     def __init__(self, cfg: TrainerConfig, device: torch.device):
         self.cfg = cfg
@@ -317,25 +331,12 @@ class Trainer:
                 "actor/entropy": ent / steps, "actor/lr": lr,
                 "actor/grad_norm": sum(norms) / len(norms), "actor/optimizer_steps": len(norms)}
 
-    def publishes_at(self, step: int) -> bool:
-        """Whether a version is published after `step` (always after the last one)."""
-        tc = self.cfg.trainer
-        return (step % tc.publish_freq == 0 or step == tc.total_training_steps
-                or validation_due(tc, step, first=False))
-
-    def sync_groups(self, step: int) -> int:
-        """Synchronous mode: the groups the trainer takes with the version published after
-        `step`, one batch per step until the next publish (0 after the last step)."""
-        last = self.cfg.trainer.total_training_steps
-        until = next((t for t in range(step + 1, last + 1) if self.publishes_at(t)), step)
-        return self.cfg.data.train_batch_size * (until - step)
-
     def publish(self, step: int) -> dict:
         dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}.get(
             self.cfg.trainer.publish_dtype, torch.bfloat16 if self.device.type == "cuda" else torch.float32)
         announce = None
         if self.synchronous:
-            announce = {SYNC_GROUPS: self.sync_groups(step)}
+            announce = {SYNC_GROUPS: sync_groups(self.cfg.trainer, self.cfg.data.train_batch_size, step)}
             if self.rank == 0:
                 sync.open_version(self.store.layout, self.version)
         out = publish_version(self.model, self.store, self.model_path, self.version, step,
@@ -363,7 +364,7 @@ class Trainer:
             metrics.update(self.train_step(samples, groups))
             self.at_published = False
             validate = validation_due(tc, step, first=False)
-            if self.publishes_at(step):
+            if publishes_at(tc, step):
                 self.version += 1
                 metrics.update(self.publish(step))
                 self.request_validation(step, validate)
