@@ -134,6 +134,7 @@ def test_synchronous_pipeline_trains_every_sample_at_staleness_0(tmp_path, worke
     assert [r["step"] for r in rows] == list(range(1, STEPS + 1))
     for r in rows:
         assert r["staleness/max"] == 0 and r["buffer/dropped_stale_samples"] == 0, r
+        assert r["buffer/bad_shards"] == 0
         # every sample fresh: the KL covers all of the step's tokens
         assert r["rollout/mismatch_tokens"] == r["tokens/step"]
         assert 0 <= r["rollout/mismatch_kl"] < FP32_MISMATCH_BOUND, r
