@@ -156,3 +156,16 @@ def test_synchronous_pipeline_trains_every_sample_at_staleness_0(tmp_path, worke
         # reloads happen between batches: generating time excludes them
         assert b["generate_s"] > 0 and b["reloads"] >= 1 and b["reload_s"] > 0 and b["wait_s"] > 0
         assert math.isclose(b["reload_fraction"], b["reload_s"] / b["generate_s"])
+
+
+def test_trainer_without_workers_names_the_claims_when_it_gives_up(tmp_path):
+    from rollout import builtin_task
+    from conftest import trainer_proc
+    builtin_task.write_model(tmp_path / "m")
+    p = trainer_proc(tmp_path / "run", tmp_path / "m", 1, "trainer.max_staleness=0",
+                     "trainer.data_timeout_s=3", steps=2, groups=GROUPS)
+    out, _ = p.communicate(timeout=300)
+    assert p.returncode != 0
+    assert "Synchronous mode: 0 of the groups of v0 were claimed, by no worker" in out, out[-3000:]
+    latest = json.loads((tmp_path / "run" / "weights" / "LATEST").read_text())
+    assert latest == {"version": 0, "step": 0, "sync_groups": GROUPS}
