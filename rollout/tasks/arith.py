@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import argparse
 import random
-import re
 import sys
 from pathlib import Path
 
@@ -71,7 +70,6 @@ PHRASES = {
           ("Then {p} splits the {item} into {b} equal bags and keeps one bag.",
            "{P} keeps one of {b} equal bags")],
 }
-STEP = re.compile(r"<<(\d+)([-+*/])(\d+)=(\d+)>>")
 
 
 def _operation(rng: random.Random, value: int) -> tuple[str, int]:
@@ -124,26 +122,6 @@ def make_qa(num: int, seed: int = 0, tiers: tuple[int, ...] = TIERS) -> list[tup
         raise ValueError(f"tiers {tiers!r}: each tier is a number of operations >= 1")
     rng = random.Random(seed)
     return [make_problem(rng, tiers[i % len(tiers)])[:2] for i in range(num)]
-
-
-def check_solution(solution: str) -> int:
-    """The answer of a worked solution after checking every step's arithmetic and that each step
-    starts from the previous result; ValueError naming the first wrong step."""
-    *lines, last = solution.split("\n")
-    value = None
-    for line in lines:
-        m = STEP.search(line)
-        if m is None:
-            raise ValueError(f"step {line!r}: no <<a op b=c>> annotation")
-        a, op, b, c = int(m[1]), m[2], int(m[3]), int(m[4])
-        if (op == "/" and a % b) or _apply(a, op, b) != c or (value is not None and a != value):
-            raise ValueError(f"step {line!r}: wrong arithmetic or not from the previous result {value}")
-        if f">>{c} " not in line:
-            raise ValueError(f"step {line!r}: the result {c} is not stated after the annotation")
-        value = c
-    if not last.startswith("#### ") or int(last[5:]) != value:
-        raise ValueError(f"last line {last!r}: not '#### {value}'")
-    return value
 
 
 def write_task(paths: dict[tuple[str, str], str], num: int = 20000, seed: int = 0,
