@@ -43,7 +43,7 @@ MAX_VALUE = 999  # every number in a problem stays below this
 MAX_PROMPT_LENGTH, MAX_RESPONSE_LENGTH = 160, 128
 
 # Model shapes (rollout.builtin_task.build_model): tiny for CPU tests (< 1M parameters with the
-# ~1.5k-token vocabulary), gpu for the H200 experiment (benchmarks/learn_gpu.py; ~27M).
+# ~550-token vocabulary), gpu for the H200 experiment (benchmarks/learn_gpu.py; ~27M).
 MODEL_SIZES = {
     "tiny": dict(hidden=64, layers=2, heads=4, kv_heads=2, intermediate=256, max_positions=512),
     "gpu": dict(hidden=512, layers=8, heads=8, kv_heads=8, intermediate=1536, max_positions=512),
@@ -143,7 +143,7 @@ QWEN2_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[
 
 def train_tokenizer(texts: list[str], vocab_size: int = 4096):
     """A byte-level BPE trained on `texts` (it stops early when no pair is left to merge: the
-    task's small vocabulary of words gives ~1.5k tokens), as a transformers tokenizer."""
+    task's small vocabulary of words gives ~550 tokens), as a transformers tokenizer."""
     from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
     core = Tokenizer(models.BPE())
