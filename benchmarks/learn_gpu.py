@@ -7,7 +7,7 @@ vLLM workers, synchronous against decoupled. One step per command, each under 10
     python -m benchmarks.learn_gpu rl RES MODE          # MODE: sync, s1, s2 or s4        (<9 min)
     python -m benchmarks.learn_gpu plot RES             # PNGs + summary table            (secs)
 
-RES/data/        {sft,rl}_{train,val}.parquet (rollout.tasks.arith; 5% of questions held out)
+RES/data/        {sft,rl}_{train,val}.parquet (rollout.tasks.arith: 50k problems, 1000 held out)
 RES/model/       the random-init Qwen2 ('gpu': hidden 512, 8 layers, ~27M parameters) + tokenizer
 RES/sft/         trainer.sft's output: weights/v<step>/ every --save-every steps, metrics.jsonl,
                  accuracy.json (greedy held-out accuracy of each saved step)
@@ -51,10 +51,10 @@ PROFILES = {
     # sft_token_budget: without flash-attn, sdpa attends over a packed micro-batch's whole
     # block-diagonal mask (T x T), so T stays at 8k. timeout: launch.local's, from the start of
     # its processes (vLLM's ~1-2 min start included), leaving time to stop them within 10 min.
-    "gpu": dict(rows=20000, size="gpu", sft_steps=1500, sft_batch=256, sft_lr=1e-3, save_every=100,
+    "gpu": dict(rows=50000, val_fraction=0.02, size="gpu", sft_steps=1500, sft_batch=256, sft_lr=1e-3, save_every=100,
                 sft_token_budget=8192, rl_steps=100, batch=64, n=8, lr=2e-5, test_freq=10,
                 micro_token_budget=32768, timeout=500, eval_batch=512),
-    "cpu": dict(rows=600, size="tiny", sft_steps=4, sft_batch=16, sft_lr=3e-3, save_every=2,
+    "cpu": dict(rows=600, val_fraction=0.05, size="tiny", sft_steps=4, sft_batch=16, sft_lr=3e-3, save_every=2,
                 sft_token_budget=2048, rl_steps=3, batch=4, n=4, lr=1e-3, test_freq=2,
                 micro_token_budget=4096, timeout=600, eval_batch=64),
 }
@@ -88,7 +88,7 @@ def _run(cmd: list[str], gpus: str | None, log: Path | None = None) -> None:
 
 # --- (a) build --------------------------------------------------------------------------------
 def build(res: Path, prof: dict) -> None:
-    counts = arith.write_task(_paths(res), num=prof["rows"])
+    counts = arith.write_task(_paths(res), prof["rows"], val_fraction=prof["val_fraction"])
     if not (res / "model").exists():
         arith.write_model(res / "model", prof["size"])
     from transformers import AutoConfig
@@ -126,8 +126,8 @@ def sft(res: Path, prof: dict, args) -> None:
           "-m", "trainer.sft", f"data.train_files=[{_paths(res)['sft', 'train']}]",
           f"data.val_files=[{_paths(res)['sft', 'val']}]", f"model.partial_pretrain={res / 'model'}",
           f"trainer.default_local_dir={out.root}", f"trainer.total_training_steps={steps}",
-          "trainer.total_epochs=1000", f"trainer.save_freq={prof['save_every']}",
-          f"trainer.test_freq={prof['save_every']}", "trainer.max_ckpt_to_keep=1000",
+          "trainer.total_epochs=1000", f"trainer.save_freq={args.save_every or prof['save_every']}",
+          f"trainer.test_freq={args.save_every or prof['save_every']}", "trainer.max_ckpt_to_keep=1000",
           f"data.train_batch_size={prof['sft_batch']}", f"optim.lr={prof['sft_lr']}",
           "optim.warmup_steps_ratio=0.05", "optim.weight_decay=0.01",
           "model.enable_gradient_checkpointing=false",
@@ -212,6 +212,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("mode", nargs="?", choices=sorted(MODES), help="rl: the mode")
     p.add_argument("--cpu", action="store_true", help="this machine's CPU, the tiny model")
     p.add_argument("--steps", type=int, help="sft/rl: steps (default: the profile's)")
+    p.add_argument("--save-every", type=int, help="sft: save (and measure) every this many steps")
     p.add_argument("--target", type=float, default=0.4,
                    help="sft: held-out accuracy the RL start should have (default 0.4)")
     p.add_argument("--batch", type=int, help="rl: prompts per step and per rollout batch")
