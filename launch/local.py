@@ -5,9 +5,9 @@
     python -m launch.local --root runs/grpo --config my_verl_grpo.yaml
     python -m launch.local --root runs/arith --task arith --sft-steps 200   # GSM8K-format task
 
-Without inputs given, it builds the built-in tiny model and task into the run folder, with a
-fifth of the task's distinct questions held out: a validator (`rollout.validate`) measures them
-every --test-freq steps. A --config file (verl's shape) goes to every role; its model path, train
+Without inputs given, it builds the built-in tiny model and task (--task) into the run folder,
+with some of the task's distinct questions held out (copy: a fifth; arith: 100 of 2000): a
+validator (`rollout.validate`) measures them every --test-freq steps. A --config file (verl's shape) goes to every role; its model path, train
 files, step count and validation (data.val_files, trainer.test_freq) are used unless --model,
 --data, --steps, --val-data, --test-freq say otherwise, and its settings win over the built-in
 recipe. Every

@@ -95,8 +95,8 @@ def _apply(a: int, op: str, b: int) -> int:
     return {"+": a + b, "-": a - b, "*": a * b, "/": a // b}[op]
 
 
-def make_problem(rng: random.Random, tier: int) -> tuple[str, str, int]:
-    """(question, worked solution ending in '#### N', N) with `tier` operations."""
+def make_problem(rng: random.Random, tier: int) -> tuple[str, str]:
+    """(question, worked solution ending in '#### N') with `tier` operations."""
     (name, pronoun), item = rng.choice(NAMES), rng.choice(ITEMS)
     subs = {"p": pronoun, "P": pronoun.capitalize(), "o": {"she": "her", "he": "him"}[pronoun],
             "item": item}
@@ -113,7 +113,7 @@ def make_problem(rng: random.Random, tier: int) -> tuple[str, str, int]:
         value = result
     question.append(f"How many {item} does {name} have now?")
     solution.append(f"#### {value}")
-    return " ".join(question), "\n".join(solution), value
+    return " ".join(question), "\n".join(solution)
 
 
 def make_qa(num: int, seed: int = 0, tiers: tuple[int, ...] = TIERS) -> list[tuple[str, str]]:
@@ -121,7 +121,7 @@ def make_qa(num: int, seed: int = 0, tiers: tuple[int, ...] = TIERS) -> list[tup
     if not tiers or any(t < 1 for t in tiers):
         raise ValueError(f"tiers {tiers!r}: each tier is a number of operations >= 1")
     rng = random.Random(seed)
-    return [make_problem(rng, tiers[i % len(tiers)])[:2] for i in range(num)]
+    return [make_problem(rng, tiers[i % len(tiers)]) for i in range(num)]
 
 
 def write_task(paths: dict[tuple[str, str], str], num: int = 20000, seed: int = 0,
