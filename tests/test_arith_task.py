@@ -12,6 +12,7 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 
+from benchmarks import plot_learning
 from buffer.layout import RunLayout
 from conftest import REPO_ROOT
 from launch import local
@@ -59,7 +60,7 @@ def test_generator_is_seeded_and_every_solution_is_right():
 def task(tmp_path_factory):
     """The task's files and tiny model, written by the CLI (verl's preprocessing shape)."""
     out = tmp_path_factory.mktemp("arith")
-    assert arith.main(["--local_dir", str(out / "data"), "--rows", "600", "--model",
+    assert arith.main(["--local_save_dir", str(out / "data"), "--rows", "600", "--model",
                        str(out / "model"), "--size", "tiny"]) == 0
     return out
 
@@ -173,3 +174,10 @@ def test_experiment_script_runs_every_step_on_cpu(tmp_path):
             "summary.md"} <= names, out
     [row] = json.loads((res / "plots" / "summary.json").read_text())
     assert row["run"] == "s1" and row["samples"] == 48 and row["metric"] == key
+    assert 0 <= row["trainer_idle"] <= 1 and 0 < row["worker_busy"] <= 1 and row["ideal_speedup"] <= 2
+    # against a sync run (here the same folder): time-to-accuracy and speedup are relative to it
+    assert plot_learning.main([str(res / "rl-s1"), str(res / "rl-s1"), "--labels", "sync,s1",
+                               "--out", str(tmp_path / "cmp")]) == 0
+    table = json.loads((tmp_path / "cmp" / "summary.json").read_text())
+    assert [r["run"] for r in table] == ["sync", "s1"]
+    assert all(r["speedup_vs_sync"] == 1.0 and r["sync_final"] == row["final"] for r in table)

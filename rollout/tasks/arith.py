@@ -1,6 +1,6 @@
 """A GSM8K-format task that ships with tandem: multi-step arithmetic word problems.
 
-    python -m rollout.tasks.arith --local_dir data [--model model --size gpu]
+    python -m rollout.tasks.arith --local_save_dir data [--model model --size gpu]
 
 Each problem starts from a small integer and applies 1, 2 or 3 operations (the tier) of +, -,
 * or /, every intermediate value a whole number; the worked solution is GSM8K's, one sentence per
@@ -177,7 +177,8 @@ def write_model(out_dir: str | Path, size: str = "tiny", seed: int = 0, corpus: 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m rollout.tasks.arith", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--local_dir", required=True, help="folder for {sft,rl}_{train,val}.parquet")
+    p.add_argument("--local_save_dir", "--local_dir", required=True,
+                   help="folder for {sft,rl}_{train,val}.parquet (verl's flag names)")
     p.add_argument("--rows", type=int, default=20000, help="problems generated (default 20000)")
     p.add_argument("--val_fraction", type=float, default=0.05,
                    help="fraction of distinct questions held out (default 0.05)")
@@ -187,10 +188,11 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     if args.rows < 2 or not 0 < args.val_fraction < 1:
         p.error("--rows must be at least 2 and --val_fraction in (0, 1)")
-    paths = {(k, s): str(Path(args.local_dir) / f"{k}_{s}.parquet")
+    paths = {(k, s): str(Path(args.local_save_dir) / f"{k}_{s}.parquet")
              for k in preprocess.KINDS for s in preprocess.SPLITS}
     counts = write_task(paths, args.rows, args.seed, args.val_fraction)
-    print(f"wrote {counts['train']} train and {counts['val']} validation problems to {args.local_dir}")
+    print(f"wrote {counts['train']} train and {counts['val']} validation problems to "
+          f"{args.local_save_dir}")
     if args.model:
         write_model(args.model, args.size, args.seed)
         print(f"wrote the {args.size} model and its tokenizer to {args.model}")
