@@ -51,17 +51,18 @@ PROFILES = {
     # sft_token_budget: without flash-attn, sdpa attends over a packed micro-batch's whole
     # block-diagonal mask (T x T), so T stays at 8k. timeout: launch.local's, from the start of
     # its processes (vLLM's ~1-2 min start included), leaving time to stop them within 10 min.
-    "gpu": dict(rows=50000, val_fraction=0.02, size="gpu", sft_steps=1500, sft_batch=256, sft_lr=1e-3, save_every=100,
-                sft_token_budget=8192, rl_steps=100, batch=64, n=8, lr=2e-5, test_freq=10,
-                micro_token_budget=32768, timeout=500, eval_batch=512),
-    "cpu": dict(rows=600, val_fraction=0.05, size="tiny", sft_steps=4, sft_batch=16, sft_lr=3e-3, save_every=2,
-                sft_token_budget=2048, rl_steps=3, batch=4, n=4, lr=1e-3, test_freq=2,
-                micro_token_budget=4096, timeout=600, eval_batch=64),
+    "gpu": dict(rows=50000, val_fraction=0.02, size="gpu", sft_steps=1500, sft_batch=256,
+                sft_lr=1e-3, save_every=100, sft_token_budget=8192, rl_steps=100, batch=64, n=8,
+                lr=2e-5, test_freq=10, micro_token_budget=32768, timeout=500, eval_batch=512),
+    "cpu": dict(rows=600, val_fraction=0.05, size="tiny", sft_steps=4, sft_batch=16, sft_lr=3e-3,
+                save_every=2, sft_token_budget=2048, rl_steps=3, batch=4, n=4, lr=1e-3,
+                test_freq=2, micro_token_budget=4096, timeout=600, eval_batch=64),
 }
 
 
 def _paths(res: Path) -> dict[tuple[str, str], str]:
-    return {(k, s): str(res / "data" / f"{k}_{s}.parquet") for k in ("sft", "rl") for s in ("train", "val")}
+    return {(k, s): str(res / "data" / f"{k}_{s}.parquet")
+            for k in ("sft", "rl") for s in ("train", "val")}
 
 
 def _need(path: Path, step: str) -> None:
