@@ -3,9 +3,15 @@ vLLM workers, synchronous against decoupled. One step per command, each under 10
 2xH200 machine, each resuming from the files the previous one left in RES:
 
     python -m benchmarks.learn_gpu build RES            # task, tokenizer, 'gpu' model   (~1 min)
-    python -m benchmarks.learn_gpu sft RES              # SFT on GPU 0, pick the start    (~4 min)
-    python -m benchmarks.learn_gpu rl RES MODE          # MODE: sync, s1, s2 or s4        (<9 min)
+    python -m benchmarks.learn_gpu sft RES              # SFT on GPU 0, pick the start    (~5 min)
+    python -m benchmarks.learn_gpu rl RES MODE          # MODE: sync, s1, s2 or s4        (<9.5 min)
     python -m benchmarks.learn_gpu plot RES             # PNGs + summary table            (secs)
+
+On machines that do not keep RES between steps: `sft ... --export DIR` writes the RL start
+(bf16, ~55 MB as 15 MiB tar parts) and the SFT measurements; `rl ... --import DIR` takes them
+(the task's parquets are rebuilt from their seed) and `--export DIR2` writes the run's metrics,
+heartbeats and logs; `plot RES --import DIR2` unpacks those and plots. `sft` and `rl` build what
+they need when it is missing, so `build` is only needed to look at the task first.
 
 RES/data/        {sft,rl}_{train,val}.parquet (rollout.tasks.arith: 50k problems, 1000 held out)
 RES/model/       the random-init Qwen2 ('gpu': hidden 512, 8 layers, ~27M parameters) + tokenizer
@@ -88,15 +94,71 @@ def _run(cmd: list[str], gpus: str | None, log: Path | None = None) -> None:
 
 
 # --- (a) build --------------------------------------------------------------------------------
-def build(res: Path, prof: dict) -> None:
-    counts = arith.write_task(_paths(res), prof["rows"], val_fraction=prof["val_fraction"])
-    if not (res / "model").exists():
+def build(res: Path, prof: dict, model: bool = True) -> None:
+    """The task's parquets and (with `model`) the initial model, each unless already there:
+    both are seeded, so a step on a fresh machine rebuilds the same ones."""
+    if not Path(_paths(res)["rl", "val"]).exists():
+        counts = arith.write_task(_paths(res), prof["rows"], val_fraction=prof["val_fraction"])
+        print(f"learn_gpu build: {counts['train']} train / {counts['val']} held-out problems in "
+              f"{res / 'data'}")
+    if model and not (res / "model").exists():
         arith.write_model(res / "model", prof["size"])
-    from transformers import AutoConfig
-    config = AutoConfig.from_pretrained(res / "model")
-    print(f"learn_gpu build: {counts['train']} train / {counts['val']} held-out problems in "
-          f"{res / 'data'}; model {res / 'model'} ({prof['size']}: hidden {config.hidden_size}, "
-          f"{config.num_hidden_layers} layers, vocab {config.vocab_size})")
+        from transformers import AutoConfig
+        config = AutoConfig.from_pretrained(res / "model")
+        print(f"learn_gpu build: model {res / 'model'} ({prof['size']}: hidden "
+              f"{config.hidden_size}, {config.num_hidden_layers} layers, vocab {config.vocab_size})")
+
+
+# --- handing files to the next step on another machine ---------------------------------------
+PART_BYTES = 15 * 2**20  # the device tool returns files of at most 16 MiB
+
+
+def export_files(out: Path, name: str, members: dict[str, Path]) -> None:
+    """`members` (archive name -> file) as one tar cut into out/name.tar.NN parts."""
+    import io
+    import tarfile
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w") as tar:
+        for arcname, path in members.items():
+            tar.add(path, arcname=arcname)
+    data = buf.getvalue()
+    out.mkdir(parents=True, exist_ok=True)
+    for i in range(0, len(data), PART_BYTES):
+        (out / f"{name}.tar.{i // PART_BYTES:02d}").write_bytes(data[i:i + PART_BYTES])
+    print(f"learn_gpu: exported {name} ({len(data) / 2**20:.1f} MiB) to {out}")
+
+
+def import_files(src: Path, name: str, dest: Path) -> bool:
+    """Unpack src/name.tar.NN into dest; False when there are no such parts."""
+    import io
+    import tarfile
+    parts = sorted(src.glob(f"{name}.tar.[0-9][0-9]"))
+    if not parts:
+        return False
+    with tarfile.open(fileobj=io.BytesIO(b"".join(p.read_bytes() for p in parts))) as tar:
+        tar.extractall(dest, filter="data")
+    print(f"learn_gpu: imported {name} from {src} into {dest}")
+    return True
+
+
+def export_start(res: Path, out: Path) -> None:
+    """The RL start model in bf16 (55 MB for 'gpu': 4 parts), without the weight manifest
+    (its checksums are of the fp32 files); plus the SFT measurements."""
+    import torch
+    from safetensors.torch import load_file, save_file
+    start, tmp = res / "start", res / "export"
+    tmp.mkdir(exist_ok=True)
+    members = {}
+    for f in start.iterdir():
+        if f.suffix == ".safetensors":
+            save_file({k: v.to(torch.bfloat16) for k, v in load_file(f).items()}, tmp / f.name,
+                      metadata={"format": "pt"})
+            members[f"start/{f.name}"] = tmp / f.name
+        elif f.name != "manifest.json":
+            members[f"start/{f.name}"] = f
+    members |= {"sft/accuracy.json": res / "sft" / "accuracy.json",
+                "sft/metrics.jsonl": res / "sft" / "metrics.jsonl"}
+    export_files(out, "start", members)
 
 
 # --- (b) sft ----------------------------------------------------------------------------------
@@ -120,7 +182,7 @@ def greedy_accuracy(model_dir: str, val_file: str, device: str, batch: int) -> f
 
 
 def sft(res: Path, prof: dict, args) -> None:
-    _need(res / "model", "build")
+    build(res, prof)
     out = RunLayout(str(res / "sft"))
     steps = args.steps or prof["sft_steps"]
     _run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=1",
@@ -155,6 +217,8 @@ def sft(res: Path, prof: dict, args) -> None:
     if max(acc.values()) < args.target:
         print(f"learn_gpu sft: no saved step reached --target {args.target}: run more SFT steps "
               f"(--steps; it resumes from the last checkpoint)", file=sys.stderr)
+    if args.export:
+        export_start(res, args.export)
 
 
 # --- (c) rl -----------------------------------------------------------------------------------
@@ -168,7 +232,10 @@ def mode_settings(mode: str, samples_per_batch: int) -> tuple[list[str], list[st
 
 
 def rl(res: Path, prof: dict, args) -> None:
+    if not (res / "start").exists() and args.import_dir:
+        import_files(args.import_dir, "start", res)
     _need(res / "start", "sft")
+    build(res, prof, model=False)
     root = res / f"rl-{args.mode}"
     if root.exists():
         raise SystemExit(f"learn_gpu rl: {root} exists (an earlier run of this mode); move it away")
@@ -193,11 +260,21 @@ def rl(res: Path, prof: dict, args) -> None:
            *[x for s in trainer + args.trainer for x in ("--trainer", s)],
            *[x for s in worker + args.worker for x in ("--worker", s)],
            "--validator", f"data.val_batch_size={prof['eval_batch']}"]
-    _run(cmd, None, res / f"rl-{args.mode}.log")
+    try:
+        _run(cmd, None, res / f"rl-{args.mode}.log")
+    finally:  # a run cut short by its timeout still has curves to plot
+        if args.export:
+            files = ["metrics.jsonl", "progress.json", *(str(p.relative_to(root)) for p in
+                                                         [*root.glob("workers/*.json"), *root.glob("logs/*.log")])]
+            export_files(args.export, root.name, {f"{root.name}/{f}": root / f
+                                                  for f in files if (root / f).exists()})
 
 
 # --- (d) plot ---------------------------------------------------------------------------------
-def plot(res: Path) -> None:
+def plot(res: Path, args) -> None:
+    for mode in MODES:
+        if args.import_dir and not (res / f"rl-{mode}").exists():
+            import_files(args.import_dir, f"rl-{mode}", res)
     runs = [d for m in MODES if (d := res / f"rl-{m}").exists()]
     if not runs:
         raise SystemExit(f"learn_gpu plot: no {res}/rl-MODE folders: run the 'rl' step first")
@@ -219,6 +296,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--batch", type=int, help="rl: prompts per step and per rollout batch")
     p.add_argument("--n", type=int, help="rl: responses per prompt (group size)")
     p.add_argument("--lr", type=float, help="rl: actor learning rate")
+    p.add_argument("--export", type=Path, metavar="DIR",
+                   help="sft: write the RL start (bf16) and SFT measurements; rl: the run's "
+                        "metrics, heartbeats and logs; as tar parts of at most 15 MiB in DIR (e.g. "
+                        "$OUT), for a later step on another machine")
+    p.add_argument("--import", dest="import_dir", type=Path, metavar="DIR",
+                   help="rl: take the RL start from DIR's start.tar.NN parts when RES has none; "
+                        "plot: unpack DIR's rl-MODE.tar.NN parts")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="sft: extra setting")
     p.add_argument("--trainer", action="append", default=[], metavar="KEY=VALUE", help="rl: extra trainer setting")
     p.add_argument("--worker", action="append", default=[], metavar="KEY=VALUE", help="rl: extra worker setting")
@@ -235,7 +319,7 @@ def main(argv: list[str] | None = None) -> int:
     elif args.step == "rl":
         rl(res, prof, args)
     else:
-        plot(res)
+        plot(res, args)
     return 0
 
 

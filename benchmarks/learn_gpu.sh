@@ -6,6 +6,8 @@
 #   bash benchmarks/learn_gpu.sh rl RES sync        # then s1, s2, s4: vLLM worker on GPU 1,
 #                                                   # trainer + validator on GPU 0     (<9 min each)
 #   bash benchmarks/learn_gpu.sh plot RES           # RES/plots: PNGs and summary.md
+# Fresh machine per step: sft --export DIR (RL start as <=15 MiB parts), rl --import DIR
+# --export DIR2 (the run's metrics), plot --import DIR2 (see benchmarks/learn_gpu.py).
 # Add --cpu to any step to run it on this machine's CPU with the tiny model (wiring check).
 # Sync mode: TANDEM_SYNC_SETTING (trainer) and TANDEM_SYNC_WORKER_SETTING (workers) hold the
 # settings, space-separated; default trainer.max_staleness=0.

@@ -156,27 +156,32 @@ def _step(res, *args):
 @pytest.mark.slow
 def test_experiment_script_runs_every_step_on_cpu(tmp_path):
     """benchmarks/learn_gpu.sh --cpu: build, SFT (trainer.sft) choosing the RL start, RL through
-    launch.local --task arith in mode s1 with validation, plots from the run folder."""
-    res = tmp_path / "res"
-    _step(res, "build")
-    _step(res, "sft")
-    accuracy = json.loads((res / "sft" / "accuracy.json").read_text())
-    assert set(accuracy) == {"2", "4"} and (res / "start").resolve().parent == res / "sft" / "weights"
-    _step(res, "rl", "s1")
+    launch.local --task arith in mode s1 with validation, plots; each step in a fresh results
+    folder, as on a fresh machine, taking the previous step's exported parts."""
+    hand1, hand2 = tmp_path / "out1", tmp_path / "out2"
+    _step(tmp_path / "a", "build")
+    _step(tmp_path / "a", "sft", "--export", str(hand1))
+    accuracy = json.loads((tmp_path / "a" / "sft" / "accuracy.json").read_text())
+    assert set(accuracy) == {"2", "4"}
+    assert (tmp_path / "a" / "start").resolve().parent == tmp_path / "a" / "sft" / "weights"
+    res = tmp_path / "b"
+    _step(res, "rl", "s1", "--import", str(hand1), "--export", str(hand2))
+    assert json.loads((res / "sft" / "accuracy.json").read_text()) == accuracy
     train, vals = split_metrics([json.loads(x) for x in open(res / "rl-s1" / "metrics.jsonl")])
     assert [r["step"] for r in train] == [1, 2, 3] and train[-1]["samples/consumed"] == 3 * 4 * 4
     assert all(r["response_length/max"] <= arith.MAX_RESPONSE_LENGTH for r in train)
     key = "val-core/openai/gsm8k/reward/mean@1"
     assert [v["step"] for v in vals if key in v] == [0, 2, 3]  # before training, test_freq 2, last
-    out = _step(res, "plot")
-    names = {p.name for p in (res / "plots").iterdir()}
+    plots = tmp_path / "c"
+    out = _step(plots, "plot", "--import", str(hand2))
+    names = {p.name for p in (plots / "plots").iterdir()}
     assert {"accuracy_time.png", "accuracy_samples.png", "throughput.png", "busy.png",
             "summary.md"} <= names, out
-    [row] = json.loads((res / "plots" / "summary.json").read_text())
+    [row] = json.loads((plots / "plots" / "summary.json").read_text())
     assert row["run"] == "s1" and row["samples"] == 48 and row["metric"] == key
     assert 0 <= row["trainer_idle"] <= 1 and 0 < row["worker_busy"] <= 1 and row["ideal_speedup"] <= 2
     # against a sync run (here the same folder): time-to-accuracy and speedup are relative to it
-    assert plot_learning.main([str(res / "rl-s1"), str(res / "rl-s1"), "--labels", "sync,s1",
+    assert plot_learning.main([str(plots / "rl-s1"), str(plots / "rl-s1"), "--labels", "sync,s1",
                                "--out", str(tmp_path / "cmp")]) == 0
     table = json.loads((tmp_path / "cmp" / "summary.json").read_text())
     assert [r["run"] for r in table] == ["sync", "s1"]
