@@ -59,7 +59,7 @@ PROFILES = {
     # its processes (vLLM's ~1-2 min start included), leaving time to stop them within 10 min.
     "gpu": dict(rows=50000, val_fraction=0.02, size="gpu", sft_steps=1500, sft_batch=256,
                 sft_lr=1e-3, save_every=100, sft_token_budget=8192, rl_steps=100, batch=64, n=8,
-                lr=2e-5, test_freq=10, micro_token_budget=32768, timeout=500, eval_batch=512),
+                lr=2e-5, test_freq=10, micro_token_budget=32768, timeout=480, eval_batch=512),
     "cpu": dict(rows=600, val_fraction=0.05, size="tiny", sft_steps=4, sft_batch=16, sft_lr=3e-3,
                 save_every=2, sft_token_budget=2048, rl_steps=3, batch=4, n=4, lr=1e-3,
                 test_freq=2, micro_token_budget=4096, timeout=600, eval_batch=64),
