@@ -178,6 +178,7 @@ def greedy_accuracy(model_dir: str, val_file: str, device: str, batch: int) -> f
         for p, [c] in zip(chunk, engine.generate([p.token_ids for p in chunk], params)):
             text = engine.tokenizer.decode(c.token_ids, skip_special_tokens=True)
             total += score(p.data_source, text, p.ground_truth, p.extra_info)
+    engine.close()
     return total / len(prompts)
 
 
