@@ -265,10 +265,10 @@ def rl(res: Path, prof: dict, args) -> None:
         _run(cmd, None, res / f"rl-{args.mode}.log")
     finally:  # a run cut short by its timeout still has curves to plot
         if args.export:
-            files = ["metrics.jsonl", "progress.json", *(str(p.relative_to(root)) for p in
-                                                         [*root.glob("workers/*.json"), *root.glob("logs/*.log")])]
-            export_files(args.export, root.name, {f"{root.name}/{f}": root / f
-                                                  for f in files if (root / f).exists()})
+            files = [root / "metrics.jsonl", root / "progress.json", *root.glob("workers/*.json"),
+                     *root.glob("logs/*.log")]
+            export_files(args.export, root.name, {str(f.relative_to(res)): f
+                                                  for f in files if f.exists()})
 
 
 # --- (d) plot ---------------------------------------------------------------------------------
