@@ -10,8 +10,8 @@
 # --export DIR2 (the run's metrics), plot --import DIR2 (see benchmarks/learn_gpu.py).
 # Add --cpu to any step to run it on this machine's CPU with the tiny model (wiring check).
 # Sync mode: TANDEM_SYNC_SETTING (trainer) and TANDEM_SYNC_WORKER_SETTING (workers) hold the
-# settings, space-separated; default trainer.max_staleness=0.
+# settings, space-separated; default trainer.max_staleness=0. PYTHON: the interpreter (python3).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
-exec python -m benchmarks.learn_gpu "$@"
+exec "${PYTHON:-python3}" -m benchmarks.learn_gpu "$@"

@@ -3,6 +3,7 @@ model folder, the readers of both parquet formats, launch.local --task arith; th
 processes, issue 14's experiment script on CPU (build, SFT, RL, plots: benchmarks/learn_gpu.py)."""
 import json
 import operator
+import os
 import re
 import subprocess
 import sys
@@ -148,7 +149,8 @@ def test_launch_local_task_arith_writes_the_task_and_its_recipe(tmp_path):
 
 def _step(res, *args):
     out = subprocess.run(["bash", "benchmarks/learn_gpu.sh", args[0], str(res), *args[1:], "--cpu"],
-                         capture_output=True, text=True, timeout=900, cwd=REPO_ROOT)
+                         capture_output=True, text=True, timeout=900, cwd=REPO_ROOT,
+                         env=dict(os.environ, PYTHON=sys.executable))  # this venv's, activated or not
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     return out.stdout
 
