@@ -16,7 +16,7 @@ from __future__ import annotations
 import json
 import logging
 import time
-from typing import Callable
+from typing import Callable, Iterator
 
 from buffer.layout import RunLayout
 from buffer.storage import atomic_write_json, read_json
@@ -39,16 +39,19 @@ def write_progress(fs, layout: RunLayout, stats, version: int, batch_groups: int
         "time": time.time(), "step": step, "total_steps": total_steps})
 
 
-def _written(fs, layout: RunLayout) -> int:
-    written = 0
+def heartbeats(fs, layout: RunLayout) -> Iterator[dict]:
+    """Every worker's last heartbeat (one small file each)."""
     if fs.exists(layout.workers_dir):
         for path in fs.ls(layout.workers_dir, detail=False):
             if path.endswith(".json"):
                 try:
-                    written += int(json.loads(fs.cat_file(path)).get("samples_written", 0))
+                    yield json.loads(fs.cat_file(path))
                 except (FileNotFoundError, ValueError):
                     continue  # a heartbeat being replaced or removed; the next look sees it
-    return written
+
+
+def _written(fs, layout: RunLayout) -> int:
+    return sum(int(b.get("samples_written", 0)) for b in heartbeats(fs, layout))
 
 
 def backlog(fs, layout: RunLayout) -> int:

@@ -21,13 +21,15 @@ import time
 import torch
 import torch.distributed as dist
 
-from buffer import backpressure, retention
+from buffer import backpressure, retention, sync
 from buffer.ledger import Ledger
 from buffer.reader import ExperienceReader, Group
 from buffer.run_id import ensure_run_id, read_run_id
-from buffer.storage import DISK_FULL_TIMEOUT_S, atomic_write_json, filesystem, is_disk_full, when_space
+from buffer.storage import (DISK_FULL_TIMEOUT_S, atomic_write_json, filesystem, is_disk_full, is_local,
+                            when_space)
 from buffer.weights import WeightStore
 from protocol.config import parse_cli, to_dict
+from protocol.weights import SYNC_GROUPS
 from trainer import algo, checkpoint, update
 from trainer.batch import collate
 from trainer.config import TrainerConfig
@@ -68,6 +70,20 @@ class StopRequested(Exception):
     """ROOT/trainer.stop appeared: checkpoint and exit (to be requeued, or stopped by hand)."""
 
 
+def publishes_at(tc, step: int) -> bool:
+    """Whether a version is published after `step` (`tc`: the trainer section)."""
+    return (step % tc.publish_freq == 0 or step == tc.total_training_steps
+            or validation_due(tc, step, first=False))
+
+
+def sync_groups(tc, train_batch_size: int, step: int) -> int:
+    """Synchronous mode: the groups the trainer takes with the version published after `step`,
+    one batch per step until the next publish (0 after the last step)."""
+    last = tc.total_training_steps
+    until = next((t for t in range(step + 1, last + 1) if publishes_at(tc, t)), step)
+    return train_batch_size * (until - step)
+
+
 class Trainer:
     def __init__(self, cfg: TrainerConfig, device: torch.device):
         self.cfg = cfg
@@ -91,6 +107,14 @@ class Trainer:
         self.pad_id = self.model.config.pad_token_id or 0
         self.store = WeightStore(cfg.root)
         self.fs, _ = filesystem(cfg.root)
+        # trainer.max_staleness=0: synchronous rollouts (buffer/sync.py), whose claims need
+        # exclusive file creation in the run folder.
+        self.synchronous = cfg.trainer.max_staleness == 0
+        if self.synchronous and not is_local(self.fs):
+            raise ValueError(f"trainer.max_staleness=0 (synchronous rollouts) needs root={cfg.root} "
+                             "on a mounted filesystem (local, NFS, Lustre): workers claim each "
+                             "version's groups by exclusive file creation there")
+        self.at_published = True  # the model holds exactly the weights of `self.version`
         self.version = 0
         self.step = 0
         self.reader = self.metrics = None
@@ -201,6 +225,11 @@ class Trainer:
                 self.cfg.data.train_batch_size, self.version, self.cfg.trainer.data_timeout_s,
                 on_wait=lambda: (self._report_progress(), self._check_stop()))
         except TimeoutError as e:
+            if self.synchronous:
+                claimed = sync.claims(self.store.layout, self.version)
+                e = f"{e}. Synchronous mode: {len(claimed)} of the groups of v{self.version} " \
+                    f"were claimed, by {sorted(set(claimed.values())) or 'no worker'} " \
+                    f"({self.store.layout.sync_version_dir(self.version)})"
             return [{"error": f"rank 0: {e}"}] * self.world
         except StopRequested as e:  # also while waiting for experience
             return [{"stop": str(e)}] * self.world
@@ -275,9 +304,15 @@ class Trainer:
         ref = (update.infer(lambda c: algo.response_logprobs(self.ref_model, c)[0], batch, passes)
                if self.ref_model is not None else None)
         values = self.critic.values(batch) if self.critic is not None else None
+        # Engine/trainer mismatch on the samples of the version pi_old holds; truncated IS share.
+        fresh = torch.tensor([self.at_published and s.weight_version == self.version for s in samples])
+        sums = algo.mismatch_sums(old, batch.behaviour_logprobs, batch.response_mask,
+                                  fresh.to(self.device), self.cfg.algorithm.rollout_is_threshold)
+        rollout = algo.mismatch_metrics(update.all_sum(sums, self.device).tolist())
 
         # 2. Rewards (optionally KL-penalised) and advantages over the whole batch of all ranks.
         adv, returns, metrics = self.advantages(batch, groups, old, ref, values)
+        metrics |= rollout
 
         # 3. The critic, then (after trainer.critic_warmup) the actor, as verl's fit loop.
         seed = [self.cfg.trainer.seed, self.step, self.rank]
@@ -362,8 +397,17 @@ class Trainer:
     def publish(self, step: int) -> dict:
         dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}.get(
             self.cfg.trainer.publish_dtype, torch.bfloat16 if self.device.type == "cuda" else torch.float32)
-        return publish_version(self.model, self.store, self.model_path, self.version, step,
-                               self.cfg.trainer.keep_versions, dtype)
+        announce = None
+        if self.synchronous:
+            announce = {SYNC_GROUPS: sync_groups(self.cfg.trainer, self.cfg.data.train_batch_size, step)}
+            if self.rank == 0:
+                sync.open_version(self.store.layout, self.version)
+        out = publish_version(self.model, self.store, self.model_path, self.version, step,
+                              self.cfg.trainer.keep_versions, dtype, announce)
+        if self.synchronous and self.rank == 0:
+            sync.retire_before(self.store.layout, self.version)
+        self.at_published = True
+        return out
 
     def request_validation(self, step: int, due: bool) -> None:
         """Ask rollout.validate for the version just published (rank 0; never waits)."""
@@ -386,8 +430,9 @@ class Trainer:
                 return
             metrics = {"step": step, "weights/version": self.version}
             metrics.update(self.train_step(samples, groups))
+            self.at_published = False
             validate = validation_due(tc, step, first=False)
-            if step % tc.publish_freq == 0 or step == tc.total_training_steps or validate:
+            if publishes_at(tc, step):
                 self.version += 1
                 metrics.update(self.publish(step))
                 self.request_validation(step, validate)
@@ -395,10 +440,12 @@ class Trainer:
                 metrics.update({k: v for k, v in info.items() if k not in ("wait_s", "seqs", "tokens")})
                 if "sample_ids" in metrics:
                     metrics["samples/ids"] = metrics.pop("sample_ids")
+                step_s = time.monotonic() - t0
                 metrics.update({"samples/consumed": self.reader.stats["consumed_samples"],
                                 "samples/step": info["seqs"],
                                 "tokens/step": info["tokens"], "time/wait_s": info["wait_s"],
-                                "time/step_s": time.monotonic() - t0, "time/unix": time.time(),
+                                "time/step_s": step_s, "time/wait_fraction": info["wait_s"] / step_s,
+                                "time/unix": time.time(),
                                 "buffer/dropped_stale_samples": self.reader.stats["dropped_stale_samples"],
                                 "buffer/bad_shards": self.reader.stats["bad_shards"]})
                 self.metrics.write(metrics)
