@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import math
 import sys
 import types
 import typing
@@ -91,6 +92,8 @@ def _coerce(value: Any, tp, key: str):
 def _check_bounds(key: str, value, meta) -> None:
     if value is None:
         return
+    if isinstance(value, float) and not math.isfinite(value):  # inf passes gt/ge bounds
+        raise ConfigError(f"{key}: must be a finite number, got {value!r}")
     if meta.get("choices") is not None and value not in meta["choices"]:
         raise ConfigError(f"{key}: {value!r} is not one of {list(meta['choices'])}")
     for bound, ok, word in (("ge", lambda v, b: v >= b, ">="), ("gt", lambda v, b: v > b, ">"),

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import datetime
 import logging
+import math
 import os
 import socket
 import sys
@@ -78,6 +79,7 @@ class Trainer:
         self.fs, _ = filesystem(cfg.root)
         self.version = 0
         self.step = 0
+        self.skipped_steps = self.nonfinite_in_row = 0  # steps skipped for non-finite values
         self.reader = self.metrics = None
         resume = self._resume_path()
         if self.rank == 0:
@@ -247,16 +249,20 @@ class Trainer:
                  float(w.sum()), kl.item() if kl is not None else 0.0,
                  ent.item() if ent is not None else 0.0], dtype=torch.float64, device=self.device)
         grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), actor.grad_clip)
+        grad_norm = float(grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm)
         lr = algo.lr_at(self.step, self.cfg.trainer.total_training_steps, actor.optim.lr,
                         actor.optim.lr_warmup_steps_ratio, actor.optim.warmup_style,
                         actor.optim.min_lr_ratio)
-        for group in self.optimizer.param_groups:
-            group["lr"] = lr  # a function of the step: nothing to restore on resume
-        self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
-
-        # 4. Metrics: sum over ranks (gloo has no AVG); loss sums are already dp-scaled.
+        # 4. Metrics: sum over ranks (gloo has no AVG); loss sums are already dp-scaled. Reduced
+        #    before the update so every rank sees the same numbers and skips the same steps:
+        #    a non-finite loss or (global) gradient norm never reaches the weights.
         dist.all_reduce(totals)
+        finite = math.isfinite(grad_norm) and bool(torch.isfinite(totals).all())
+        if finite:
+            for group in self.optimizer.param_groups:
+                group["lr"] = lr  # a function of the step: nothing to restore on resume
+            self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
         tokens = info["tokens"]
         return {"actor/pg_loss": totals[0].item() / self.world,
                 "actor/ppo_kl": totals[1].item() / tokens,
@@ -265,10 +271,43 @@ class Trainer:
                 "actor/kl_loss": totals[4].item() / self.world,
                 "actor/entropy": totals[5].item() / self.world,
                 "actor/lr": lr,
-                "actor/grad_norm": float(grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor")
-                                         else grad_norm)}
+                "actor/grad_norm": grad_norm,
+                "actor/skipped_nonfinite": int(not finite)}
+
+    def count_nonfinite(self, step: int, metrics: dict) -> None:
+        """Count a skipped step (actor/skipped_steps); stop after max_nonfinite_steps in a row.
+        Every rank sees the same all-reduced metrics, so every rank stops at the same step."""
+        if not metrics["actor/skipped_nonfinite"]:
+            self.nonfinite_in_row = 0
+        else:
+            self.skipped_steps += 1
+            self.nonfinite_in_row += 1
+            if self.rank == 0:
+                log.warning("step %d skipped: non-finite loss or gradient (loss %s, grad norm %s); "
+                            "the weights were not updated (%d in a row)", step,
+                            metrics["actor/pg_loss"], metrics["actor/grad_norm"], self.nonfinite_in_row)
+        metrics["actor/skipped_steps"] = self.skipped_steps
+
+    def check_nonfinite_limit(self, step: int, metrics: dict) -> None:
+        limit = self.cfg.trainer.max_nonfinite_steps
+        if self.nonfinite_in_row >= limit:
+            raise RuntimeError(
+                f"stopping at step {step}: {limit} steps in a row had a non-finite loss or gradient "
+                f"(last: loss {metrics['actor/pg_loss']}, grad norm {metrics['actor/grad_norm']}, "
+                f"lr {metrics['actor/lr']:g}); the published weights are finite. Lower "
+                "actor_rollout_ref.actor.optim.lr or check the experience (trainer.max_nonfinite_steps)")
 
     def publish(self, step: int) -> dict:
+        # A finite loss and gradient can still overflow the weights (an absurd lr): never
+        # publish them. One pass over the local shards, one all-reduce.
+        bad = torch.zeros(1, device=self.device)
+        for p in self.model.parameters():
+            local = p.to_local() if hasattr(p, "to_local") else p
+            bad += (~torch.isfinite(local.detach())).sum()
+        dist.all_reduce(bad)
+        if bad.item():
+            raise RuntimeError(f"refusing to publish weight version {self.version} after step "
+                               f"{step}: {int(bad.item())} weights are not finite")
         dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}.get(
             self.cfg.trainer.publish_dtype, torch.bfloat16 if self.device.type == "cuda" else torch.float32)
         return publish_version(self.model, self.store, self.model_path, self.version, step,
@@ -284,6 +323,7 @@ class Trainer:
             samples, info = self.next_share()
             metrics = {"step": step, "weights/version": self.version}
             metrics.update(self.train_step(samples, info))
+            self.count_nonfinite(step, metrics)
             if step % tc.publish_freq == 0 or step == tc.total_training_steps:
                 self.version += 1
                 metrics.update(self.publish(step))
@@ -298,6 +338,7 @@ class Trainer:
                                 "buffer/dropped_stale_samples": self.reader.stats["dropped_stale_samples"],
                                 "buffer/bad_shards": self.reader.stats["bad_shards"]})
                 self.metrics.write(metrics)
+            self.check_nonfinite_limit(step, metrics)
             if tc.save_freq and step % tc.save_freq == 0:
                 self.save_checkpoint()
         if self.rank == 0:
