@@ -9,6 +9,7 @@ from typing import Callable
 from rollout import builtin_task
 
 RewardFn = Callable[..., float]
+FLOAT32_MAX = 3.4028234663852886e38  # numpy.finfo(numpy.float32).max
 
 
 class RewardError(ValueError):
@@ -39,12 +40,26 @@ def resolve(path: str | None, name: str) -> Callable[[str, str, object, dict], f
     fn = _load_custom(path, name) if path else _default
 
     def score(data_source: str, solution_str: str, ground_truth, extra_info: dict) -> float:
+        """The reward as a float that float32 (the shard's column) holds exactly enough;
+        RewardError for anything else: the caller drops that one sample."""
         result = fn(data_source, solution_str, ground_truth, extra_info)
-        if isinstance(result, dict):  # verl's functions may return {"score": ..., ...}
-            result = result["score"]
-        value = float(result)
-        if not math.isfinite(value):
-            raise RewardError(f"reward for data_source {data_source!r} is not finite: {value}")
-        return value
+        return check_value(result["score"] if isinstance(result, dict) and "score" in result
+                           else result, data_source)
 
     return score
+
+
+def check_value(result, data_source: str) -> float:
+    """A reward function's result (a number; verl's may return {"score": ...}) as a float."""
+    try:
+        if isinstance(result, (str, bytes)):  # float("nan") must not sneak in as text
+            raise TypeError("text")
+        value = float(result)
+    except (TypeError, ValueError, OverflowError) as e:
+        raise RewardError(f"reward for data_source {data_source!r} is not a number: {result!r} ({e})") from None
+    if not math.isfinite(value):
+        raise RewardError(f"reward for data_source {data_source!r} is not finite: {value}")
+    if abs(value) > FLOAT32_MAX:  # it would become inf in the shard's float32 column
+        raise RewardError(f"reward for data_source {data_source!r} is out of range: {value:g} "
+                          f"(|reward| must be at most {FLOAT32_MAX:g}, float32)")
+    return value

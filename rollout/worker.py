@@ -65,6 +65,7 @@ class RolloutWorker:
         self.tokens = 0
         self.gen_seconds = 0.0
         self.resumed_on_new_weights = 0  # responses continued on newer weights (interruptible)
+        self.rewards_dropped = 0  # samples whose reward was not a finite float32
         self.seed = cfg.worker.seed * 1_000_003 + zlib.crc32(self.id.encode())
 
     def _on_signal(self, signum, _frame) -> None:
@@ -121,7 +122,13 @@ class RolloutWorker:
         out = []
         for c, version in zip(group, versions):
             text = self.engine.tokenizer.decode(c.token_ids, skip_special_tokens=True)
-            r = self.score(prompt.data_source, text, prompt.ground_truth, prompt.extra_info)
+            try:
+                r = self.score(prompt.data_source, text, prompt.ground_truth, prompt.extra_info)
+            except reward.RewardError as e:  # one bad value costs one sample, not the run
+                self.rewards_dropped += 1
+                log.warning("dropped a sample of prompt %s: %s (%d dropped so far)",
+                            prompt.prompt_id, e, self.rewards_dropped)
+                continue
             out.append(Sample(
                 sample_id="", group_id="", prompt_id=prompt.prompt_id,
                 worker_id=self.id, weight_version=version, prompt_ids=prompt.token_ids,
@@ -180,8 +187,9 @@ class RolloutWorker:
             samples = self._samples(prompt, group, versions, batch.started)
             self.tokens += sum(len(s.response_ids) for s in samples)
             rewards += [s.reward for s in samples]
-            self.writer.add_group(samples)
-        return sum(rewards) / len(rewards)
+            if samples:
+                self.writer.add_group(samples)
+        return sum(rewards) / len(rewards) if rewards else float("nan")
 
     def run_batch(self) -> float:
         return self.finish_batch(self.generate_batch())
@@ -201,6 +209,7 @@ class RolloutWorker:
             "shards_written": self.writer.shards_written, "next_seq": self.writer.seq,
             "tokens_per_s": self.tokens / self.gen_seconds if self.gen_seconds else 0.0,
             "resumed_on_new_weights": self.resumed_on_new_weights,
+            "rewards_dropped": self.rewards_dropped,
             "last_beat": time.time()})
 
     def should_stop(self) -> bool:

@@ -43,3 +43,52 @@ def test_non_finite_steps_are_skipped_and_never_published(experience):
     for r in skipped:  # a skipped step leaves the weights as they were
         assert math.isnan(r["actor/grad_norm"]) or math.isinf(r["actor/grad_norm"]) \
             or not math.isfinite(r["actor/pg_loss"])
+
+
+BAD_REWARDS = '''
+import itertools
+_calls = itertools.count()
+
+def compute_score(data_source, solution_str, ground_truth, extra_info=None):
+    k = next(_calls)
+    if k % 7 == 3:
+        return float("nan")
+    if k % 11 == 5:
+        return 1e39  # a finite Python float that float32 cannot hold
+    if k % 13 == 8:
+        return {"score": float("-inf")}
+    return 1.0
+'''
+
+
+def test_bad_rewards_drop_their_samples_and_the_worker_goes_on(tmp_path, caplog):
+    from protocol.experience import load_shard, from_table
+    from rollout import builtin_task
+    from rollout.config import WorkerConfig
+    from rollout.worker import RolloutWorker
+    builtin_task.write_model(tmp_path / "m0")
+    builtin_task.write_parquet(tmp_path / "t.parquet", builtin_task.make_rows(50, 3))
+    (tmp_path / "bad_reward.py").write_text(BAD_REWARDS)
+    root = tmp_path / "run"
+    WeightStore(str(root)).publish_hf_folder(tmp_path / "m0", 0, 0, keep=2)
+    cfg = build(WorkerConfig, {"root": str(root), "train_files": f"[{tmp_path / 't.parquet'}]",
+                               "worker.id": "w0", "max_response_length": "3", "n": "4",
+                               "prompts_per_batch": "10", "worker.max_batches": "3",
+                               "custom_reward_function.path": str(tmp_path / "bad_reward.py")})
+    caplog.set_level("WARNING", logger="rollout.worker")
+    worker = RolloutWorker(cfg)
+    worker.run()
+    total = 3 * 10 * 4
+    # calls k in [0, 120): k%7==3 -> 17, k%11==5 (not already) -> 9, k%13==8 (neither) -> 8
+    bad = [k for k in range(total) if k % 7 == 3 or k % 11 == 5 or k % 13 == 8]
+    beat = json.loads((root / "workers" / "w0.json").read_text())
+    assert beat["rewards_dropped"] == len(bad)
+    assert beat["samples_written"] == total - len(bad)
+    lines = [r.getMessage() for r in caplog.records if "dropped a sample" in r.getMessage()]
+    assert len(lines) == len(bad) and all("prompt " in ln for ln in lines)
+    assert any("nan" in ln for ln in lines) and any("1e+39" in ln for ln in lines)
+    rewards = []
+    for shard in sorted((root / "experience" / "w0").glob("*.arrow")):
+        rewards += [s.reward for s in from_table(load_shard(shard.read_bytes()))]
+    assert len(rewards) == total - len(bad) and all(r == 1.0 for r in rewards)
+    assert not (root / "quarantine").exists()
