@@ -17,15 +17,31 @@ from buffer.storage import read_json
 log = logging.getLogger(__name__)
 
 
-def backlog(fs, layout: RunLayout) -> int:
-    written = 0
+def heartbeats(fs, layout: RunLayout) -> list[dict]:
+    """The workers' heartbeats (workers/<id>.json) that can be read now."""
+    beats = []
     if fs.exists(layout.workers_dir):
-        for path in fs.ls(layout.workers_dir, detail=False):
+        for path in sorted(fs.ls(layout.workers_dir, detail=False)):
             if path.endswith(".json"):
                 try:
-                    written += int(json.loads(fs.cat_file(path)).get("samples_written", 0))
+                    beat = json.loads(fs.cat_file(path))
                 except (FileNotFoundError, ValueError):
                     continue  # a heartbeat being replaced or removed; the next look sees it
+                if isinstance(beat, dict):
+                    beats.append(beat)
+    return beats
+
+
+def describe_workers(fs, layout: RunLayout, now: float | None = None) -> str:
+    """One phrase per worker for wait messages: id, state, age of its last heartbeat."""
+    now = time.time() if now is None else now
+    parts = [f"{b.get('worker_id', '?')} {b.get('state', '?')} (heartbeat "
+             f"{now - float(b.get('last_beat', 0)):.0f} s ago)" for b in heartbeats(fs, layout)]
+    return ", ".join(parts) if parts else f"no heartbeats in {layout.workers_dir}"
+
+
+def backlog(fs, layout: RunLayout) -> int:
+    written = sum(int(b.get("samples_written", 0)) for b in heartbeats(fs, layout))
     progress = read_json(fs, layout.progress) or {}
     return written - int(progress.get("samples_retired", 0))
 

@@ -29,13 +29,13 @@ import re
 ARCHIVE_BUCKET = 10_000  # shards per archive folder
 SHARD_SUFFIX = ".arrow"
 TMP_MARK = ".tmp-"
-_VERSION_DIR = re.compile(r"^v(\d{6,})$")
-_CHECKPOINT_DIR = re.compile(r"^step_(\d{8,})$")
-_WORKER_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,127}$")
+_VERSION_DIR = re.compile(r"^v(\d{6,})\Z")
+_CHECKPOINT_DIR = re.compile(r"^step_(\d{8,})\Z")
+_WORKER_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,127}")
 
 
 def check_worker_id(worker_id: str) -> str:
-    if not _WORKER_ID.match(worker_id):
+    if not isinstance(worker_id, str) or not _WORKER_ID.fullmatch(worker_id):  # "w0\n" too
         raise ValueError(f"worker id {worker_id!r}: use letters, digits, '_', '.', '-' (max 128)")
     return worker_id
 

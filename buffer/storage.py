@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import os
 
 import fsspec
@@ -87,3 +88,36 @@ def fsync_tree(path: str) -> None:
             with open(os.path.join(dirpath, name), "rb+") as f:
                 os.fsync(f.fileno())
         _fsync_dir(dirpath)
+
+
+class _StopRace(logging.Filter):
+    """watchdog's inotify emitter logs an ERROR ("queue_events() called when the thread is
+    inactive") when an event arrives while its observer stops: a race inside watchdog, harmless
+    when we stop the observer on purpose, and otherwise the last line of a clean run."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "called when the thread is inactive" not in record.getMessage()
+
+
+_STOP_RACE = _StopRace()
+
+
+def watch(path: str, on_event, recursive: bool):
+    """A started watchdog observer (daemon) calling `on_event(event)` for each event under the
+    local folder `path`; end it with `stop_watch`. Events only cut latency: callers also poll."""
+    from watchdog.observers import Observer
+    logging.getLogger("watchdog.observers.inotify").addFilter(_STOP_RACE)  # once: same object
+
+    class Handler:
+        dispatch = staticmethod(on_event)
+
+    observer = Observer()
+    observer.schedule(Handler(), path, recursive=recursive)
+    observer.daemon = True
+    observer.start()
+    return observer
+
+
+def stop_watch(observer) -> None:
+    observer.stop()
+    observer.join(timeout=5)

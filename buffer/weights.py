@@ -36,6 +36,15 @@ def copy_model_metadata(model_path: str, dest: str) -> None:
             shutil.copy2(src, os.path.join(dest, name))
 
 
+def hf_folder_problem(folder: str) -> str | None:
+    """Why `folder` cannot be an HF model folder, or None; cheap, checked before any loading."""
+    if not os.path.isdir(folder):
+        return f"{folder} not found (an HF model folder: config.json, weights, tokenizer)"
+    if not os.path.isfile(os.path.join(folder, "config.json")):
+        return f"{folder} is not an HF model folder (no config.json)"
+    return None
+
+
 _SAFETENSORS_DTYPES = {
     torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
     torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8",

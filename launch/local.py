@@ -18,6 +18,7 @@ import time
 from pathlib import Path
 
 from buffer.layout import RunLayout
+from buffer.weights import hf_folder_problem
 from rollout import builtin_task
 
 # The built-in task's recipe (tuned so a random-init model learns it by RL in a few minutes;
@@ -55,6 +56,10 @@ def prepare(layout: RunLayout, args) -> tuple[str, str]:
     """Model folder and dataset for the run, building the built-in ones when not given."""
     if os.path.exists(layout.weights_dir) or os.path.exists(layout.metrics):
         raise SystemExit(f"launch.local: {layout.root} already holds a run; choose a new --root")
+    if args.model and (problem := hf_folder_problem(args.model)):  # before starting anything
+        raise SystemExit(f"launch.local: --model {problem}")
+    if args.data and not os.path.isfile(args.data):
+        raise SystemExit(f"launch.local: --data {args.data} not found (a verl-format parquet file)")
     model = args.model or layout.init_model
     if not args.model and not os.path.exists(model):
         builtin_task.write_model(model)

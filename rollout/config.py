@@ -2,8 +2,10 @@
 from __future__ import annotations
 
 import dataclasses
+import re
 
 from buffer.config import BufferConfig
+from buffer.layout import check_worker_id
 from protocol.config import F, ConfigError
 
 
@@ -72,7 +74,16 @@ class WorkerSection:
     max_batches: int = F(0, "stop after this many batches (0: run until stopped)", ge=0)
     weights_timeout_s: float = F(900.0, "seconds to wait for the trainer's first weight version",
                                  gt=0)
-    device: str = F("auto", "torch device for the hf engine: auto|cpu|cuda")
+    device: str = F("auto", "torch device for the hf engine: auto|cpu|cuda|cuda:N")
+
+    def check(self) -> None:
+        if self.id:
+            try:
+                check_worker_id(self.id)
+            except ValueError as e:
+                raise ConfigError(f"worker.id: {e}") from None
+        if not re.fullmatch(r"auto|cpu|cuda(:\d+)?", self.device):
+            raise ConfigError(f"worker.device: {self.device!r} is not one of auto, cpu, cuda, cuda:N")
 
 
 @dataclasses.dataclass

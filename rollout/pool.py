@@ -34,7 +34,7 @@ import threading
 import time
 
 from buffer.layout import RunLayout
-from buffer.storage import atomic_write_json, filesystem, is_local, read_json
+from buffer.storage import atomic_write_json, filesystem, is_local, read_json, stop_watch, watch
 from protocol import control
 from protocol.config import F, ConfigError, build, split_argv, usage
 from rollout.config import WorkerConfig
@@ -197,19 +197,8 @@ class Pool:
     # --- lifecycle ---------------------------------------------------------------------------
     def _watch(self) -> None:
         """Filesystem events wake the loop early on this node; polling covers other nodes."""
-        if not is_local(self.fs):
-            return
-        from watchdog.events import FileSystemEventHandler
-        from watchdog.observers import Observer
-        wake = self._wake
-
-        class Handler(FileSystemEventHandler):
-            def on_any_event(self, event):
-                wake.set()
-        self._observer = Observer()
-        self._observer.schedule(Handler(), self.layout.root, recursive=False)
-        self._observer.daemon = True
-        self._observer.start()
+        if is_local(self.fs):
+            self._observer = watch(self.layout.root, lambda _event: self._wake.set(), recursive=False)
 
     def run(self) -> None:
         signal.signal(signal.SIGTERM, self._on_signal)
@@ -244,8 +233,7 @@ class Pool:
         self.members = []
         self.save()
         if self._observer is not None:
-            self._observer.stop()
-            self._observer.join(timeout=5)
+            stop_watch(self._observer)
 
 
 @dataclasses.dataclass
@@ -378,8 +366,7 @@ class SlurmPool(Pool):
             log.warning("jobs still in SLURM at exit: %s", [j.job_id for j in self.jobs])
         self.save()
         if self._observer is not None:
-            self._observer.stop()
-            self._observer.join(timeout=5)
+            stop_watch(self._observer)
 
 
 def parse(argv: list[str]) -> tuple[PoolConfig, list[str]]:

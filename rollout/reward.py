@@ -36,6 +36,43 @@ def _default(data_source, solution_str, ground_truth, extra_info=None):
     return default_compute_score(data_source, solution_str, ground_truth, extra_info)
 
 
+def verl_handles(data_source: str) -> bool:
+    """Whether verl's `default_compute_score` has a reward for `data_source`, decided without
+    scoring anything (some of its rewards run code or call a sandbox): its body is an if/elif
+    chain on `data_source` ending in NotImplementedError, so each condition is evaluated alone.
+    A condition that needs anything else counts as a match (the first scoring decides then)."""
+    import ast
+    import inspect
+    import textwrap
+    from verl.utils.reward_score import default_compute_score
+    body = ast.parse(textwrap.dedent(inspect.getsource(default_compute_score))).body[0].body
+    node = next((n for n in body if isinstance(n, ast.If)), None)
+    if node is None:
+        return True  # not the shape we know: let the first scoring decide
+    while isinstance(node, ast.If):
+        try:
+            if eval(compile(ast.Expression(node.test), "<verl condition>", "eval"),  # noqa: S307
+                    {"__builtins__": {}}, {"data_source": data_source}):
+                return True
+        except Exception:  # noqa: BLE001 - a condition on something else: assume it may match
+            return True
+        node = node.orelse[0] if len(node.orelse) == 1 else None
+    return False
+
+
+def check_data_sources(sources: dict[str, str], custom_path: str | None) -> None:
+    """At start, before any engine loads: every data_source of the dataset (value -> file
+    naming it) has a reward function. A custom function is trusted with all of them."""
+    if custom_path:
+        return
+    for source, file in sources.items():
+        if source not in builtin_task.DATA_SOURCES and not verl_handles(source):
+            raise RewardError(
+                f"data_source {source!r} (in {file}) has no reward function: it is neither the "
+                f"built-in task's ({', '.join(sorted(builtin_task.DATA_SOURCES))}) nor one of "
+                "verl's default_compute_score; set custom_reward_function.path")
+
+
 def resolve(path: str | None, name: str) -> Callable[[str, str, object, dict], float]:
     fn = _load_custom(path, name) if path else _default
 

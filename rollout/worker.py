@@ -29,7 +29,7 @@ from protocol.config import parse_cli
 from protocol.experience import Sample
 from rollout import reward
 from rollout.config import WorkerConfig
-from rollout.dataset import Prompt, PromptStream, load_prompts
+from rollout.dataset import DatasetError, Prompt, PromptStream, data_sources, load_prompts
 from rollout.engine import Completion, SamplingSettings, build_engine
 
 log = logging.getLogger("rollout.worker")
@@ -50,6 +50,9 @@ class RolloutWorker:
         self.fs, root_path = filesystem(cfg.root)
         self.layout = RunLayout(root_path)
         self.layout.heartbeat(self.id)  # validates the id before any work
+        self.score = reward.resolve(cfg.custom_reward_function.path, cfg.custom_reward_function.name)
+        # Before writing anything, waiting for weights or loading an engine: every row can be scored.
+        reward.check_data_sources(data_sources(cfg.data.train_files), cfg.custom_reward_function.path)
         self.store = WeightStore(cfg.root)
         if cfg.buffer.transport == "grpc":
             from buffer.grpc_transport import GrpcShardWriter as writer_cls
@@ -57,7 +60,6 @@ class RolloutWorker:
             writer_cls = ShardWriter
         self.writer = writer_cls(cfg.root, self.id, cfg.buffer,
                                   resume=read_json(self.fs, self.layout.heartbeat(self.id)))
-        self.score = reward.resolve(cfg.custom_reward_function.path, cfg.custom_reward_function.name)
         self.stopping = False
         self.version: int | None = None
         self.versions_loaded: list[int] = []
@@ -257,7 +259,11 @@ def main(argv: list[str] | None = None) -> int:
                         format="%(asctime)s %(levelname)s rollout[%(process)d] %(message)s")
     import torch
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
-    RolloutWorker(cfg).run()
+    try:
+        RolloutWorker(cfg).run()
+    except (DatasetError, reward.RewardError) as e:  # the dataset or the reward set-up
+        print(f"python -m rollout.worker: {e}", file=sys.stderr)
+        return 2
     return 0
 
 

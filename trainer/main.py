@@ -23,7 +23,7 @@ from buffer import retention
 from buffer.ledger import Ledger
 from buffer.reader import ExperienceReader, Group
 from buffer.storage import atomic_write_json, filesystem
-from buffer.weights import WeightStore
+from buffer.weights import WeightStore, hf_folder_problem
 from protocol.config import parse_cli, to_dict
 from trainer import algo, checkpoint
 from trainer.batch import collate
@@ -358,6 +358,9 @@ def main(argv: list[str] | None = None) -> int:
     cfg = parse_cli(TrainerConfig, argv, "python -m trainer.main",
                     "Trainer: consumes experience shards, runs GRPO/PPO steps on an FSDP2 actor, "
                     "and publishes weight versions for the rollout workers. Run under torchrun.")
+    if problem := hf_folder_problem(cfg.actor_rollout_ref.model.path):  # before loading anything
+        print(f"python -m trainer.main: actor_rollout_ref.model.path: {problem}", file=sys.stderr)
+        return 2
     device = init_distributed(cfg.trainer.device, cfg.trainer.data_timeout_s + 600)
     logging.basicConfig(level=logging.INFO if dist.get_rank() == 0 else logging.WARNING,
                         stream=sys.stdout, format=f"%(asctime)s %(levelname)s trainer[{dist.get_rank()}] %(message)s")
