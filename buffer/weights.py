@@ -193,12 +193,23 @@ class WeightStore:
         pointer = read_json(self.fs, self.layout.latest_pointer)
         return None if pointer is None else int(pointer["version"])
 
-    def wait_latest(self, timeout_s: float, poll_s: float = 0.5) -> int:
-        start = time.monotonic()
+    def wait_latest(self, timeout_s: float, poll_s: float = 0.5, should_stop=lambda: False,
+                    note_every_s: float = 30.0) -> int | None:
+        """The newest published version, waiting up to `timeout_s` for the first one; None as
+        soon as `should_stop()` says so (a signal). A log line when it starts waiting and then
+        every `note_every_s`."""
+        start, last_note = time.monotonic(), None
         while (v := self.latest()) is None:
-            if time.monotonic() - start > timeout_s:
+            if should_stop():
+                return None
+            waited = time.monotonic() - start
+            if waited > timeout_s:
                 raise TimeoutError(f"no weight version appeared in {self.layout.latest_pointer} "
                                    f"within {timeout_s:.0f} s: has the trainer started?")
+            if last_note is None or time.monotonic() - last_note >= note_every_s:
+                log.info("waiting for the first weight version in %s (%.0f s of %.0f)",
+                         self.layout.latest_pointer, waited, timeout_s)
+                last_note = time.monotonic()
             time.sleep(poll_s)
         return v
 

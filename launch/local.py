@@ -14,6 +14,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -83,21 +84,12 @@ class Child:
     def poll(self):
         return self.proc.poll()
 
-    def stop(self, grace_s: float) -> int:
-        """SIGTERM the child's process group, SIGKILL it after `grace_s`; returns the exit code."""
+    def signal_group(self, sig: int) -> None:
         if self.proc.poll() is None:
             try:
-                os.killpg(self.proc.pid, signal.SIGTERM)
+                os.killpg(self.proc.pid, sig)
             except ProcessLookupError:
                 pass
-            try:
-                self.proc.wait(timeout=grace_s)
-            except subprocess.TimeoutExpired:
-                print(f"launch.local: {self.name} ignored SIGTERM for {grace_s:.0f} s; killing it", file=sys.stderr)
-                os.killpg(self.proc.pid, signal.SIGKILL)
-                self.proc.wait(timeout=30)
-        self.log.close()
-        return self.proc.returncode
 
     def tail(self, lines: int = 15) -> str:
         """The log's last lines, preceded by its error lines (torchrun prints its own summary
@@ -163,6 +155,47 @@ def supervise(trainer: Child, workers: list[Child], layout: RunLayout, args) -> 
         bar.close()
 
 
+class Signals:
+    """SIGTERM (e.g. from a batch system) is handled like Ctrl-C: the first one interrupts the
+    supervision (KeyboardInterrupt); once cleanup has begun, another one only cuts its grace
+    period short, so cleanup itself is never interrupted."""
+
+    def __init__(self):
+        self.cleaning = False
+        self.hurry = threading.Event()
+        signal.signal(signal.SIGTERM, self)
+        signal.signal(signal.SIGINT, self)
+
+    def __call__(self, signum, _frame):
+        if not self.cleaning:
+            self.cleaning = True
+            raise KeyboardInterrupt
+        print(f"launch.local: {signal.Signals(signum).name} again: killing what is left now",
+              file=sys.stderr)
+        self.hurry.set()
+
+
+def stop_all(children: list[Child], grace_s: float, signals: Signals) -> None:
+    """SIGTERM every child's process group at once, wait (up to `grace_s` in all), SIGKILL the
+    rest; a second signal kills at once."""
+    signals.cleaning = True
+    hurry = signals.hurry
+    for child in children:
+        child.signal_group(signal.SIGTERM)
+    deadline = time.monotonic() + grace_s
+    while any(c.poll() is None for c in children) and time.monotonic() < deadline:
+        if hurry.wait(0.2):
+            break
+    for child in children:
+        if child.poll() is None:
+            if not hurry.is_set():
+                print(f"launch.local: {child.name} ignored SIGTERM for {grace_s:.0f} s; killing it",
+                      file=sys.stderr)
+            child.signal_group(signal.SIGKILL)
+            child.proc.wait(timeout=30)
+        child.log.close()
+
+
 def summarize(layout: RunLayout) -> None:
     rows = read_metrics(layout.metrics)
     if not rows:
@@ -183,8 +216,7 @@ def main(argv: list[str] | None = None) -> int:
     layout = RunLayout(os.path.abspath(args.root))
     model, data = prepare(layout, args)
     print(f"launch.local: run folder {layout.root}; logs in {os.path.dirname(layout.log('x'))}")
-    # SIGTERM (e.g. from a batch system) is handled like Ctrl-C: stop every child, then exit.
-    signal.signal(signal.SIGTERM, signal.default_int_handler)
+    signals = Signals()
     trainer, workers = start_children(layout, args, model, data)
     failed, code = None, 0
     try:
@@ -195,8 +227,8 @@ def main(argv: list[str] | None = None) -> int:
     except TimeoutError as e:
         print(e, file=sys.stderr)
         code = 1
-    for child in [*workers, trainer]:
-        child.stop(grace_s=60)
+    finally:
+        stop_all([*workers, trainer], grace_s=60, signals=signals)
     if failed is not None:
         print(f"launch.local: {failed.name} exited with code {failed.proc.returncode}; "
               f"see {failed.log_path}. Last lines:\n{failed.tail()}", file=sys.stderr)

@@ -74,11 +74,15 @@ class RolloutWorker:
         log.info("%s received: finishing the current batch, then flushing", signal.Signals(signum).name)
         self.stopping = True
 
-    def start(self) -> None:
+    def start(self) -> bool:
+        """Wait for weights, load the engine and the prompts; False when a signal came first."""
         signal.signal(signal.SIGTERM, self._on_signal)
         signal.signal(signal.SIGINT, self._on_signal)
         for attempt in range(5):
-            self.version = self.store.wait_latest(self.cfg.worker.weights_timeout_s)
+            self.version = self.store.wait_latest(self.cfg.worker.weights_timeout_s,
+                                                  should_stop=lambda: self.stopping)
+            if self.version is None:
+                return False
             model_dir = self.layout.version_dir(self.version)
             log.info("worker %s starting engine %s from %s", self.id,
                      self.cfg.actor_rollout_ref.rollout.name, model_dir)
@@ -97,6 +101,7 @@ class RolloutWorker:
             load_prompts(self.cfg.data.train_files, self.engine.tokenizer, self.cfg.data.prompt_key,
                          self.cfg.data.max_prompt_length),
             self.cfg.data.shuffle, self.seed)
+        return True
 
     def maybe_reload(self) -> bool:
         """Load the newest published version in place, if it is newer; True when loaded."""
@@ -222,7 +227,11 @@ class RolloutWorker:
         return self.fs.exists(self.layout.done_marker)
 
     def run(self) -> None:
-        self.start()
+        if not self.start():
+            self.writer.close()
+            self.heartbeat("stopped")
+            log.info("worker %s stopped before the first weight version appeared", self.id)
+            return
         self.heartbeat("running")
         # The engine generates batch k+1 while one owned thread scores and publishes batch k.
         finisher = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="finish")
