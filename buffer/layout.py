@@ -3,7 +3,8 @@
     ROOT/
       init_model/                  the built-in tiny model (HF folder), when launch.local made it
       data/train.parquet           the built-in task in verl's RL dataset format
-      experience/<worker>/<seq>.arrow     published shards (temporaries: .<seq>.arrow.tmp-<pid>)
+      experience/<worker>/<seq>.arrow     published shards (temporaries: .<seq>.arrow.tmp-<pid>;
+                                   the gRPC server's: experience/.<worker>.<seq>.arrow.tmp-<pid>)
       quarantine/<worker>/<seq>.arrow     shards the trainer rejected, with <seq>.arrow.reason.txt
       archive/<worker>/<seq // 10000>/<seq>.arrow   consumed shards kept by retention mode
                                    'archive' (buckets: no folder ever holds more than 10,000)
@@ -70,6 +71,11 @@ class RunLayout:
     def shard_tmp(self, worker_id: str, seq: int, pid: int) -> str:
         return self._p("experience", check_worker_id(worker_id),
                        f".{seq:09d}{SHARD_SUFFIX}{TMP_MARK}{pid}")
+
+    def spool_tmp(self, worker_id: str, seq: int, pid: int) -> str:
+        """Where the gRPC server receives a shard: beside the worker folders, so a refused push
+        never creates experience/<worker>/."""
+        return self._p("experience", f".{check_worker_id(worker_id)}.{seq:09d}{SHARD_SUFFIX}{TMP_MARK}{pid}")
 
     @staticmethod
     def shard_seq(name: str) -> int | None:

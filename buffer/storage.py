@@ -44,7 +44,7 @@ def atomic_writer(fs: fsspec.AbstractFileSystem, path: str, tmp: str | None = No
     only if the block ends without an exception; otherwise the temporary file is removed."""
     tmp = tmp or f"{path}.tmp-{os.getpid()}"
     parent = path.rsplit("/", 1)[0]
-    fs.makedirs(parent, exist_ok=True)
+    fs.makedirs(tmp.rsplit("/", 1)[0], exist_ok=True)  # `path`'s folder only once it is whole
     local = is_local(fs)
     try:
         with (open(tmp, "wb") if local else fs.open(tmp, "wb")) as f:
@@ -56,6 +56,7 @@ def atomic_writer(fs: fsspec.AbstractFileSystem, path: str, tmp: str | None = No
         with contextlib.suppress(OSError):
             fs.rm_file(tmp)
         raise
+    fs.makedirs(parent, exist_ok=True)
     if local:
         os.replace(tmp, path)
         _fsync_dir(parent)
@@ -79,6 +80,31 @@ def read_json(fs: fsspec.AbstractFileSystem, path: str):
         return json.loads(fs.cat_file(path))
     except FileNotFoundError:
         return None
+
+
+def umask() -> int:
+    """The process's file mode creation mask (read without changing it where Linux allows)."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("Umask:"):
+                    return int(line.split()[1], 8)
+    except OSError:
+        pass
+    mask = os.umask(0o022)  # elsewhere: set and restore (not thread-safe, hence the above)
+    os.umask(mask)
+    return mask
+
+
+def respect_umask(path: str) -> None:
+    """Give the files and folders under a local `path` the modes a plain `open`/`mkdir` would
+    (0666/0777 less the umask). safetensors writes 0600, unreadable for the other users of a
+    shared cluster whatever their umask says."""
+    mask = umask()
+    for dirpath, dirs, files in os.walk(path):
+        os.chmod(dirpath, 0o777 & ~mask)
+        for name in files:
+            os.chmod(os.path.join(dirpath, name), 0o666 & ~mask)
 
 
 def fsync_tree(path: str) -> None:

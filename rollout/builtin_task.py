@@ -13,6 +13,8 @@ from __future__ import annotations
 import random
 from pathlib import Path
 
+from buffer.storage import respect_umask
+
 DATA_SOURCES = {"tandem/copy": lambda s: s, "tandem/reverse": lambda s: s[::-1]}
 SPECIALS = ["<pad>", "<eos>", "<unk>"]
 CHARS = list("0123456789=")
@@ -89,6 +91,7 @@ def write_model(out_dir: str | Path, seed: int = 0, hidden: int = 64, layers: in
     tmp = Path(f"{out_dir}.tmp")
     model.save_pretrained(tmp)
     tok.save_pretrained(tmp)
+    respect_umask(str(tmp))  # safetensors writes 0600
     tmp.replace(out_dir)
 
 
