@@ -36,7 +36,8 @@ from buffer.storage import atomic_writer, filesystem
 from buffer.writer import ShardWriter
 from protocol import experience_pb2 as pb
 from protocol.experience import SCHEMA_VERSION, IntegrityError, StreamVerifier
-from protocol.shard_stream import PUSH_METHOD, SERVICE, chunk_data, decode_chunk, encode_chunk
+from protocol.shard_stream import (PUSH_METHOD, SERVICE, Undecodable, chunk_data, decode_chunk,
+                                   encode_chunk)
 
 log = logging.getLogger(__name__)
 TOKEN_ENV = "TANDEM_GRPC_TOKEN"
@@ -67,6 +68,10 @@ def _read(path: str | None) -> bytes | None:
         return None
     with open(path, "rb") as f:
         return f.read()
+
+
+class _Refused(Exception):
+    """A push that breaks the protocol (INVALID_ARGUMENT)."""
 
 
 @dataclasses.dataclass(eq=False)  # kept in a set by identity
@@ -202,6 +207,8 @@ class _Servicer:
                 self.key_locks.pop(key, None)
 
     def _header(self, first, context) -> pb.ShardHeader:
+        if isinstance(first, Undecodable):
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, first.reason)
         if first is None or isinstance(first, memoryview) or first.WhichOneof("part") != "header":
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, "a push must start with a ShardHeader")
         head = first.header
@@ -230,6 +237,8 @@ class _Servicer:
             with atomic_writer(self.fs, path, self.layout.spool_tmp(head.worker_id, head.seq,
                                                                     os.getpid())) as f:
                 for chunk in chunks:
+                    if isinstance(chunk, Undecodable):
+                        raise _Refused(chunk.reason)
                     data = chunk_data(chunk)
                     if data is None:
                         raise IntegrityError("a second ShardHeader inside one push")
@@ -243,6 +252,9 @@ class _Servicer:
         except IntegrityError as e:  # damaged on the way: the worker's copy may be fine, resend
             self.stats["rejected"] += 1
             context.abort(grpc.StatusCode.DATA_LOSS, f"{key}: {e}")
+        except _Refused as e:  # not our protocol: resending the same bytes cannot help
+            self.stats["rejected"] += 1
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"{key}: {e}")
         self.stats["spooled"] += 1
         return False
 

@@ -53,6 +53,13 @@ def leaves(cls, prefix: str = ""):
             yield name, f, tp
 
 
+def _yaml(text: str, key: str):
+    try:
+        return yaml.safe_load(text)
+    except yaml.YAMLError as e:
+        raise ConfigError(f"{key}: cannot parse {text!r}: {str(e).splitlines()[0]}") from None
+
+
 def _coerce(value: Any, tp, key: str):
     origin = typing.get_origin(tp)
     args = typing.get_args(tp)
@@ -64,7 +71,7 @@ def _coerce(value: Any, tp, key: str):
         return _coerce(value, inner[0], key)
     if origin is list:
         if isinstance(value, str):
-            value = yaml.safe_load(value) if value.strip().startswith("[") else value.split(",")
+            value = _yaml(value, key) if value.strip().startswith("[") else value.split(",")
         if not isinstance(value, (list, tuple)):
             value = [value]
         return [_coerce(v, args[0] if args else str, key) for v in value]
@@ -79,7 +86,7 @@ def _coerce(value: Any, tp, key: str):
     if tp in (int, float, str):
         try:
             if tp is int and isinstance(value, str):
-                value = yaml.safe_load(value)  # "3.5" and "true" must not become 3 and 1
+                value = _yaml(value, key)  # "3.5" and "true" must not become 3 and 1
             if tp is int and (isinstance(value, bool) or
                               (isinstance(value, float) and not value.is_integer())):
                 raise ValueError

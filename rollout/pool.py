@@ -33,7 +33,7 @@ import sys
 import threading
 import time
 
-from buffer.layout import RunLayout
+from buffer.layout import RunLayout, check_worker_id
 from buffer.storage import atomic_write_json, filesystem, is_local, read_json, stop_watch, watch
 from protocol import control
 from protocol.config import F, ConfigError, build, split_argv, usage
@@ -66,6 +66,12 @@ class PoolSection:
     drain_timeout_s: float = F(300.0, "seconds a draining worker may take before SIGKILL", gt=0)
     max_restarts: int = F(3, "restarts of crashed workers before the supervisor gives up", ge=0)
     slurm: SlurmPoolSection = F(factory=SlurmPoolSection)
+
+    def check(self) -> None:
+        try:
+            check_worker_id(self.id)  # names files and its workers' ids
+        except ValueError as e:
+            raise ConfigError(f"pool.id: {e}") from None
 
 
 @dataclasses.dataclass
@@ -108,7 +114,7 @@ class Pool:
     # --- commands ----------------------------------------------------------------------------
     def read_commands(self) -> list[control.Command]:
         try:
-            text = self.fs.cat_file(self.layout.control).decode()
+            text = self.fs.cat_file(self.layout.control)  # bytes: parse judges the encoding
         except FileNotFoundError:
             return []
         try:

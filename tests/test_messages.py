@@ -1,8 +1,6 @@
 """Clear refusals: a bad input stops the role at start with one line naming the setting, the
 file or the row, before anything heavy loads; tools report missing folders as failures."""
-import json
 import logging
-import os
 import subprocess
 import sys
 import threading
@@ -34,7 +32,7 @@ def test_missing_model_path_is_named_before_loading(tmp_path):
     assert "actor_rollout_ref.model.path: /nonexistent/model not found" in p.stderr
     assert "Repo id" not in p.stderr and "Traceback" not in p.stderr
     assert not (tmp_path / "run").exists()  # nothing was started
-    p, took = _run("-m", "launch.local", "--root", str(tmp_path / "run"), "--model", "/nonexistent/m")
+    p, _ = _run("-m", "launch.local", "--root", str(tmp_path / "run"), "--model", "/nonexistent/m")
     assert p.returncode != 0 and "--model /nonexistent/m not found" in p.stderr, p.stderr
     assert not (tmp_path / "run" / "logs").exists()  # no child was started
 
