@@ -349,19 +349,27 @@ _message_raw = st.one_of(
     st.binary(max_size=32))  # garbage that need not parse as a ShardChunk
 
 
-def _call(port, messages, token, timeout=20):
-    stall = threading.Event()
+def _call(port, messages, token, timeout=20, ack=None):
+    """A raw push (messages as bytes: garbage allowed); its status code. `ack` (a list) gets
+    the parsed acknowledgement of a successful one."""
+    from protocol import experience_pb2 as pb
     with grpc.insecure_channel(f"127.0.0.1:{port}") as ch:
         push = ch.stream_unary(PUSH_METHOD, request_serializer=lambda b: b,
-                               response_deserializer=lambda b: b)
+                               response_deserializer=pb.Ack.FromString)
         try:
-            push(iter(messages), timeout=timeout,
-                 metadata=[("authorization", f"Bearer {token}"), (WRITER_KEY, "fuzz")])
-            return grpc.StatusCode.OK
+            got = push(iter(messages), timeout=timeout,
+                       metadata=[("authorization", f"Bearer {token}"), (WRITER_KEY, "fuzz")])
         except grpc.RpcError as e:
             return e.code()
-        finally:
-            stall.set()
+    if ack is not None:
+        ack.append(got)
+    return grpc.StatusCode.OK
+
+
+def _stored(root) -> dict[str, bytes]:
+    exp = root / "experience"
+    return {f"{w}/{n}": (exp / w / n).read_bytes() for w in (os.listdir(exp) if exp.exists() else [])
+            if (exp / w).is_dir() for n in os.listdir(exp / w)}
 
 
 @fuzz(300)
@@ -384,20 +392,23 @@ def test_grpc_streams(server, data):
             msgs.insert(data.draw(st.integers(1, len(msgs))), data.draw(_message_raw))
     else:
         msgs = data.draw(st.lists(_message_raw, max_size=6))
-    code = _call(port, msgs, token)
-    path = root / "experience" / "f0" / f"{seq:09d}.arrow"
-    stored = path.exists()
-    if code == grpc.StatusCode.OK:
-        assert honest and token == TOKEN and stored and path.read_bytes() == GOOD
+    before, ack = _stored(root), []
+    code = _call(port, msgs, token, ack=ack)
+    after = _stored(root)
+    new = {k: v for k, v in after.items() if k not in before}
+    assert all(before[k] == after[k] for k in before)  # nothing stored is ever changed
+    if code == grpc.StatusCode.OK:  # a whole valid shard, or the resend of a stored one
+        key = f"{ack[0].worker_id}/{ack[0].seq:09d}.arrow"
+        assert token == TOKEN and after[key] == GOOD
+        assert new == ({} if ack[0].duplicate else {key: GOOD}), (ack, new)
     else:
         assert code in (grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.INVALID_ARGUMENT,
                         grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.DATA_LOSS), code
-        assert not stored or path.read_bytes() == GOOD
-    leftovers = [n for n in os.listdir(root / "experience") if n.startswith(".")] \
-        if (root / "experience").exists() else []
+        assert not new
+    exp = root / "experience"
+    leftovers = [n for n in os.listdir(exp) if not (exp / n).is_dir()] if exp.exists() else []
     assert not leftovers  # no temporary outlives its push
-    for w in os.listdir(root / "experience") if (root / "experience").exists() else []:
-        assert w == "f0", f"a folder for a refused push: {w}"
+    assert {k.split("/")[0] for k in after} <= {"f0"}, "a folder for a refused push"
 
 
 @fuzz(6)
