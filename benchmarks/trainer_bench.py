@@ -62,7 +62,9 @@ def main() -> int:
     cfg = build(TrainerConfig, {
         "root": f"{args.work}/run-{os.environ.get('WORLD_SIZE', '1')}-{time.time_ns()}",
         "actor_rollout_ref.model.path": model_dir, "trainer.resume_mode": "disable",
-        "data.train_batch_size": "2", "actor_rollout_ref.actor.optim.lr": "1e-6",
+        # groups of 8 per rank (see share()): one mini-batch of all of them per step
+        "data.train_batch_size": str(-(-args.samples_per_rank // 8) * int(os.environ.get("WORLD_SIZE", "1"))),
+        "actor_rollout_ref.actor.optim.lr": "1e-6",
         "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu": str(args.micro),
         "trainer.publish_dtype": "bfloat16"})
     device = init_distributed(args.device, 1800)
@@ -86,17 +88,16 @@ def main() -> int:
                                   [rng.randrange(vocab) for _ in range(args.prompt)],
                                   [rng.randrange(vocab) for _ in range(args.response)],
                                   [-5.0] * args.response, float(i % 2), "length", 1.0, "x", 0.0, 0.0))
-        n = args.samples_per_rank * world
-        return samples, {"tokens": n * args.response, "seqs": n}
+        return samples
 
     times = []
     for step in range(args.steps):
         trainer.step = step + 1
-        samples, info = share()
+        samples = share()
         sync()
         dist.barrier()
         t0 = time.perf_counter()
-        trainer.train_step(samples, info)
+        trainer.train_step(samples)
         sync()
         times.append(time.perf_counter() - t0)
     step_s = sum(times[2:]) / len(times[2:])  # after warm-up

@@ -2,7 +2,10 @@
 
     ROOT/
       init_model/                  the built-in tiny model (HF folder), when launch.local made it
-      data/train.parquet           the built-in task in verl's RL dataset format
+      data/train.parquet           a whole-task parquet in verl's RL format (tests, examples)
+      data/{sft,rl}_{train,val}.parquet   the built-in task through rollout.preprocess, as
+                                   launch.local writes it (rl_val: validation, --sft-steps: sft_*)
+      sft/                         launch.local --sft-steps: the SFT output folder (below)
       experience/<worker>/<seq>.arrow     published shards (temporaries: .<seq>.arrow.tmp-<pid>;
                                    the gRPC server's: experience/.<worker>.<seq>.arrow.tmp-<pid>)
       quarantine/<worker>/<seq>.arrow     shards the trainer rejected, with <seq>.arrow.reason.txt
@@ -11,16 +14,26 @@
       weights/v<version>/          published actor versions (HF safetensors + manifest.json)
       weights/LATEST               the newest complete version number, replaced atomically
       workers/<worker>.json        heartbeats
+      validation/requests/v<version>.json  a version the trainer asked rollout.validate to
+                                   evaluate; the version stays on disk while this exists
+      validation/v<version>.json   its result (metrics per data_source, or why it was skipped)
+      validation/validator.json    the validator's heartbeat
       control.json                 pool commands (protocol/control.py), written by launch.control
       pool/<supervisor>.json       a pool supervisor's applied commands, target and workers
       progress.json                the trainer's consumption count (for worker backpressure)
       checkpoints/step_<N>/        trainer checkpoints (DCP shards, trainer_state.json, pool.arrow)
-      metrics.jsonl                one JSON object per trainer step
+      metrics.jsonl                one JSON object per trainer step and per validation result
+      tensorboard/, swanlog/       trainer.logger backends' files (tensorboard, swanlab)
+      report/                      launch.report's plots, index.html and data.json
       logs/<process>.log           per-process logs under launch.local
       logs/slurm-<role>-%j.out     SLURM job output (launch.submit; %j/%A_%a filled in by SLURM)
       env/<node>.json              versions and checks recorded by launch.check_env on each node
       .check_env/                  launch.check_env's scratch files (removed after each check)
       DONE                         written by the trainer when it has finished its steps
+
+An SFT output folder (`trainer.sft`'s trainer.default_local_dir) uses the same names for what it
+shares with a run: checkpoints/, weights/v<step>/ (an HF folder per saved step), metrics.jsonl,
+tensorboard/, and hf -> weights/v<last step> (a symlink: the final HF folder).
 """
 from __future__ import annotations
 
@@ -56,6 +69,19 @@ class RunLayout:
     @property
     def train_parquet(self) -> str:
         return self._p("data", "train.parquet")
+
+    def prepared_parquet(self, kind: str, split: str) -> str:
+        """rollout.preprocess's outputs: kind 'sft' or 'rl', split 'train' or 'val'."""
+        return self._p("data", f"{kind}_{split}.parquet")
+
+    @property
+    def sft_dir(self) -> str:
+        return self._p("sft")
+
+    @property
+    def hf_model(self) -> str:
+        """An SFT folder's final HF model (a symlink to its last weight version)."""
+        return self._p("hf")
 
     # experience
     @property
@@ -142,6 +168,31 @@ class RunLayout:
     def manifest(self, version: int) -> str:
         return self._p("weights", f"v{version:06d}", "manifest.json")
 
+    # validation: requests from the trainer, results from rollout.validate
+    @property
+    def validation_dir(self) -> str:
+        return self._p("validation")
+
+    @property
+    def validation_requests_dir(self) -> str:
+        return self._p("validation", "requests")
+
+    def validation_request(self, version: int) -> str:
+        return self._p("validation", "requests", f"v{version:06d}.json")
+
+    def validation_result(self, version: int) -> str:
+        return self._p("validation", f"v{version:06d}.json")
+
+    @staticmethod
+    def validation_version(name: str) -> int | None:
+        """Version of a request or result file name, None for anything else."""
+        base = name.rsplit("/", 1)[-1]
+        return RunLayout.version_of(base[:-5]) if base.endswith(".json") else None
+
+    @property
+    def validator_heartbeat(self) -> str:
+        return self._p("validation", "validator.json")
+
     # status, metrics and logs
     @property
     def workers_dir(self) -> str:
@@ -166,8 +217,27 @@ class RunLayout:
         return self._p("tensorboard")
 
     @property
+    def swanlab_dir(self) -> str:
+        return self._p("swanlog")
+
+    @property
     def metrics(self) -> str:
         return self._p("metrics.jsonl")
+
+    @property
+    def report_dir(self) -> str:
+        return self._p("report")
+
+    @staticmethod
+    def heartbeat_worker(name: str) -> str | None:
+        """The worker id of a heartbeat file name, None for anything else (e.g. temporaries)."""
+        base = name.rsplit("/", 1)[-1]
+        if not base.endswith(".json"):
+            return None
+        try:
+            return check_worker_id(base[: -len(".json")])
+        except ValueError:
+            return None
 
     def log(self, process: str) -> str:
         return self._p("logs", f"{process}.log")

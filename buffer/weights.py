@@ -3,7 +3,8 @@
 A version is staged in a hidden temporary folder, fsynced, renamed to `weights/v<N>/`, and only
 then announced by atomically replacing `weights/LATEST`. A reader that follows LATEST therefore
 never sees a partial version; it still verifies checksums against the manifest before loading.
-Only the newest `keep` versions are kept on disk.
+Only the newest `keep` versions are kept on disk, plus up to `keep` older ones that wait for
+validation (buffer/validation.py).
 """
 from __future__ import annotations
 
@@ -22,6 +23,7 @@ import torch
 
 from buffer.layout import RunLayout
 from buffer.storage import atomic_write_json, filesystem, fsync_tree, read_json
+from buffer.validation import ValidationQueue
 from protocol.weights import FileEntry, ManifestError, TensorEntry, WeightManifest, sha256_file, verify_files
 
 log = logging.getLogger(__name__)
@@ -32,7 +34,9 @@ def copy_model_metadata(model_path: str, dest: str) -> None:
     """Config, generation config and tokenizer files: what makes a version an HF model folder."""
     for name in os.listdir(model_path):
         src = os.path.join(model_path, name)
-        if os.path.isfile(src) and not name.endswith(_WEIGHT_SUFFIXES):
+        # A model folder that is itself a published version (an SFT output) has a manifest of
+        # its own files: never carry it into another version.
+        if os.path.isfile(src) and not name.endswith(_WEIGHT_SUFFIXES) and name != "manifest.json":
             shutil.copy2(src, os.path.join(dest, name))
 
 
@@ -56,6 +60,8 @@ class WeightStore:
     def __init__(self, root: str):
         self.fs, root_path = filesystem(root)
         self.layout = RunLayout(root_path)
+        self.announced_at: float | None = None  # unix time of the last publish()'s announcement
+        self.validation = ValidationQueue(root)
 
     # --- trainer side -------------------------------------------------------------------
     def stage(self, version: int) -> str:
@@ -135,6 +141,9 @@ class WeightStore:
         if os.path.exists(final):
             raise FileExistsError(f"{final} already exists: weight versions are never rewritten")
         os.rename(staged, final)
+        # Taken before LATEST names the version: no worker can have loaded it earlier (the
+        # weight-sync latency in launch.report is never negative on one clock).
+        self.announced_at = time.time()
         atomic_write_json(self.fs, self.layout.latest_pointer, {"version": version, "step": step})
         self.prune(keep)
         return manifest
@@ -185,7 +194,17 @@ class WeightStore:
         return sorted(v for v in found if v is not None)
 
     def prune(self, keep: int) -> None:
-        for v in self.versions()[:-keep]:
+        """Remove all but the newest `keep` versions, except the newest `keep` of the older
+        ones that a validation request holds (a stalled validator cannot fill the disk: the
+        ones beyond go, and the validator reports them as skipped)."""
+        old = self.versions()[:-keep]
+        held = [v for v in self.validation.held() if v in old][-keep:]
+        for v in old:
+            if v in held:
+                continue
+            if self.fs.exists(self.layout.validation_request(v)):
+                log.warning("pruning weight version %d before its validation: more than "
+                            "keep_versions=%d versions wait for rollout.validate", v, keep)
             shutil.rmtree(self.layout.version_dir(v), ignore_errors=True)
 
     # --- worker side --------------------------------------------------------------------

@@ -1,8 +1,14 @@
 """Run the whole pipeline on one machine: a torchrun trainer and rollout workers as processes.
 
     python -m launch.local --root runs/demo --steps 150
+    python -m launch.local --root runs/warm --sft-steps 100    # SFT warm start, then RL
+    python -m launch.local --root runs/grpo --config my_verl_grpo.yaml
 
-Without inputs given, it builds the built-in tiny model and task into the run folder. Every
+Without inputs given, it builds the built-in tiny model and task into the run folder, with a
+fifth of the task's distinct questions held out: a validator (`rollout.validate`) measures them
+every --test-freq steps. A --config file (verl's shape) goes to both roles; its model path, train
+files and step count are used unless --model, --data, --steps say otherwise, and its settings win
+over the built-in recipe. Every
 child is its own process group, owned here: on success, on Ctrl-C, or when any child fails, all
 are stopped (SIGTERM, then SIGKILL after a grace period) and the exit code says what happened.
 """
@@ -19,55 +25,114 @@ import time
 from pathlib import Path
 
 from buffer.layout import RunLayout
+from protocol.config import ConfigError, file_values, load, split_argv
+from launch import status
 from buffer.weights import hf_folder_problem
 from rollout import builtin_task
 
 # The built-in task's recipe (tuned so a random-init model learns it by RL in a few minutes;
 # see rollout/builtin_task.py). User overrides (--trainer/--worker) come after and win.
 BUILTIN_TRAINER = ["actor_rollout_ref.actor.optim.lr=1e-3", "actor_rollout_ref.actor.optim.weight_decay=0",
-                   "data.train_batch_size=16", "trainer.max_staleness=4", "buffer.poll_interval=0.2"]
+                   "data.train_batch_size=16", "trainer.max_staleness=4", "buffer.poll_interval=0.2",
+                   "critic.optim.lr=1e-3"]  # the critic's, used with algorithm.adv_estimator=gae
+# SFT on the built-in task's (question, answer) pairs: 100 steps copy unseen questions greedily
+# (tests/test_sft.py). total_epochs is only a cap: --sft-steps sets the length.
+BUILTIN_SFT = ["data.train_batch_size=64", "optim.lr=3e-3", "optim.weight_decay=0",
+               "model.enable_gradient_checkpointing=false", "data.max_token_len_per_gpu=1024",
+               "trainer.total_epochs=1000"]
 BUILTIN_WORKER = ["actor_rollout_ref.rollout.n=16", "actor_rollout_ref.rollout.prompts_per_batch=16",
                   "buffer.flush_samples=128", "buffer.flush_interval=5", "buffer.max_backlog_samples=256"]
+MODEL, TRAIN_FILES, STEPS = "actor_rollout_ref.model.path", "data.train_files", "trainer.total_training_steps"
+DEFAULT_STEPS = 200
 
 
 def parse_args(argv):
     p = argparse.ArgumentParser(prog="python -m launch.local", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--root", required=True, help="run folder (created; must not hold an earlier run)")
-    p.add_argument("--steps", type=int, default=200, help="trainer steps (default 200)")
+    p.add_argument("--config", help="YAML config for both roles, e.g. a verl GRPO/PPO config "
+                   "(see README, 'Coming from verl')")
+    p.add_argument("--steps", type=int, help=f"trainer steps (default: the config's {STEPS}, "
+                   f"else {DEFAULT_STEPS})")
     p.add_argument("--workers", type=int, default=2, help="rollout worker processes (default 2)")
     p.add_argument("--nproc", type=int, default=2, help="trainer ranks under torchrun (default 2)")
     p.add_argument("--model", help="HF model folder (default: build the built-in tiny model)")
     p.add_argument("--data", help="verl-format parquet (default: write the built-in task)")
+    p.add_argument("--val-data", help="verl-format parquet of held-out prompts (default: the "
+                   "built-in task's validation split when --data is not given; else none)")
+    p.add_argument("--test-freq", type=int, default=10,
+                   help="validate every this many steps when there is --val-data (0: never)")
     p.add_argument("--digits", type=int, default=3, help="built-in task: digits per prompt")
+    p.add_argument("--sft-steps", type=int, default=0,
+                   help="first warm-start the model with this many SFT steps (python -m trainer.sft) "
+                        "on the built-in task's (question, answer) pairs; RL then starts from "
+                        "ROOT/sft/hf (default 0: no SFT)")
+    p.add_argument("--sft", action="append", default=[], metavar="KEY=VALUE",
+                   help="extra trainer.sft override, repeatable (e.g. optim.lr=3e-4)")
     p.add_argument("--trainer", action="append", default=[], metavar="KEY=VALUE",
                    help="extra trainer override, repeatable (e.g. trainer.publish_freq=2)")
     p.add_argument("--worker", action="append", default=[], metavar="KEY=VALUE",
                    help="extra worker override, repeatable")
+    p.add_argument("--validator", action="append", default=[], metavar="KEY=VALUE",
+                   help="extra validator override, repeatable (e.g. data.val_batch_size=64)")
     p.add_argument("--timeout", type=float, default=3600, help="seconds before giving up (default 3600)")
     p.add_argument("--trainer-gpus", help="CUDA_VISIBLE_DEVICES of the trainer, e.g. 0")
     p.add_argument("--worker-gpus", help="GPUs for the workers, one each in turn, e.g. 1,2")
+    p.add_argument("--validator-gpu", help="CUDA_VISIBLE_DEVICES of the validator, e.g. 3")
     args = p.parse_args(argv)
-    if args.steps < 1 or args.workers < 1 or args.nproc < 1:
+    if (args.steps is not None and args.steps < 1) or args.workers < 1 or args.nproc < 1:
         p.error("--steps, --workers and --nproc must be at least 1")
+    if args.sft_steps < 0 or args.test_freq < 0:
+        p.error("--sft-steps and --test-freq must be at least 0")
     return args
 
 
-def prepare(layout: RunLayout, args) -> tuple[str, str]:
-    """Model folder and dataset for the run, building the built-in ones when not given."""
+def builtin_recipe(digits: int) -> tuple[list[str], list[str]]:
+    """The built-in task's trainer and worker overrides."""
+    return BUILTIN_TRAINER, [*BUILTIN_WORKER, f"data.max_response_length={digits}"]
+
+
+def from_config(args, layout: RunLayout) -> dict:
+    """The values the --config file sets for the inputs and recipe keys launch.local chooses."""
+    if not args.config:
+        return {}
+    recipe_keys = [a.split("=", 1)[0] for part in builtin_recipe(args.digits) for a in part]
+    try:
+        return file_values(args.config, [MODEL, TRAIN_FILES, STEPS, *recipe_keys], {"root": layout.root})
+    except ConfigError as e:
+        raise SystemExit(f"launch.local: {e}") from None
+
+
+def prepare(layout: RunLayout, args, config: dict) -> tuple[str, str | None, str | None]:
+    """Model folder, dataset and validation dataset for the run (flags, else the config, else the
+    built-in ones, built when missing). The dataset is None when the config names the train
+    files; the validation dataset is None when there is no validation."""
     if os.path.exists(layout.weights_dir) or os.path.exists(layout.metrics):
         raise SystemExit(f"launch.local: {layout.root} already holds a run; choose a new --root")
-    if args.model and (problem := hf_folder_problem(args.model)):  # before starting anything
-        raise SystemExit(f"launch.local: --model {problem}")
+    model = os.path.expanduser(args.model or config.get(MODEL) or layout.init_model)
+    if model == layout.init_model and not os.path.exists(model):
+        builtin_task.write_model(model)
+    elif problem := hf_folder_problem(model):  # before starting anything
+        where = "--model" if args.model else f"{MODEL} in --config {args.config}"
+        raise SystemExit(f"launch.local: {where}: {problem}")
     if args.data and not os.path.isfile(args.data):
         raise SystemExit(f"launch.local: --data {args.data} not found (a verl-format parquet file)")
-    model = args.model or layout.init_model
-    if not args.model and not os.path.exists(model):
-        builtin_task.write_model(model)
-    data = args.data or layout.train_parquet
-    if not args.data and not os.path.exists(data):
-        builtin_task.write_parquet(data, builtin_task.make_rows(2000, args.digits))
-    return model, data
+    builtin = not args.data and TRAIN_FILES not in config
+    if builtin and not os.path.exists(layout.prepared_parquet("rl", "train")):
+        # rollout.preprocess's files: the validation split holds out a fifth of the questions
+        builtin_task.write_sft_and_rl({(k, s): layout.prepared_parquet(k, s)
+                                       for k in ("sft", "rl") for s in ("train", "val")},
+                                      digits=args.digits)
+    data = args.data or (layout.prepared_parquet("rl", "train") if builtin else None)
+    val = args.val_data or (layout.prepared_parquet("rl", "val") if builtin else None)
+    return model, data, (val if args.test_freq else None)
+
+
+def recipe(config: dict, args) -> tuple[list[str], list[str]]:
+    """The built-in recipe's trainer and worker overrides, less the keys the config sets."""
+    trainer, worker = ([a for a in part if a.split("=", 1)[0] not in config]
+                       for part in builtin_recipe(args.digits))
+    return trainer, worker
 
 
 class Child:
@@ -102,22 +167,104 @@ class Child:
         return "\n".join([*errors, "...", *text[-lines:]] if errors else text[-lines:])
 
 
-def start_children(layout: RunLayout, args, model: str, data: str) -> tuple[Child, list[Child]]:
+class ChildFailed(RuntimeError):
+    """A child that had to succeed before the next phase exited with an error."""
+
+
+def _progress(total: int, desc: str):
+    from tqdm import tqdm
+    return tqdm(total=total, unit="step", desc=desc, dynamic_ncols=True,
+                mininterval=1.0 if sys.stderr.isatty() else 15.0)
+
+
+def _advance(bar, rows: list[dict], postfix) -> None:
+    """Move a progress bar to the newest metrics row."""
+    if rows and rows[-1]["step"] != bar.n:
+        bar.set_postfix(**postfix(rows[-1]), refresh=False)
+        bar.update(rows[-1]["step"] - bar.n)  # redraws at most every `mininterval`
+
+
+def run_sft(layout: RunLayout, args, model: str, signals: "Signals") -> str:
+    """Run trainer.sft to completion (a bar from its metrics); returns its final HF folder."""
+    out = RunLayout(layout.sft_dir)
+    child = Child("sft", [sys.executable, "-m", "torch.distributed.run", "--standalone",
+                          f"--nproc_per_node={args.nproc}", "-m", "trainer.sft",
+                          f"data.train_files=[{layout.prepared_parquet('sft', 'train')}]",
+                          f"data.val_files=[{layout.prepared_parquet('sft', 'val')}]",
+                          f"model.partial_pretrain={model}", f"trainer.default_local_dir={out.root}",
+                          f"trainer.total_training_steps={args.sft_steps}",
+                          f"data.max_length={2 * args.digits + 2}",  # digits '=' digits eos
+                          *BUILTIN_SFT, *args.sft],
+                  layout.log("sft"), args.trainer_gpus)
+    deadline = time.monotonic() + args.timeout
+    bar = _progress(args.sft_steps, "sft")
+    try:
+        while child.poll() is None:
+            _advance(bar, read_metrics(out.metrics), lambda m: {"loss": f"{m['train/loss']:.3f}"})
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"SFT did not finish within --timeout {args.timeout:.0f} s")
+            time.sleep(0.5)
+    finally:
+        bar.close()
+        stop_all([child], 60, signals)
+    code = child.proc.returncode
+    if code != 0:
+        raise ChildFailed(f"sft exited with code {code}; see {child.log_path}. Last lines:\n{child.tail()}")
+    rows = read_metrics(out.metrics)
+    val = next((r["val/loss"] for r in reversed(rows) if "val/loss" in r), float("nan"))
+    print(f"sft: {len(rows)} steps, train loss {rows[0]['train/loss']:.3f} -> "
+          f"{rows[-1]['train/loss']:.3f}, held-out loss {val:.3f}; RL starts from {out.hf_model}")
+    return out.hf_model
+
+
+def role_args(layout: RunLayout, args, model: str, data: str | None, config: dict,
+              val: str | None) -> tuple[list[str], list[str]]:
+    """The trainer's and the workers' config arguments (each worker adds its id and seed)."""
+    common = ["--config", os.path.abspath(args.config)] if args.config else []
+    common.append(f"root={layout.root}")
+    trainer_recipe, worker_recipe = recipe(config, args)
+    validation = [f"trainer.test_freq={args.test_freq}"] if val else []
+    trainer = [*common, f"{MODEL}={model}", f"{STEPS}={args.steps}", *trainer_recipe,
+               *validation, *args.trainer]
+    data_arg = [f"{TRAIN_FILES}=[{data}]"] if data else []
+    return trainer, [*common, *data_arg, *worker_recipe, *args.worker]
+
+
+def check_config(trainer_args: list[str], worker_args: list[str]) -> None:
+    """Build both roles' configs now, so that a bad key stops the run before any process starts;
+    print each line about verl keys that do not apply once (the roles' logs have them too)."""
+    from rollout.config import WorkerConfig
+    from trainer.config import TrainerConfig
+    lines: list[str] = []
+    for cls, argv in ((TrainerConfig, trainer_args), (WorkerConfig, worker_args)):
+        try:
+            overrides, yaml_file, _ = split_argv(argv)
+            lines += [w for w in load(cls, overrides, yaml_file)[1] if w not in lines]
+        except ConfigError as e:
+            print(f"launch.local: config error: {e}", file=sys.stderr)
+            raise SystemExit(2) from None
+    for line in lines:
+        print(f"config: {line}", file=sys.stderr)
+
+
+def start_children(layout: RunLayout, args, trainer_args: list[str], worker_args: list[str],
+                   val: str | None) -> tuple[Child, list[Child]]:
+    """The trainer, and the other children: the workers, then the validator when there is `val`."""
     py = sys.executable
     trainer = Child("trainer", [py, "-m", "torch.distributed.run", "--standalone",
-                                f"--nproc_per_node={args.nproc}", "-m", "trainer.main",
-                                f"root={layout.root}", f"actor_rollout_ref.model.path={model}",
-                                f"trainer.total_training_steps={args.steps}",
-                                *BUILTIN_TRAINER, *args.trainer], layout.log("trainer"),
-                    args.trainer_gpus)
+                                f"--nproc_per_node={args.nproc}", "-m", "trainer.main", *trainer_args],
+                    layout.log("trainer"), args.trainer_gpus)
     worker_gpus = args.worker_gpus.split(",") if args.worker_gpus else None
-    workers = [Child(f"worker w{i}", [py, "-m", "rollout.worker", f"root={layout.root}",
-                                      f"worker.id=w{i}", f"worker.seed={i}",
-                                      f"data.train_files=[{data}]",
-                                      f"data.max_response_length={args.digits}",
-                                      *BUILTIN_WORKER, *args.worker], layout.log(f"worker-w{i}"),
+    workers = [Child(f"worker w{i}", [py, "-m", "rollout.worker", f"worker.id=w{i}", f"worker.seed={i}",
+                                      *worker_args], layout.log(f"worker-w{i}"),
                      worker_gpus[i % len(worker_gpus)] if worker_gpus else None)
                for i in range(args.workers)]
+    if val:
+        workers.append(Child("validator", [py, "-m", "rollout.validate", f"root={layout.root}",
+                                           f"data.val_files=[{val}]",
+                                           f"data.max_response_length={args.digits}",
+                                           "validator.poll_interval_s=0.5", *args.validator],
+                             layout.log("validator"), args.validator_gpu))
     return trainer, workers
 
 
@@ -129,19 +276,22 @@ def read_metrics(path: str) -> list[dict]:
         return []
 
 
+def rl_metrics(layout: RunLayout) -> tuple[list[dict], dict[str, list[list]]]:
+    """(one row per trainer step, every val-core metric's [step, unix time, value] points)."""
+    rows, vals = status.split_metrics(read_metrics(layout.metrics))
+    return rows, status.validation_series(vals)
+
+
 def supervise(trainer: Child, workers: list[Child], layout: RunLayout, args) -> Child | None:
     """Wait for the trainer to finish; return the child that failed, if any."""
-    from tqdm import tqdm
     deadline = time.monotonic() + args.timeout
-    bar = tqdm(total=args.steps, unit="step", desc="training", dynamic_ncols=True,
-               mininterval=1.0 if sys.stderr.isatty() else 15.0)
+    bar = _progress(args.steps, "training")
     try:
         while True:
-            rows = read_metrics(layout.metrics)
-            if rows and rows[-1]["step"] != bar.n:
-                bar.set_postfix(reward=f"{rows[-1]['reward/mean']:.3f}",
-                                version=rows[-1]["weights/version"], refresh=False)
-                bar.update(rows[-1]["step"] - bar.n)  # redraws at most every `mininterval`
+            rows, vals = rl_metrics(layout)
+            val = {"val": f"{min(vals.items())[1][-1][2]:.3f}"} if vals else {}
+            _advance(bar, rows, lambda m: {"reward": f"{m['reward/mean']:.3f}",
+                                           "version": m["weights/version"], **val})
             code = trainer.poll()
             if code is not None:
                 return None if code == 0 else trainer
@@ -177,8 +327,9 @@ class Signals:
 
 def stop_all(children: list[Child], grace_s: float, signals: Signals) -> None:
     """SIGTERM every child's process group at once, wait (up to `grace_s` in all), SIGKILL the
-    rest; a second signal kills at once."""
-    signals.cleaning = True
+    rest; a second signal kills at once. Signals interrupt again afterwards unless one came
+    before (SFT, then RL)."""
+    was, signals.cleaning = signals.cleaning, True
     hurry = signals.hurry
     for child in children:
         child.signal_group(signal.SIGTERM)
@@ -194,10 +345,12 @@ def stop_all(children: list[Child], grace_s: float, signals: Signals) -> None:
             child.signal_group(signal.SIGKILL)
             child.proc.wait(timeout=30)
         child.log.close()
+    signals.cleaning = was
+    hurry.clear()
 
 
 def summarize(layout: RunLayout) -> None:
-    rows = read_metrics(layout.metrics)
+    rows, vals = rl_metrics(layout)
     if not rows:
         return
     k = min(10, len(rows))
@@ -205,6 +358,10 @@ def summarize(layout: RunLayout) -> None:
     last = sum(r["reward/mean"] for r in rows[-k:]) / k
     print(f"reward/mean: first {k} steps {first:.3f} -> last {k} steps {last:.3f}; "
           f"final weights v{rows[-1]['weights/version'] + 1} in {layout.weights_dir}")
+    for name, points in sorted(vals.items()):
+        (first_step, _, first), (last_step, _, last) = points[0], points[-1]
+        print(f"validation (held-out prompts) {name}: step {first_step} {first:.3f} "
+              f"-> step {last_step} {last:.3f} ({len(points)} results)")
     for hb in sorted(Path(layout.workers_dir).glob("*.json")):
         beat = json.loads(hb.read_text())
         print(f"worker {beat['worker_id']}: {beat['samples_written']} samples, "
@@ -214,10 +371,20 @@ def summarize(layout: RunLayout) -> None:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     layout = RunLayout(os.path.abspath(args.root))
-    model, data = prepare(layout, args)
+    config = from_config(args, layout)
+    args.steps = int(args.steps or config.get(STEPS) or DEFAULT_STEPS)
+    model, data, val = prepare(layout, args, config)
+    check_config(*role_args(layout, args, model, data, config, val))  # before SFT: fail fast
     print(f"launch.local: run folder {layout.root}; logs in {os.path.dirname(layout.log('x'))}")
     signals = Signals()
-    trainer, workers = start_children(layout, args, model, data)
+    if args.sft_steps:
+        try:
+            model = run_sft(layout, args, model, signals)
+        except (KeyboardInterrupt, TimeoutError, ChildFailed) as e:
+            print(f"launch.local: SFT stopped: {e or 'interrupted'}", file=sys.stderr)
+            return 130 if isinstance(e, KeyboardInterrupt) else 1
+    trainer, workers = start_children(layout, args, *role_args(layout, args, model, data, config, val),
+                                      val)
     failed, code = None, 0
     try:
         failed = supervise(trainer, workers, layout, args)
@@ -235,6 +402,8 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     if code == 0:
         summarize(layout)
+        from launch.report import write_report
+        print(f"report: {write_report(layout.root)} (live view of a run: python -m launch.status RUN)")
     return code
 
 

@@ -1,15 +1,22 @@
-"""Submit one role of a run as a SLURM job: the rollout workers or the trainer.
+"""Submit one role of a run as a SLURM job: the rollout workers, the trainer, the validator or SFT.
 
     python -m launch.submit rollout --root /shared/runs/r1 --partition cheap --nodes 2 \\
         --gpus-per-node 8 data.train_files=[/shared/data/train.parquet] actor_rollout_ref.rollout.name=vllm
     python -m launch.submit trainer --root /shared/runs/r1 --partition big --nodes 4 \\
-        --gpus-per-node 8 --nproc-per-node 8 actor_rollout_ref.model.path=/shared/models/base
+        --gpus-per-node 8 --nproc-per-node 8 actor_rollout_ref.model.path=/shared/models/base \\
+        trainer.test_freq=10
+    python -m launch.submit validate --root /shared/runs/r1 --partition cheap --gpus-per-node 1 \\
+        data.val_files=[/shared/data/test.parquet] actor_rollout_ref.rollout.name=vllm
+    python -m launch.submit sft --root /shared/sft/s1 --partition big --nodes 2 --gpus-per-node 8 \\
+        --config sft.yaml model.partial_pretrain=/shared/models/base
 
-Renders the role's sbatch script (launch/slurm/<role>.sbatch) with these settings, submits it with
-`sbatch --parsable` and prints the job id; `--dry-run` prints the script instead. Every
-`key=value` argument goes to the role's process (`python -m rollout.worker` per task, or
-`trainer.main` under torchrun) and is validated here first. The run folder must be on a
-filesystem every node sees at the same path.
+Renders the role's sbatch script (launch/slurm/rollout.sbatch, validate.sbatch, or trainer.sbatch
+for the torchrun roles trainer and sft) with these settings, submits it with `sbatch --parsable`
+and prints the job id; `--dry-run` prints the script instead. Every `key=value` argument goes to
+the role's process (`python -m rollout.worker` per task, `python -m rollout.validate`,
+`trainer.main` or `trainer.sft` under torchrun) and is validated here first. The run folder (for
+sft: the output folder, trainer.default_local_dir) must be on a filesystem every node sees at the
+same path.
 """
 from __future__ import annotations
 
@@ -24,8 +31,9 @@ from protocol.config import ConfigError, build, split_argv
 def parse_args(argv):
     p = argparse.ArgumentParser(prog="python -m launch.submit", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter, allow_abbrev=False)
-    p.add_argument("role", choices=["rollout", "trainer"])
-    p.add_argument("--root", required=True, help="run folder, on the shared filesystem")
+    p.add_argument("role", choices=["rollout", "trainer", "sft", "validate"])
+    p.add_argument("--root", required=True, help="run folder, on the shared filesystem (sft: the "
+                   "output folder, trainer.default_local_dir)")
     p.add_argument("--partition", help="SLURM partition (default: the cluster's default)")
     p.add_argument("--nodes", type=int, default=1, help="nodes (default 1)")
     p.add_argument("--gpus-per-node", type=int, default=0,
@@ -33,14 +41,14 @@ def parse_args(argv):
     p.add_argument("--tasks-per-node", type=int, default=1,
                    help="rollout on CPU: workers per node (default 1; with GPUs: one per GPU)")
     p.add_argument("--cpus-per-task", type=int, default=None,
-                   help="CPUs per worker (rollout, default 1) or per node (trainer, default nproc)")
+                   help="CPUs per worker (rollout, default 1) or per node (trainer/sft, default nproc)")
     p.add_argument("--nproc-per-node", type=int, default=None,
-                   help="trainer: ranks per node (default: --gpus-per-node, or 1 on CPU)")
+                   help="trainer/sft: ranks per node (default: --gpus-per-node, or 1 on CPU)")
     p.add_argument("--time", default="1-00:00:00", help="time limit (default 1-00:00:00)")
     p.add_argument("--array", help="rollout: job array spec, e.g. 0-3 or 0-7%%2 (one job per task)")
     p.add_argument("--flush-interval", type=float, help="rollout: seconds before a partial shard is published")
     p.add_argument("--port", default="auto",
-                   help="trainer: c10d rendezvous port on the first node (default: 20000 + job id %% 20000)")
+                   help="trainer/sft: c10d rendezvous port on the first node (default: 20000 + job id %% 20000)")
     p.add_argument("--job-name", default="", help="job name (default tandem-<role>)")
     p.add_argument("--worker-prefix", default="", help="rollout: worker id prefix (default w-j<job id>)")
     p.add_argument("--output", help="job output file (default ROOT/logs/slurm-<role>-%%j.out)")
@@ -53,15 +61,20 @@ def parse_args(argv):
 def role_args(role: str, root: str, rest: list[str]) -> list[str]:
     """The role's key=value arguments, validated against its config (fail here, not in the job)."""
     overrides, yaml_file, _ = split_argv(rest)
-    if "root" in overrides:
-        raise ConfigError("root: give the run folder with --root")
+    root_key = slurm.TORCHRUN_ROLES[role][1] if role in slurm.TORCHRUN_ROLES else "root"
+    if root_key in overrides or root_key.rsplit(".", 1)[-1] in overrides:
+        raise ConfigError(f"{root_key}: give the {'output' if role == 'sft' else 'run'} folder with --root")
     if role == "rollout":
         from rollout.config import WorkerConfig as cls
         if "worker.id" in overrides or "id" in overrides:
             raise ConfigError("worker.id: set per task by the job (use --worker-prefix)")
+    elif role == "validate":
+        from rollout.config import ValidatorConfig as cls
+    elif role == "sft":
+        from trainer.sft_config import SFTConfig as cls
     else:
         from trainer.config import TrainerConfig as cls
-    build(cls, {**overrides, "root": root}, yaml_file)
+    build(cls, {**overrides, root_key: root}, yaml_file)
     out = [f"{k}={v}" for k, v in overrides.items()]
     if yaml_file:
         out = ["--config", os.path.abspath(yaml_file), *out]
@@ -70,7 +83,7 @@ def role_args(role: str, root: str, rest: list[str]) -> list[str]:
 
 def spec_from(args) -> slurm.JobSpec:
     nproc = args.nproc_per_node or args.gpus_per_node or 1
-    cpus = args.cpus_per_task or (nproc if args.role == "trainer" else 1)
+    cpus = args.cpus_per_task or (nproc if args.role in slurm.TORCHRUN_ROLES else 1)
     return slurm.JobSpec(
         root=os.path.abspath(args.root), partition=args.partition, nodes=args.nodes,
         gpus_per_node=args.gpus_per_node, tasks_per_node=args.tasks_per_node, cpus_per_task=cpus,
@@ -84,8 +97,12 @@ def main(argv: list[str] | None = None) -> int:
     try:
         spec = spec_from(args)
         extra = role_args(args.role, spec.root, rest)
-        render = slurm.render_rollout if args.role == "rollout" else slurm.render_trainer
-        script = render(spec, extra)
+        if args.role == "rollout":
+            script = slurm.render_rollout(spec, extra)
+        elif args.role == "validate":
+            script = slurm.render_validate(spec, extra)
+        else:
+            script = slurm.render_trainer(spec, extra, args.role)
     except (ConfigError, ValueError) as e:
         print(f"launch.submit: {e}", file=sys.stderr)
         return 2

@@ -1,17 +1,25 @@
-"""The configuration language every tandem process speaks.
+"""The configuration language every tandem process speaks: OmegaConf structured configs.
 
 Configs are nested dataclasses declared beside the component that owns them (rollout/config.py,
-trainer/config.py, buffer/config.py). Values come from, in order: field defaults, an optional
-YAML file (`--config FILE`), then dotted overrides as in verl (`trainer.save_freq=10`,
-`--buffer.flush_interval=30`, or a unique leaf name such as `--flush_interval=30`).
-Every field carries a doc string and optional bounds; a bad value is rejected at start-up with a
-message naming the field.
+trainer/config.py, buffer/config.py), each field declared with `F(default, doc, ge=/gt=/le=/
+choices=)`. Values come from, in order: field defaults, an optional YAML file (`--config FILE`,
+with OmegaConf `${...}` interpolation), then dotted overrides as in verl (`trainer.save_freq=10`,
+`--buffer.flush_interval=30`, `--buffer.flush_interval 30`). On the command line a key may also be
+given by its last part (`--flush_interval=30`) when exactly one key of the schema ends with it.
+`null` for a field that is not Optional means its default, as in verl's configs.
+
+The role schemas (protocol/verl_keys.ROLES: trainer, rollout worker) share one file: each reads its
+own keys, accepts the other roles' keys silently, and treats verl's keys as protocol/verl_keys.py
+classifies them (one warning line, an alias, or a refusal with the reason). A bad type or bound, a
+required key left unset, and a key in no schema stop the process at start, naming the field.
 """
 from __future__ import annotations
 
+import copy
 import dataclasses
 import difflib
 import math
+import os
 import sys
 import types
 import typing
@@ -19,6 +27,10 @@ from pathlib import Path
 from typing import Any
 
 import yaml
+from omegaconf import MISSING, DictConfig, ListConfig, OmegaConf
+from omegaconf.errors import MissingMandatoryValue, OmegaConfBaseException
+
+from protocol import verl_keys
 
 
 class ConfigError(ValueError):
@@ -27,11 +39,14 @@ class ConfigError(ValueError):
 
 def F(default: Any = dataclasses.MISSING, doc: str = "", *, ge=None, gt=None, le=None,
       choices=None, factory=None):
-    """A documented config field with optional bounds (ge/gt/le) or a set of choices."""
+    """A documented config field with optional bounds (ge/gt/le) or a set of choices. Without a
+    default it is required: OmegaConf's MISSING ('???'), so that a section with a required field
+    can still be built empty as its parent's default."""
     meta = {"doc": doc, "ge": ge, "gt": gt, "le": le, "choices": choices}
     if factory is not None:
         return dataclasses.field(default_factory=factory, metadata=meta)
-    return dataclasses.field(default=default, metadata=meta)
+    return dataclasses.field(default=MISSING if default is dataclasses.MISSING else default,
+                             metadata=meta)
 
 
 def _fields(cls_or_obj):
@@ -53,98 +68,252 @@ def leaves(cls, prefix: str = ""):
             yield name, f, tp
 
 
-def _yaml(text: str, key: str):
+def _unwrap(tp) -> tuple[Any, bool]:
+    """(the type inside Optional[...], whether None is allowed)."""
+    if typing.get_origin(tp) in (typing.Union, types.UnionType):
+        args = [a for a in typing.get_args(tp) if a is not type(None)]
+        return args[0], len(args) < len(typing.get_args(tp))
+    return tp, False
+
+
+def _type_name(tp) -> str:
+    return str(tp).replace("typing.", "") if typing.get_args(tp) else tp.__name__
+
+
+# --- reading: a YAML file and the command line ---------------------------------------------------
+
+def _read_yaml(path) -> dict:
+    """The file as a plain dict, its interpolations unresolved."""
     try:
-        return yaml.safe_load(text)
-    except yaml.YAMLError as e:
-        raise ConfigError(f"{key}: cannot parse {text!r}: {str(e).splitlines()[0]}") from None
+        loaded = OmegaConf.load(path)
+    except (OSError, yaml.YAMLError, OmegaConfBaseException) as e:
+        raise ConfigError(f"--config {path}: cannot read: {e}") from None
+    if not isinstance(loaded, DictConfig):
+        raise ConfigError(f"--config {path}: top level must be a mapping")
+    return OmegaConf.to_container(loaded, resolve=False)
 
 
-def _coerce(value: Any, tp, key: str):
-    origin = typing.get_origin(tp)
-    args = typing.get_args(tp)
-    if origin in (typing.Union, types.UnionType):
-        if value is None or (isinstance(value, str) and value.lower() in ("none", "null", "")):
-            if type(None) in args:
-                return None
-        inner = [a for a in args if a is not type(None)]
-        return _coerce(value, inner[0], key)
-    if origin is list:
-        if isinstance(value, str):
-            value = _yaml(value, key) if value.strip().startswith("[") else value.split(",")
-        if not isinstance(value, (list, tuple)):
-            value = [value]
-        return [_coerce(v, args[0] if args else str, key) for v in value]
-    if tp is bool:
-        if isinstance(value, bool):
-            return value
-        if str(value).lower() in ("true", "1", "yes", "on"):
-            return True
-        if str(value).lower() in ("false", "0", "no", "off"):
-            return False
-        raise ConfigError(f"{key}: expected true/false, got {value!r}")
-    if tp in (int, float, str):
+def _flatten(d: dict, stops: set[str], prefix: str = "") -> dict[str, Any]:
+    """Dotted leaf keys of a nested dict; a key in `stops` (a schema leaf) is a leaf whatever its value."""
+    out = {}
+    for k, v in d.items():
+        key = f"{prefix}{k}"
+        if isinstance(v, dict) and v and key not in stops:
+            out.update(_flatten(v, stops, key + "."))
+        else:
+            out[key] = v
+    return out
+
+
+def yaml_leaves(path) -> list[str]:
+    """Every dotted leaf key of a YAML file."""
+    return list(_flatten(_read_yaml(path), set()))
+
+
+def _cli_value(text: str, tp):
+    """A command-line string for a field of type `tp` (None: a key of no own field). Lists are
+    YAML (`[a,b]`) or comma-separated; none/null is None for Optional fields; other own scalars stay
+    strings for OmegaConf to convert by type (`worker.id=007` stays '007')."""
+    if text.startswith("${"):
+        return text
+    if tp is None:
         try:
-            if tp is int and isinstance(value, str):
-                value = _yaml(value, key)  # "3.5" and "true" must not become 3 and 1
-            if tp is int and (isinstance(value, bool) or
-                              (isinstance(value, float) and not value.is_integer())):
-                raise ValueError
-            return tp(value)
-        except (TypeError, ValueError):
-            raise ConfigError(f"{key}: expected {tp.__name__}, got {value!r}") from None
+            return yaml.safe_load(text)
+        except yaml.YAMLError:
+            return text
+    inner, optional = _unwrap(tp)
+    if optional and text.strip().lower() in ("none", "null", "~", ""):
+        return None
+    if typing.get_origin(inner) in (list, tuple, dict) and text.strip()[:1] in ("[", "{"):
+        try:
+            return yaml.safe_load(text)
+        except yaml.YAMLError as e:
+            raise ConfigError(f"cannot parse {text!r}: {e}") from None
+    return text
+
+
+def _suggest(key: str, candidates) -> str:
+    hint = difflib.get_close_matches(key, list(candidates), n=3)
+    return f" (did you mean {', '.join(hint)}?)" if hint else ""
+
+
+@dataclasses.dataclass
+class _Schema:
+    """The keys one build knows: its own leaves (name -> type) and, for a role, the others'."""
+    own: dict[str, Any]
+    others: set[str]
+    shared: bool  # a role: reads a file shared with the other roles and with verl
+
+    @classmethod
+    def of(cls, config_cls) -> "_Schema":
+        roles = verl_keys.role_schemas()
+        shared = config_cls in roles
+        others = {n for r in roles if r is not config_cls for n, _, _ in leaves(r)} if shared else set()
+        return cls({n: tp for n, _, tp in leaves(config_cls)}, others, shared)
+
+    def leaf_of(self, key: str) -> str | None:
+        """The own field `key` sets: itself, or the dict-typed field it is an entry of."""
+        return next((n for n in self.own if key == n or key.startswith(n + ".")), None)
+
+    def is_node(self, key: str) -> bool:
+        return any(n.startswith(key + ".") for n in (*self.own, *self.others))
+
+    def known_elsewhere(self, key: str) -> bool:
+        return self.shared and (key in self.others or verl_keys.rule_for(key) is not None)
+
+    def candidates(self) -> list[str]:
+        literal = [r.pattern for r in verl_keys.RULES if "*" not in r.pattern] if self.shared else []
+        return [*self.own, *sorted(self.others), *literal]
+
+    def resolve_cli_key(self, key: str) -> str:
+        """The full name of a command-line key: exact, or the unique own key ending with it."""
+        key = key.lstrip("+")  # Hydra's `+key=value` (add a key) means the same here
+        if self.leaf_of(key) or self.known_elsewhere(key):
+            return key
+        by_leaf = [n for n in self.own if n.rsplit(".", 1)[-1] == key]
+        if len(by_leaf) == 1:
+            return by_leaf[0]
+        if by_leaf:
+            raise ConfigError(f"ambiguous config key {key!r}: {', '.join(by_leaf)}; give the full name")
+        raise ConfigError(f"unknown config key {key!r}{_suggest(key, self.candidates())}")
+
+
+# --- the untyped tree that interpolations resolve against ----------------------------------------
+
+def _merge(base: dict, top: dict) -> dict:
+    """`top` over `base`, recursively; an unset value ('???') in `top` keeps `base`'s."""
+    out = dict(base)
+    for k, v in top.items():
+        if isinstance(v, dict) and isinstance(out.get(k), dict):
+            out[k] = _merge(out[k], v)
+        elif v != MISSING or k not in out:
+            out[k] = v
+    return out
+
+
+def _tree(schemas: list[type], file: dict, over: dict[str, Any]) -> DictConfig:
+    """Defaults of the schemas, then the file, then the overrides; untyped, so that `${...}` may
+    name any key: of this role, of another, or one accepted only to be ignored."""
+    merged: dict = {}
+    for cls in schemas:  # the building role last: its defaults win
+        merged = _merge(merged, OmegaConf.to_container(OmegaConf.structured(cls)))
+    merged = _merge(merged, file)
+    for key, value in over.items():
+        for part in reversed(key.split(".")):
+            value = {part: value}
+        merged = _merge(merged, value)
+    try:
+        return OmegaConf.create(merged)
+    except OmegaConfBaseException as e:
+        raise ConfigError(f"cannot read the config: {e}") from None
+
+
+def _value(tree: DictConfig, key: str):
+    """The value of `key` with interpolations resolved; None for unset (`???`)."""
+    try:
+        value = OmegaConf.select(tree, key, throw_on_missing=False)
+        if isinstance(value, (DictConfig, ListConfig)):
+            value = OmegaConf.to_container(value, resolve=True)
+    except OmegaConfBaseException as e:
+        raise ConfigError(f"{key}: cannot resolve its value: {str(e).splitlines()[0]}") from None
     return value
+
+
+# --- keys of no own field: other roles' keys, verl's keys, unknown keys --------------------------
+
+def _accepts(rule: verl_keys.Rule, value) -> bool:
+    try:
+        return rule.need is None or bool(rule.need(value))
+    except TypeError:  # e.g. a string where a number is compared
+        return False
+
+
+def _names(keys: list[str], pattern: str) -> str:
+    return ", ".join(keys) if len(keys) <= 8 else f"{', '.join(keys[:2])} and {len(keys) - 2} more ({pattern})"
+
+
+def _foreign(schema: _Schema, keys: dict[str, str], tree) -> tuple[dict[str, tuple], list[str]]:
+    """Apply protocol/verl_keys to `keys` (key -> where it was given). Returns the aliases
+    ({verl key: (rule, value)}) and one warning line per WARN rule; raises for a refused value or
+    a key in no schema."""
+    aliases, warned = {}, {}
+    for key, where in keys.items():
+        if schema.is_node(key) or (schema.shared and key in schema.others):
+            continue
+        rule = verl_keys.rule_for(key) if schema.shared else None
+        if rule is None:
+            raise ConfigError(f"unknown config key {key!r} ({where}){_suggest(key, schema.candidates())}")
+        value = _value(tree, key) if rule.need or rule.kind == verl_keys.ALIAS else None
+        if not _accepts(rule, value):
+            raise ConfigError(f"{key}={value!r} ({where}): not supported: {rule.reason}")
+        if rule.kind == verl_keys.WARN:
+            warned.setdefault(rule, []).append(key)
+        elif rule.kind == verl_keys.ALIAS and value is not None:
+            aliases[key] = (rule, value)
+    return aliases, [f"ignored {_names(ks, r.pattern)}: {r.reason}" for r, ks in warned.items()]
+
+
+def _set(schema: DictConfig, key: str, value, tp, name: str | None = None) -> None:
+    """Set one value on the structured config; OmegaConf converts it to the field's type or
+    fails. `name`: the key to blame (a verl spelling of `key`)."""
+    inner, optional = _unwrap(tp)
+    if value is None and not optional:
+        return  # null: the field's default, as verl's configs use it
+    if isinstance(value, str) and typing.get_origin(inner) is list and not value.startswith("${"):
+        value = value.split(",")
+    try:
+        OmegaConf.update(schema, key, value, merge=False)
+    except OmegaConfBaseException:
+        raise ConfigError(f"{name or key}: expected {_type_name(tp)}, got {value!r}") from None
+
+
+def _apply_aliases(schema: DictConfig, aliases: dict[str, tuple], given: dict[str, Any],
+                   own: dict[str, Any]) -> list[str]:
+    """Set each tandem key from its verl spelling unless it is given itself (then it wins, with a
+    line if they differ) or is given as the verl placeholder the alias replaces."""
+    notes = []
+    for key, (rule, value) in aliases.items():
+        target = rule.to
+        if target not in own:
+            continue
+        current = given.get(target)
+        if current is None if rule.replaces is None else current == rule.replaces:
+            _set(schema, target, value, own[target], key)
+            continue
+        trial = copy.deepcopy(schema)  # compare as typed values: '1.0' on the command line is 1.0
+        _set(trial, target, value, own[target], key)
+        if OmegaConf.select(trial, target) != (kept := OmegaConf.select(schema, target)):
+            notes.append(f"ignored {key}={value!r}: {target}={kept!r} is set too and wins")
+    return notes
+
+
+# --- the typed config ------------------------------------------------------------------------------
+
+def _typed(cls, values: dict[str, Any], own: dict[str, Any], aliases: dict[str, tuple]):
+    """The dataclass instance from the given values and verl aliases; (config, alias notes)."""
+    schema = OmegaConf.structured(cls)
+    for key, value in values.items():
+        _set(schema, key, value, own[key])
+    notes = _apply_aliases(schema, aliases, values, own)
+    try:
+        return OmegaConf.to_object(schema), notes
+    except MissingMandatoryValue as e:
+        raise ConfigError(f"{e.full_key}: required (set it as {e.full_key}=VALUE)") from None
 
 
 def _check_bounds(key: str, value, meta) -> None:
     if value is None:
         return
-    if isinstance(value, float) and not math.isfinite(value):  # inf passes gt/ge bounds
-        raise ConfigError(f"{key}: must be a finite number, got {value!r}")
     if meta.get("choices") is not None and value not in meta["choices"]:
         raise ConfigError(f"{key}: {value!r} is not one of {list(meta['choices'])}")
-    for bound, ok, word in (("ge", lambda v, b: v >= b, ">="), ("gt", lambda v, b: v > b, ">"),
-                            ("le", lambda v, b: v <= b, "<=")):
-        b = meta.get(bound)
-        if b is not None and not ok(value, b):
-            raise ConfigError(f"{key}: must be {word} {b}, got {value!r}")
-
-
-def _flatten(d: dict, prefix: str = "") -> dict[str, Any]:
-    out = {}
-    for k, v in d.items():
-        if isinstance(v, dict):
-            out.update(_flatten(v, f"{prefix}{k}."))
-        else:
-            out[f"{prefix}{k}"] = v
-    return out
-
-
-def _resolve_key(cls, key: str) -> str:
-    names = [n for n, _, _ in leaves(cls)]
-    if key in names:
-        return key
-    by_leaf = [n for n in names if n.rsplit(".", 1)[-1] == key]
-    if len(by_leaf) == 1:
-        return by_leaf[0]
-    hint = difflib.get_close_matches(key, names, n=3)
-    extra = f" (did you mean {', '.join(hint)}?)" if hint else ""
-    if len(by_leaf) > 1:
-        extra = f" (ambiguous: {', '.join(by_leaf)})"
-    raise ConfigError(f"unknown config key {key!r}{extra}")
-
-
-def _construct(cls, values: dict[str, Any], prefix: str = ""):
-    kwargs = {}
-    for f, tp in _fields(cls):
-        name = prefix + f.name
-        if _is_config(tp):
-            kwargs[f.name] = _construct(tp, values, name + ".")
-        elif name in values:
-            kwargs[f.name] = _coerce(values[name], tp, name)
-        elif f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
-            raise ConfigError(f"{name}: required (set it as {name}=VALUE)")
-    return cls(**kwargs)
+    bounds = [(b, meta.get(b)) for b in ("ge", "gt", "le") if meta.get(b) is not None]
+    if bounds and isinstance(value, float) and not math.isfinite(value):
+        raise ConfigError(f"{key}: must be a finite number, got {value!r}")
+    for bound, limit in bounds:
+        ok = {"ge": value >= limit, "gt": value > limit, "le": value <= limit}[bound]
+        if not ok:
+            word = {"ge": ">=", "gt": ">", "le": "<="}[bound]
+            raise ConfigError(f"{key}: must be {word} {limit}, got {value!r}")
 
 
 def validate(cfg, prefix: str = "") -> None:
@@ -160,43 +329,72 @@ def validate(cfg, prefix: str = "") -> None:
         check()
 
 
-def build(cls, overrides: dict[str, Any] | None = None, yaml_file: str | Path | None = None):
-    """Build and validate a config from an optional YAML file and dotted overrides."""
-    values: dict[str, Any] = {}
-    if yaml_file is not None:
-        try:
-            loaded = yaml.safe_load(Path(yaml_file).read_text()) or {}
-        except (OSError, yaml.YAMLError) as e:
-            raise ConfigError(f"--config {yaml_file}: cannot read: {e}") from None
-        if not isinstance(loaded, dict):
-            raise ConfigError(f"--config {yaml_file}: top level must be a mapping")
-        values.update({_resolve_key(cls, k): v for k, v in _flatten(loaded).items()})
+# --- entry points -------------------------------------------------------------------------------------
+
+def load(cls, overrides: dict[str, Any] | None = None, yaml_file: str | Path | None = None):
+    """Build and validate a config; returns (config, warning lines), printing nothing."""
+    schema = _Schema.of(cls)
+    file = _read_yaml(yaml_file) if yaml_file is not None else {}
+    over = {}
     for k, v in (overrides or {}).items():
-        values[_resolve_key(cls, k)] = v
-    cfg = _construct(cls, values)
+        key = schema.resolve_cli_key(k)
+        over[key] = _cli_value(v, schema.own.get(key)) if isinstance(v, str) else v
+    roles = [r for r in verl_keys.role_schemas() if r is not cls] if schema.shared else []
+    tree = _tree([*roles, cls], file, over)
+    where = {k: f"--config {yaml_file}" for k in _flatten(file, {*schema.own, *schema.others})}
+    where.update({schema.leaf_of(k) or k: "command line" for k in over})
+    values = {k: _value(tree, k) for k in where if k in schema.own}
+    aliases, warnings = _foreign(schema, {k: w for k, w in where.items() if k not in schema.own}, tree)
+    cfg, notes = _typed(cls, values, schema.own, aliases)
     validate(cfg)
+    return cfg, warnings + notes
+
+
+def build(cls, overrides: dict[str, Any] | None = None, yaml_file: str | Path | None = None):
+    """Build and validate a config from an optional YAML file and dotted overrides; print one
+    line per verl key that does not apply (rank 0 only under torchrun)."""
+    cfg, warnings = load(cls, overrides, yaml_file)
+    if os.environ.get("RANK", "0") == "0":
+        for line in warnings:
+            print(f"config: {line}", file=sys.stderr)
     return cfg
+
+
+def file_values(yaml_file: str | Path, keys: list[str], extra: dict[str, Any] | None = None) -> dict:
+    """The resolved values a YAML file sets for `keys` (keys it does not set are left out);
+    `extra` dotted values (e.g. root) are visible to its interpolations."""
+    file = _read_yaml(yaml_file)
+    given = _flatten(file, set(keys))
+    tree = _tree(verl_keys.role_schemas(), file, extra or {})
+    values = {k: _value(tree, k) for k in keys if k in given}
+    return {k: v for k, v in values.items() if v is not None}
 
 
 def to_dict(cfg) -> dict:
     return dataclasses.asdict(cfg)
 
 
+def _default(f) -> Any:
+    if f.default_factory is not dataclasses.MISSING:
+        return f.default_factory()
+    return "REQUIRED" if f.default in (MISSING, dataclasses.MISSING) else f.default
+
+
 def usage(cls, prog: str, description: str) -> str:
-    lines = [f"usage: {prog} [--config FILE.yaml] [key=value | --key=value ...]", "", description,
-             "", "Keys (dotted as in verl; a unique last part also works, e.g. --flush_interval=30):"]
+    lines = [f"usage: {prog} [--config FILE.yaml] [key=value | --key=value | --key value ...]", "",
+             description, "",
+             "Keys are dotted as in verl. On the command line a key may be given by its last part "
+             "(--flush_interval=30) only where exactly one key below ends with it; YAML files use "
+             "full names and ${...} interpolation. A verl config file works as is: keys of the "
+             "other role are accepted silently, verl keys that do not apply with one warning line "
+             "each, and settings tandem cannot honour are refused (python -m protocol.verl_keys "
+             "lists them).", "", "Keys:"]
     for name, f, tp in leaves(cls):
-        default = f.default if f.default is not dataclasses.MISSING else (
-            f.default_factory() if f.default_factory is not dataclasses.MISSING else "REQUIRED")
-        bounds = []
         m = f.metadata
-        for b, w in (("ge", ">="), ("gt", ">"), ("le", "<=")):
-            if m.get(b) is not None:
-                bounds.append(f"{w}{m[b]}")
+        bounds = [f"{w}{m[b]}" for b, w in (("ge", ">="), ("gt", ">"), ("le", "<=")) if m.get(b) is not None]
         if m.get("choices"):
             bounds.append("one of " + "|".join(map(str, m["choices"])))
-        tname = getattr(tp, "__name__", str(tp).replace("typing.", ""))
-        lines.append(f"  {name} ({tname}, default {default!r}{'; ' + ', '.join(bounds) if bounds else ''})")
+        lines.append(f"  {name} ({_type_name(tp)}, default {_default(f)!r}{'; ' + ', '.join(bounds) if bounds else ''})")
         if m.get("doc"):
             lines.append(f"      {m['doc']}")
     return "\n".join(lines)

@@ -6,7 +6,8 @@ The reward gives partial credit per position, so a randomly initialised model st
 16, lr 1e-3) was tuned so that it passes a mean reward of 0.5 in about 60-80 steps with samples
 two versions stale; with all ten digits, or eos in the target, learning was slow and flaky. Everything is generated
 locally: a character-level tokenizer built with `tokenizers`, a Qwen2-architecture model built
-from a small config, and a verl-format parquet of prompts.
+from a small config, and a verl-format parquet of prompts. For SFT, the same task goes through
+rollout.preprocess as (question, answer) pairs (`write_sft_and_rl`, or `--format qa`).
 """
 from __future__ import annotations
 
@@ -14,6 +15,8 @@ import random
 from pathlib import Path
 
 from buffer.storage import respect_umask
+from rollout import preprocess
+from rollout.preprocess import write_parquet  # noqa: F401  (the task's files are written with it)
 
 DATA_SOURCES = {"tandem/copy": lambda s: s, "tandem/reverse": lambda s: s[::-1]}
 SPECIALS = ["<pad>", "<eos>", "<unk>"]
@@ -29,34 +32,30 @@ def compute_score(data_source: str, solution_str: str, ground_truth: str, extra_
     return hits / max(len(target), len(solution_str))
 
 
-def make_rows(num: int, digits: int, task: str = "tandem/copy", seed: int = 0,
-              alphabet: str = "01234") -> list[dict]:
-    """verl RL dataset rows for `num` random strings of `digits` characters from `alphabet`."""
+def make_qa(num: int, digits: int, task: str = "tandem/copy", seed: int = 0,
+            alphabet: str = "01234") -> list[tuple[str, str]]:
+    """`num` (question, answer) pairs: random strings of `digits` characters from `alphabet`."""
     if task not in DATA_SOURCES:
         raise ValueError(f"task {task!r}: choose one of {sorted(DATA_SOURCES)}")
     if not alphabet or set(alphabet) - set("0123456789"):
         raise ValueError(f"alphabet {alphabet!r}: use digits only")
     rng = random.Random(seed)
-    rows = []
-    for i in range(num):
-        question = "".join(rng.choice(alphabet) for _ in range(digits))
-        rows.append({
-            "data_source": task,
-            "prompt": [{"role": "user", "content": question}],
-            "ability": "digits",
-            "reward_model": {"style": "rule", "ground_truth": DATA_SOURCES[task](question)},
-            "extra_info": {"split": "train", "index": i},
-        })
-    return rows
+    questions = ["".join(rng.choice(alphabet) for _ in range(digits)) for _ in range(num)]
+    return [(q, DATA_SOURCES[task](q)) for q in questions]
 
 
-def write_parquet(path: str | Path, rows: list[dict]) -> None:
-    import pyarrow as pa
-    import pyarrow.parquet as pq
-    Path(path).parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(f"{path}.tmp")
-    pq.write_table(pa.Table.from_pylist(rows), tmp)
-    tmp.replace(path)
+def make_rows(num: int, digits: int, task: str = "tandem/copy", seed: int = 0,
+              alphabet: str = "01234") -> list[dict]:
+    """verl RL dataset rows for `num` random strings of `digits` characters from `alphabet`."""
+    return preprocess.rl_rows(make_qa(num, digits, task, seed, alphabet), task, "digits", "train")
+
+
+def write_sft_and_rl(paths: dict[tuple[str, str], str], num: int = 2000, digits: int = 3,
+                     task: str = "tandem/copy", seed: int = 0, val_fraction: float = 0.2) -> dict:
+    """The task as (question, answer) pairs through rollout.preprocess: SFT and RL files whose
+    validation split holds out a fifth of the distinct questions (3 digits from 0-4: 125)."""
+    return preprocess.write_splits(make_qa(num, digits, task, seed), paths, task, "digits",
+                                   val_fraction, seed)
 
 
 def build_tokenizer():
@@ -106,11 +105,19 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--task", default="tandem/copy", choices=sorted(DATA_SOURCES))
     p.add_argument("--alphabet", default="01234", help="digits the prompts are drawn from")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--format", default="rl", choices=("rl", "qa"),
+                   help="rl: verl's RL format (default); qa: (question, answer) columns, the "
+                        "input of python -m rollout.preprocess")
     p.add_argument("--model", help="also write the random-init tiny model + tokenizer here")
     args = p.parse_args(argv)
     if args.rows < 1 or args.digits < 1:
         p.error("--rows and --digits must be at least 1")
-    write_parquet(args.out, make_rows(args.rows, args.digits, args.task, args.seed, args.alphabet))
+    if args.format == "qa":
+        rows = [{"question": q, "answer": a}
+                for q, a in make_qa(args.rows, args.digits, args.task, args.seed, args.alphabet)]
+    else:
+        rows = make_rows(args.rows, args.digits, args.task, args.seed, args.alphabet)
+    write_parquet(args.out, rows)
     print(f"wrote {args.rows} rows of {args.task} to {args.out}")
     if args.model:
         write_model(args.model, seed=args.seed)

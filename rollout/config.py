@@ -17,10 +17,34 @@ class DataConfig:
     max_prompt_length: int = F(512, "tokens; longer prompts are skipped (counted in the log)", ge=1)
     max_response_length: int = F(512, "tokens generated at most per response", ge=1)
     shuffle: bool = F(True, "shuffle prompts each epoch (seeded per worker)")
+    val_files: list[str] = F(doc="verl-format parquet files of held-out prompts, evaluated by "
+                             "`python -m rollout.validate` (data.val_files)", factory=list)
+    val_batch_size: int | None = F(None, "validation prompts submitted to the engine at once "
+                                   "(default: all of them)", ge=1)
 
     def check(self) -> None:
         if not self.train_files:
             raise ConfigError("data.train_files: at least one parquet file is required")
+
+
+@dataclasses.dataclass
+class ValDataConfig(DataConfig):
+    """The validator's data section: the same keys, but it needs val_files, not train_files."""
+
+    def check(self) -> None:
+        if not self.val_files:
+            raise ConfigError("data.val_files: at least one parquet file of held-out prompts is "
+                              "required")
+
+
+@dataclasses.dataclass
+class ValKwargsConfig:
+    """verl's actor_rollout_ref.rollout.val_kwargs (same defaults: greedy, one response)."""
+    do_sample: bool = F(False, "sample with the settings below; false: greedy decoding")
+    n: int = F(1, "responses per validation prompt (metrics become mean@n, best@n, ...)", ge=1)
+    temperature: float = F(0.0, "with do_sample: sampling temperature (0: greedy)", ge=0)
+    top_p: float = F(1.0, "with do_sample: nucleus sampling mass", gt=0, le=1)
+    top_k: int = F(-1, "with do_sample: sample from the k most likely tokens (-1: all)", ge=-1)
 
 
 @dataclasses.dataclass
@@ -45,6 +69,7 @@ class RolloutSamplingConfig:
                             "faster, generates ~20% slower). For debugging, true together with "
                             "the environment variable VLLM_ENABLE_V1_MULTIPROCESSING=0 runs the "
                             "model in the worker's own process, where errors surface directly")
+    val_kwargs: ValKwargsConfig = F(factory=ValKwargsConfig)
 
 
 @dataclasses.dataclass
@@ -68,10 +93,9 @@ class RewardFunctionConfig:
 
 
 @dataclasses.dataclass
-class WorkerSection:
-    id: str = F("", "worker id (letters, digits, _ . -); default: <hostname>-<pid>")
-    seed: int = F(0, "sampling and prompt-order seed; mixed with the worker id")
-    max_batches: int = F(0, "stop after this many batches (0: run until stopped)", ge=0)
+class EngineProcessSection:
+    """What every process with an engine (worker, validator) is told."""
+    seed: int = F(0, "sampling seed (a worker's also orders its prompts; mixed with its id)")
     weights_timeout_s: float = F(900.0, "seconds to wait for the trainer's first weight version",
                                  gt=0)
     device: str = F("auto", "torch device for the hf engine: auto|cpu|cuda|cuda:N")
@@ -87,6 +111,12 @@ class WorkerSection:
 
 
 @dataclasses.dataclass
+class WorkerSection(EngineProcessSection):
+    id: str = F("", "worker id (letters, digits, _ . -); default: <hostname>-<pid>")
+    max_batches: int = F(0, "stop after this many batches (0: run until stopped)", ge=0)
+
+
+@dataclasses.dataclass
 class WorkerConfig:
     root: str = F(doc="run folder shared with the trainer (local path or fsspec URL)")
     data: DataConfig = F(factory=DataConfig)
@@ -94,3 +124,17 @@ class WorkerConfig:
     custom_reward_function: RewardFunctionConfig = F(factory=RewardFunctionConfig)
     buffer: BufferConfig = F(factory=BufferConfig)
     worker: WorkerSection = F(factory=WorkerSection)
+
+
+@dataclasses.dataclass
+class ValidatorSection(EngineProcessSection):
+    poll_interval_s: float = F(1.0, "seconds between looks for new validation requests", gt=0)
+
+
+@dataclasses.dataclass
+class ValidatorConfig:
+    root: str = F(doc="run folder shared with the trainer (local path or fsspec URL)")
+    data: ValDataConfig = F(factory=ValDataConfig)
+    actor_rollout_ref: ActorRolloutRefConfig = F(factory=ActorRolloutRefConfig)
+    custom_reward_function: RewardFunctionConfig = F(factory=RewardFunctionConfig)
+    validator: ValidatorSection = F(factory=ValidatorSection)

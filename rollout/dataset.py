@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import os
 import random
 from pathlib import Path
 
@@ -38,31 +39,32 @@ def _row_field(row: dict, field: str, where: str):
     return value
 
 
-def _read(file: str, columns: list[str] | None = None):
+def _read(file: str, field: str, columns: list[str] | None = None):
     if not Path(file).exists():
-        raise DatasetError(f"data.train_files: {file} does not exist")
+        raise DatasetError(f"{field}: {file} does not exist")
     try:
         return pq.read_table(file, columns=columns)
     except Exception as e:  # pyarrow raises several types for a non-parquet file
         what = f" with column(s) {', '.join(columns)}" if columns else ""
-        raise DatasetError(f"data.train_files: {file} is not a readable parquet file{what}: "
-                           f"{e}") from None
+        raise DatasetError(f"{field}: {file} is not a readable parquet file{what}: {e}") from None
 
 
-def data_sources(files: list[str]) -> dict[str, str]:
+def data_sources(files: list[str], field: str = "data.train_files") -> dict[str, str]:
     """Each distinct `data_source` and the first file naming it; reads only that column, so
     the reward functions can be checked before an engine loads."""
     out: dict[str, str] = {}
-    for file in files:
-        for value in _read(file, ["data_source"]).column("data_source").unique().to_pylist():
+    for file in map(os.path.expanduser, files):
+        for value in _read(file, field, ["data_source"]).column("data_source").unique().to_pylist():
             out.setdefault(str(value), file)
     return out
 
 
-def load_prompts(files: list[str], tokenizer, prompt_key: str, max_prompt_length: int) -> list[Prompt]:
+def load_prompts(files: list[str], tokenizer, prompt_key: str, max_prompt_length: int,
+                 field: str = "data.train_files") -> list[Prompt]:
+    """Every usable row of `files`; `field` is the setting they came from, for errors."""
     prompts, skipped = [], 0
-    for file in files:
-        rows = _read(file).to_pylist()
+    for file in map(os.path.expanduser, files):  # verl's configs write ~/data/...
+        rows = _read(file, field).to_pylist()
         for i, row in enumerate(rows):
             where = f"{file} row {i}"
             messages = _row_field(row, prompt_key, where)
@@ -92,7 +94,7 @@ def load_prompts(files: list[str], tokenizer, prompt_key: str, max_prompt_length
     if skipped:
         log.warning("skipped %d prompts longer than data.max_prompt_length=%d", skipped, max_prompt_length)
     if not prompts:
-        raise DatasetError(f"data.train_files: no usable prompts in {files}")
+        raise DatasetError(f"{field}: no usable prompts in {files}")
     return prompts
 
 

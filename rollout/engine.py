@@ -21,10 +21,11 @@ class Completion:
 @dataclasses.dataclass
 class SamplingSettings:
     n: int
-    temperature: float
+    temperature: float  # 0: greedy decoding
     top_p: float
     max_tokens: int
     seed: int
+    top_k: int = -1  # -1: no top-k truncation (training rollouts never truncate what mu describes)
 
 
 class Engine(Protocol):
@@ -72,8 +73,10 @@ class HFEngine:
         from transformers import GenerationConfig
         torch.manual_seed(params.seed)
         ids, mask = self._left_pad(prompts)
-        gen = GenerationConfig(do_sample=True, temperature=params.temperature, top_p=params.top_p,
-                               top_k=0, max_new_tokens=params.max_tokens,
+        sampling = (dict(do_sample=True, temperature=params.temperature, top_p=params.top_p,
+                         top_k=max(params.top_k, 0)) if params.temperature > 0
+                    else dict(do_sample=False))  # greedy (validation)
+        gen = GenerationConfig(**sampling, max_new_tokens=params.max_tokens,
                                num_return_sequences=params.n, eos_token_id=self.eos_id,
                                pad_token_id=self.pad_id, output_scores=True,
                                return_dict_in_generate=True)

@@ -3,11 +3,11 @@
     python -m rollout.pool root=RUN pool.id=node1 pool.initial_workers=1 pool.gpus=[0,1] \\
         data.train_files=[train.parquet] actor_rollout_ref.rollout.name=vllm
 
-Keys under `pool.` configure the supervisor; every other key is passed to each worker (and
-validated as a worker config before anything starts). `add N` raises the target, `remove N`
-lowers it; the newest workers are drained (SIGTERM: finish the batch, flush, exit 0). Applied
-command ids and the target are saved before they take effect, so a command is applied once
-even across supervisor restarts. One worker per GPU when `pool.gpus` is set.
+Keys under `pool.` configure the supervisor (command line only); every other key, and a
+`--config FILE`, is passed to each worker (and validated as a worker config before anything
+starts). `add N` raises the target, `remove N` lowers it; the newest workers are drained
+(SIGTERM: finish the batch, flush, exit 0). Applied command ids and the target are saved before
+they take effect, so a command is applied once even across supervisor restarts. One worker per GPU when `pool.gpus` is set.
 
 With `pool.backend=slurm` the workers are SLURM jobs instead of local processes (the supervisor
 runs wherever sbatch works, e.g. a login node):
@@ -382,15 +382,14 @@ def parse(argv: list[str]) -> tuple[PoolConfig, list[str]]:
         print(usage(PoolConfig, "python -m rollout.pool", __doc__.split("\n\n")[0]))
         print("\nEvery other key is a worker key: see python -m rollout.worker --help")
         raise SystemExit(0)
-    if yaml_file:
-        raise ConfigError("--config: give the worker's YAML to the workers with worker keys instead")
     mine = {k: v for k, v in overrides.items() if k == "root" or k.startswith("pool.")}
     theirs = {k: v for k, v in overrides.items() if k not in mine}
     cfg = build(PoolConfig, mine)
-    build(WorkerConfig, {**theirs, "root": cfg.root})  # fail now, not in every worker
+    build(WorkerConfig, {**theirs, "root": cfg.root}, yaml_file)  # fail now, not in every worker
     if "worker.id" in theirs or "id" in theirs:
         raise ConfigError("worker.id: set by the pool (<pool.id>-w<k>); set pool.id instead")
-    return cfg, [f"{k}={v}" for k, v in theirs.items()]
+    config = ["--config", os.path.abspath(yaml_file)] if yaml_file else []  # the workers' file
+    return cfg, [*config, *(f"{k}={v}" for k, v in theirs.items())]
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -73,17 +73,28 @@ def check_data_sources(sources: dict[str, str], custom_path: str | None) -> None
                 "verl's default_compute_score; set custom_reward_function.path")
 
 
-def resolve(path: str | None, name: str) -> Callable[[str, str, object, dict], float]:
+def resolve_details(path: str | None, name: str) -> Callable[[str, str, object, dict], tuple[float, dict]]:
+    """The reward function as f(data_source, solution, ground_truth, extra_info) ->
+    (score, extra): `extra` holds the other keys of a function that returns a dict (verl's
+    reward_extra_info, e.g. acc or pred), which validation reports as val-aux metrics. The
+    score is a float that float32 (the shard's column) holds; RewardError for anything else:
+    the caller drops that one sample."""
     fn = _load_custom(path, name) if path else _default
 
-    def score(data_source: str, solution_str: str, ground_truth, extra_info: dict) -> float:
-        """The reward as a float that float32 (the shard's column) holds exactly enough;
-        RewardError for anything else: the caller drops that one sample."""
+    def score(data_source: str, solution_str: str, ground_truth, extra_info: dict) -> tuple[float, dict]:
         result = fn(data_source, solution_str, ground_truth, extra_info)
-        return check_value(result["score"] if isinstance(result, dict) and "score" in result
-                           else result, data_source)
+        extra = {}
+        if isinstance(result, dict) and "score" in result:  # verl's may return {"score": ...}
+            extra = {k: v for k, v in result.items() if k != "score"}
+            result = result["score"]
+        return check_value(result, data_source), extra
 
     return score
+
+
+def resolve(path: str | None, name: str) -> Callable[[str, str, object, dict], float]:
+    details = resolve_details(path, name)
+    return lambda *args: details(*args)[0]
 
 
 def check_value(result, data_source: str) -> float:

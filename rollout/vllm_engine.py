@@ -59,9 +59,10 @@ class VLLMEngine:
     def generate(self, prompts: list[list[int]], params: SamplingSettings) -> list[list[Completion]]:
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
+        top_k = {"top_k": params.top_k} if params.top_k > 0 else {}  # temperature 0: greedy
         sampling = SamplingParams(n=params.n, temperature=params.temperature, top_p=params.top_p,
                                   max_tokens=params.max_tokens, logprobs=0, seed=params.seed,
-                                  detokenize=False)  # the worker decodes what it scores
+                                  detokenize=False, **top_k)  # the worker decodes what it scores
         outputs = self.llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], sampling,
                                     use_tqdm=False)
         results = []

@@ -13,6 +13,7 @@ from __future__ import annotations
 import concurrent.futures
 import dataclasses
 import logging
+import math
 import os
 import signal
 import socket
@@ -33,6 +34,37 @@ from rollout.dataset import DatasetError, Prompt, PromptStream, data_sources, lo
 from rollout.engine import Completion, SamplingSettings, build_engine
 
 log = logging.getLogger("rollout.worker")
+
+HISTORY_ROWS = 256  # heartbeat history bound: at this length every other row is dropped
+WAITING_BEAT_S = 5.0  # heartbeat period while held back by backpressure (launch.status: not silent)
+
+
+def _bounded(rows: list, row: list) -> list:
+    """Append `row`; at HISTORY_ROWS (even) keep every other row, the first and the newest
+    included: the history spans the whole run, older parts at a coarser step, and a heartbeat
+    stays a few kB (every worker reads all heartbeats for backpressure)."""
+    rows.append(row)
+    return rows[::2] + rows[-1:] if len(rows) >= HISTORY_ROWS else rows
+
+
+def start_engine(store: WeightStore, rollout_cfg, device: str, timeout_s: float, who: str,
+                 should_stop=lambda: False):
+    """(engine, version): an engine built from the newest published version, waiting up to
+    `timeout_s` for the trainer's first one; (None, None) when `should_stop()` says so first."""
+    for attempt in range(5):
+        version = store.wait_latest(timeout_s, should_stop=should_stop)
+        if version is None:
+            return None, None
+        model_dir = store.layout.version_dir(version)
+        log.info("%s starting engine %s from %s", who, rollout_cfg.name, model_dir)
+        try:
+            return build_engine(model_dir, rollout_cfg, device), version
+        except (OSError, ValueError):
+            # The trainer keeps only the newest versions: this one may have been pruned
+            # while it loaded. Start again from the newest; anything else is a real error.
+            if os.path.isdir(model_dir) or attempt == 4:
+                raise
+            log.warning("weight version %d was pruned while loading; retrying", version)
 
 
 @dataclasses.dataclass
@@ -63,6 +95,11 @@ class RolloutWorker:
         self.stopping = False
         self.version: int | None = None
         self.versions_loaded: list[int] = []
+        # For launch.report: [version, unix time loaded] per load (weight-sync latency, version
+        # over time) and per batch [unix time generated, version, samples, tokens, generate s].
+        self.loads: list[list] = []
+        self.history: list[list] = []
+        self._last_beat = -math.inf
         self.batches = 0
         self.tokens = 0
         self.gen_seconds = 0.0
@@ -78,25 +115,14 @@ class RolloutWorker:
         """Wait for weights, load the engine and the prompts; False when a signal came first."""
         signal.signal(signal.SIGTERM, self._on_signal)
         signal.signal(signal.SIGINT, self._on_signal)
-        for attempt in range(5):
-            self.version = self.store.wait_latest(self.cfg.worker.weights_timeout_s,
-                                                  should_stop=lambda: self.stopping)
-            if self.version is None:
-                return False
-            model_dir = self.layout.version_dir(self.version)
-            log.info("worker %s starting engine %s from %s", self.id,
-                     self.cfg.actor_rollout_ref.rollout.name, model_dir)
-            try:
-                self.engine = build_engine(model_dir, self.cfg.actor_rollout_ref.rollout,
-                                           self.cfg.worker.device)
-                break
-            except (OSError, ValueError):
-                # The trainer keeps only the newest versions: this one may have been pruned
-                # while it loaded. Start again from the newest; anything else is a real error.
-                if os.path.isdir(model_dir) or attempt == 4:
-                    raise
-                log.warning("weight version %d was pruned while loading; retrying", self.version)
+        self.engine, self.version = start_engine(self.store, self.cfg.actor_rollout_ref.rollout,
+                                                 self.cfg.worker.device,
+                                                 self.cfg.worker.weights_timeout_s, f"worker {self.id}",
+                                                 should_stop=lambda: self.stopping)
+        if self.engine is None:
+            return False
         self.versions_loaded.append(self.version)
+        self.loads = _bounded(self.loads, [self.version, time.time()])
         self.prompts = PromptStream(
             load_prompts(self.cfg.data.train_files, self.engine.tokenizer, self.cfg.data.prompt_key,
                          self.cfg.data.max_prompt_length),
@@ -118,6 +144,7 @@ class RolloutWorker:
             return False
         self.version = latest
         self.versions_loaded.append(latest)
+        self.loads = _bounded(self.loads, [latest, time.time()])
         t2 = time.monotonic()
         log.info("loaded weights v%d in place: %d tensors in %.3f s (checksums %.3f s, load %.3f s)",
                  latest, count, t2 - t0, t1 - t0, t2 - t1)
@@ -153,13 +180,19 @@ class RolloutWorker:
                                   seed=self.seed + self.batches)
         started = time.time()
         t0 = time.monotonic()
+        version = self.version
         if rc.interruptible:
             groups, versions = self._generate_interruptible(prompts, params, rc.segment_tokens)
         else:
             groups = self.engine.generate([p.token_ids for p in prompts], params)
             versions = [[self.version] * len(g) for g in groups]
-        self.gen_seconds += time.monotonic() - t0
+        seconds = time.monotonic() - t0
+        tokens = sum(len(c.token_ids) for g in groups for c in g)
+        self.gen_seconds += seconds
+        self.tokens += tokens
         self.batches += 1
+        self.history = _bounded(self.history, [round(time.time(), 3), version,
+                                               sum(map(len, groups)), tokens, round(seconds, 4)])
         return GeneratedBatch(prompts, groups, versions, started)
 
     def _generate_interruptible(self, prompts: list[Prompt], params: SamplingSettings,
@@ -192,7 +225,6 @@ class RolloutWorker:
         rewards = []
         for prompt, group, versions in zip(batch.prompts, batch.groups, batch.versions):
             samples = self._samples(prompt, group, versions, batch.started)
-            self.tokens += sum(len(s.response_ids) for s in samples)
             rewards += [s.reward for s in samples]
             if samples:
                 self.writer.add_group(samples)
@@ -217,7 +249,15 @@ class RolloutWorker:
             "tokens_per_s": self.tokens / self.gen_seconds if self.gen_seconds else 0.0,
             "resumed_on_new_weights": self.resumed_on_new_weights,
             "rewards_dropped": self.rewards_dropped,
-            "last_beat": time.time()})
+            "loads": self.loads, "history": self.history, "last_beat": time.time()})
+        self._last_beat = time.monotonic()
+
+    def _stop_while_waiting(self) -> bool:
+        """`should_stop` of the backpressure wait; it also keeps the heartbeat fresh, so that
+        launch.status tells a worker held back by a full buffer from a silent one."""
+        if time.monotonic() - self._last_beat >= WAITING_BEAT_S:
+            self.heartbeat("waiting")
+        return self.should_stop()
 
     def should_stop(self) -> bool:
         if self.stopping:
@@ -240,7 +280,7 @@ class RolloutWorker:
             while not self.should_stop():
                 if self.cfg.buffer.transport == "fs":  # over gRPC, unacknowledged pushes bound it
                     wait_for_room(self.fs, self.layout, self.cfg.buffer.max_backlog_samples,
-                                  self.cfg.buffer.backlog_timeout_s, self.should_stop)
+                                  self.cfg.buffer.backlog_timeout_s, self._stop_while_waiting)
                 if self.should_stop():
                     break
                 self.maybe_reload()
@@ -260,20 +300,28 @@ class RolloutWorker:
         self.engine.close()
 
 
-def main(argv: list[str] | None = None) -> int:
-    cfg = parse_cli(WorkerConfig, argv, "python -m rollout.worker",
-                    "Rollout worker: samples groups of responses, scores them, and publishes "
-                    "experience shards to the run folder; reloads new weight versions in place.")
+def run_role(role, config_cls, argv: list[str] | None, prog: str, description: str,
+             tag: str) -> int:
+    """Entry point of a process with an engine: config from the command line, logs to stdout
+    tagged `tag`, torch threads from OMP_NUM_THREADS, then `role(cfg).run()`."""
+    cfg = parse_cli(config_cls, argv, prog, description)
     logging.basicConfig(level=logging.INFO, stream=sys.stdout,
-                        format="%(asctime)s %(levelname)s rollout[%(process)d] %(message)s")
+                        format=f"%(asctime)s %(levelname)s {tag}[%(process)d] %(message)s")
     import torch
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
     try:
-        RolloutWorker(cfg).run()
+        role(cfg).run()
     except (DatasetError, reward.RewardError) as e:  # the dataset or the reward set-up
-        print(f"python -m rollout.worker: {e}", file=sys.stderr)
+        print(f"{prog}: {e}", file=sys.stderr)
         return 2
     return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    return run_role(RolloutWorker, WorkerConfig, argv, "python -m rollout.worker",
+                    "Rollout worker: samples groups of responses, scores them, and publishes "
+                    "experience shards to the run folder; reloads new weight versions in place.",
+                    "rollout")
 
 
 if __name__ == "__main__":

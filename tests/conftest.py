@@ -96,6 +96,28 @@ def experience(tmp_path_factory):
     return base
 
 
+def kill_tree(pid: int) -> None:
+    """SIGKILL a process and all its descendants, as a node failure would. torchrun starts each
+    rank in a session of its own, so killpg on torchrun's group leaves the ranks running."""
+    import glob
+    import signal
+    pids, todo = [], [pid]
+    while todo:
+        p = todo.pop()
+        pids.append(p)
+        for children in glob.glob(f"/proc/{p}/task/*/children"):
+            try:
+                with open(children) as f:
+                    todo += [int(c) for c in f.read().split()]
+            except OSError:  # the task ended meanwhile
+                pass
+    for p in pids:
+        try:
+            os.kill(p, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -121,10 +143,10 @@ def trainer_proc(root, model, nproc, *extra, steps=STEPS, groups=GROUPS, rendezv
         env=dict(os.environ, OMP_NUM_THREADS="1"))
 
 
-def uninterrupted_run(experience, name, nproc=2):
+def uninterrupted_run(experience, name, nproc=2, *extra):
     """A trainer run over the shared experience that must succeed; its run folder."""
     root = run_folder(experience, name)
-    p = trainer_proc(root, experience / "model", nproc)
+    p = trainer_proc(root, experience / "model", nproc, *extra)
     out, _ = p.communicate(timeout=300)
     assert p.returncode == 0, out[-3000:]
     return root
@@ -135,3 +157,30 @@ def final_weights(root):
     from buffer.weights import WeightStore
     store = WeightStore(str(root))
     return dict(store.tensors(store.versions()[-1]))
+
+
+# How far two trainer runs over the same samples in the same steps may end apart when only the
+# order of fp32 sums differs (e.g. a run resumed on 1 rank vs the uninterrupted 2-rank run: one
+# 16-row backward instead of two 8-row ones plus a gloo sum), as a fraction of how far training
+# moved the weights: L2 norms over all weights (`weight_distances`), as in test_trainer. Each
+# gradient element changes by ~1e-7 of the largest terms summed into it. Adam's step
+# lr*m/(sqrt(v)+eps) is scale-free, so an element whose own gradient is near zero turns that
+# rounding into update noise: k_proj.bias in the slow RoPE planes (a key bias shifts all of a
+# query's scores almost equally and softmax cancels it) has gradients ~1e-8 against rounding
+# ~1e-12 and eps 1e-8, i.e. up to ~3e-4*lr per step. That noise sits in a few dozen elements:
+# up to 1.6e-5 each after 5 steps on 1 rank instead of 2 (so an element-wise atol=1e-5 fails on
+# some machines), 2e-6 of the distance moved as a norm. A resume defect moves every element:
+# measured, Adam's moments restored through bf16 give 8e-4, its step count reset 0.1.
+REORDER_REL_BOUND = 1e-4
+
+
+def weight_distances(ref: dict, run: dict, init_dir) -> tuple[float, float, str]:
+    """(|run - ref|, |ref - init|, the tensor with the largest element difference): L2 norms over
+    all weights, so a test can bound the difference relative to how far training moved them."""
+    from safetensors.torch import load_file
+    init = load_file(str(init_dir / "model.safetensors"))
+    assert ref.keys() == run.keys()
+    differ = sum(((run[k] - ref[k]) ** 2).sum().item() for k in ref) ** 0.5
+    moved = sum(((ref[k] - init[k]) ** 2).sum().item() for k in ref) ** 0.5
+    worst = max(ref, key=lambda k: (run[k] - ref[k]).abs().max().item())
+    return differ, moved, worst

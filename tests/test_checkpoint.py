@@ -5,22 +5,31 @@ import signal
 import time
 from pathlib import Path
 
-import torch
-from safetensors.torch import load_file
-
 from buffer.layout import RunLayout
 from protocol.experience import decode, from_table
 from conftest import STEPS, final_weights as _final_weights, run_folder as _run_folder, trainer_proc as _trainer
-from conftest import uninterrupted_run
+from conftest import REORDER_REL_BOUND, uninterrupted_run, weight_distances
 from trainer.checkpoint import latest_complete
+
+
+def _ids_by_step(root: Path) -> dict[int, list[str]]:
+    """Sample ids trained at each step; a step logged twice (killed, resumed): the later line."""
+    rows = [json.loads(line) for line in (root / "metrics.jsonl").read_text().splitlines()]
+    return {r["step"]: r["samples/ids"] for r in rows}
+
+
+# A critic (GAE) and an adaptive in-reward KL coefficient: the actor's final weights depend on
+# both, so they must resume exactly too.
+CRITIC = ("algorithm.adv_estimator=gae", "critic.optim.lr=1e-2", "algorithm.use_kl_in_reward=true",
+          "algorithm.kl_ctrl.type=adaptive", "algorithm.kl_ctrl.kl_coef=0.1", "algorithm.kl_ctrl.horizon=10")
 
 
 def test_sigkill_and_resume_on_one_rank_matches_uninterrupted_run(experience):
     model = experience / "model"
-    ref = uninterrupted_run(experience, "uninterrupted")
+    ref = uninterrupted_run(experience, "uninterrupted", 2, "trainer.log_sample_ids=true", *CRITIC)
 
     run = _run_folder(experience, "killed")
-    p = _trainer(run, model, 2, "trainer.save_freq=3", "trainer.log_sample_ids=true")
+    p = _trainer(run, model, 2, "trainer.save_freq=3", "trainer.log_sample_ids=true", *CRITIC)
     ckpt = Path(RunLayout(str(run)).checkpoint(3))
     deadline = time.monotonic() + 240
     try:
@@ -31,36 +40,37 @@ def test_sigkill_and_resume_on_one_rank_matches_uninterrupted_run(experience):
         os.killpg(p.pid, signal.SIGKILL)  # torchrun and both ranks, mid-run
     finally:
         p.wait(timeout=60)
-    resumed_from = latest_complete(RunLayout(str(run)))
-    assert resumed_from is not None and not resumed_from.endswith(f"{STEPS:08d}")
+    # The kill landed on a live run that had not finished: torchrun died of SIGKILL (a run that
+    # had already exited returns 0), no DONE marker, and fewer than STEPS steps were logged.
+    layout = RunLayout(str(run))
+    assert p.returncode == -signal.SIGKILL, p.returncode
+    assert not os.path.exists(layout.done_marker)
+    assert 3 <= len((run / "metrics.jsonl").read_text().splitlines()) < STEPS
+    resumed_from = latest_complete(layout)
+    assert RunLayout.checkpoint_step(resumed_from) in (3, 6)
     saved = json.loads((Path(resumed_from) / "trainer_state.json").read_text())
     assert len(saved["rng"]["cpu"]) > 0 and saved["model_path"] == str(model)
+    assert saved["critic"] and saved["kl_coef"] != 0.1
 
-    p = _trainer(run, model, 1, "trainer.save_freq=3", "trainer.log_sample_ids=true")  # 2 ranks -> 1
+    p = _trainer(run, model, 1, "trainer.save_freq=3", "trainer.log_sample_ids=true", *CRITIC)  # 2 ranks -> 1
     out, _ = p.communicate(timeout=300)
     assert p.returncode == 0, out[-3000:]
     assert "resumed from" in out
     # Exactly once over the run's final timeline: steps after the checkpoint ran twice (before
-    # the kill and after the resume); the later line of each step is the one that counts.
-    by_step = {}
-    for line in (run / "metrics.jsonl").read_text().splitlines():
-        row = json.loads(line)
-        by_step[row["step"]] = row["samples/ids"]
-    assert sorted(by_step) == list(range(1, STEPS + 1))
+    # the kill and after the resume); the later line of each step is the one that counts. And
+    # each step trained the same samples as in the uninterrupted run.
+    by_step = _ids_by_step(run)
+    assert sorted(by_step) == list(range(1, STEPS + 1)) and by_step == _ids_by_step(ref)
     trained = [i for ids in by_step.values() for i in ids]
     committed = {s.sample_id for p in (ref / "experience").rglob("*.arrow")
                  for s in from_table(decode(p.read_bytes()))}
     assert len(trained) == len(set(trained)) and set(trained) == committed
-    a, b = _final_weights(ref), _final_weights(run)
-    assert a.keys() == b.keys()
-    for k in a:
-        assert torch.allclose(a[k], b[k], atol=1e-5), k
-    # and training moved the weights at all (the comparison would be empty otherwise)
+    # Same samples at every step (above): only the order of fp32 sums differs (1 rank vs 2).
+    differ, moved, worst = weight_distances(_final_weights(ref), _final_weights(run), model)
+    assert moved > 1e-2 and differ < REORDER_REL_BOUND * moved, (differ, moved, worst)
     # Retention: shards covered by the last committed checkpoint are gone from the killed run
     # (the uninterrupted one saved no checkpoint and keeps all of them).
     assert len(list((run / "experience").rglob("*.arrow"))) < len(list((ref / "experience").rglob("*.arrow")))
-    init = load_file(str(model / "model.safetensors"))
-    assert max((a[k] - init[k]).abs().max().item() for k in a) > 1e-3
 
 
 def test_half_written_checkpoint_is_never_picked(tmp_path):

@@ -1,7 +1,10 @@
 """protocol.config: building nested dataclass configs from YAML and dotted overrides, and the CLIs."""
 from __future__ import annotations
 
+import argparse
+import collections
 import dataclasses
+import json
 import subprocess
 import sys
 
@@ -9,7 +12,9 @@ import pytest
 
 from buffer.config import BufferConfig
 from conftest import REPO_ROOT, subprocess_env
-from protocol.config import ConfigError, F, build, parse_cli, split_argv, to_dict, usage
+from protocol import verl_keys
+from protocol.config import (ConfigError, F, build, leaves, load, parse_cli, split_argv, to_dict,
+                             usage, yaml_leaves)
 from rollout.config import WorkerConfig
 from trainer.config import TrainerConfig
 
@@ -115,13 +120,25 @@ def test_list_parsing():
     assert build(Outer, {"name": "x", "tags": ["p", "q"]}).inner.tags == ["p", "q"]
 
 
+@dataclasses.dataclass
+class WithMapping:
+    kwargs: dict[str, float] = F(doc="engine arguments", factory=dict)
+    pair: tuple[float, float] = F(doc="two numbers", factory=lambda: (0.9, 0.99))
+
+
+def test_mapping_fields_take_whole_values_and_entries():
+    cfg = build(WithMapping, {"kwargs": "{a: 1}", "kwargs.b": "2", "pair": "[0.5, 0.6]"})
+    assert cfg.kwargs == {"a": 1.0, "b": 2.0} and list(cfg.pair) == [0.5, 0.6]
+    with pytest.raises(ConfigError, match=r"^kwargs: expected dict\[str, float\]"):
+        build(WithMapping, {"kwargs.c": "x"})
+
+
 def test_yaml_file_then_overrides(tmp_path):
     path = tmp_path / "cfg.yaml"
     path.write_text("name: from-yaml\n"
                     "count: 3\n"
-                    "inner:\n  mode: slow\n  tags: [u, v]\n"
-                    "enabled: false\n"          # a unique leaf name also works in YAML
-                    "flush_interval: 9\n")
+                    "inner:\n  mode: slow\n  tags: [u, v]\n  flush_interval: 9\n"
+                    "other:\n  enabled: false\n")
     cfg = build(Outer, yaml_file=path)
     assert cfg.name == "from-yaml" and cfg.count == 3
     assert cfg.inner.mode == "slow" and cfg.inner.tags == ["u", "v"]
@@ -130,6 +147,14 @@ def test_yaml_file_then_overrides(tmp_path):
     # overrides win over the file
     cfg = build(Outer, {"count": "4", "inner.flush_interval": "1.5"}, yaml_file=path)
     assert cfg.count == 4 and cfg.inner.flush_interval == 1.5 and cfg.name == "from-yaml"
+
+
+def test_yaml_uses_full_names(tmp_path):
+    # A file is shared by roles and by verl, so the last-part short form is for the command line only.
+    path = tmp_path / "cfg.yaml"
+    path.write_text("name: x\nenabled: false\n")
+    with pytest.raises(ConfigError, match=r"unknown config key 'enabled'.*did you mean other\.enabled"):
+        build(Outer, yaml_file=path)
 
 
 def test_yaml_errors(tmp_path):
@@ -218,7 +243,8 @@ def test_worker_config_lists_and_check():
     with pytest.raises(ConfigError, match=r"^data\.train_files"):
         build(WorkerConfig, {"root": "/r"})
     with pytest.raises(ConfigError, match=r"^actor_rollout_ref\.rollout\.top_p:"):
-        build(WorkerConfig, {"root": "/r", "train_files": "a", "top_p": "1.01"})
+        build(WorkerConfig, {"root": "/r", "train_files": "a",
+                             "actor_rollout_ref.rollout.top_p": "1.01"})
 
 
 @pytest.mark.parametrize("text", ["3.5", "true"])
@@ -266,6 +292,271 @@ def test_usage_lists_every_leaf_with_bounds():
     assert "REQUIRED" in text and ">=1" in text and "<=10" in text and "one of fast|slow" in text
 
 
+# --- verl configs: one file for both roles ------------------------------------------------------
+
+VERL_YAML = REPO_ROOT / "tests" / "data" / "verl_grpo.yaml"
+ROLES = [TrainerConfig, WorkerConfig]
+# The fixture's keys that do not apply to a decoupled run: each gets exactly one warning line.
+FIXTURE_WARNED = {
+    "data.return_raw_chat", "data.filter_overlong_prompts", "data.truncation",
+    "data.dataloader_num_workers", "actor_rollout_ref.hybrid_engine",
+    "actor_rollout_ref.model.use_remove_padding", "actor_rollout_ref.actor.fsdp_config.param_offload",
+    "actor_rollout_ref.actor.fsdp_config.optimizer_offload",
+    "actor_rollout_ref.actor.fsdp_config.wrap_policy.min_num_params",
+    "actor_rollout_ref.ref.fsdp_config.param_offload", "critic.model.fsdp_config.param_offload",
+    "actor_rollout_ref.actor.checkpoint.save_contents", "actor_rollout_ref.actor.checkpoint.load_contents",
+    "actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu", "actor_rollout_ref.rollout.mode",
+    "actor_rollout_ref.rollout.max_num_batched_tokens", "actor_rollout_ref.rollout.free_cache_engine",
+    "actor_rollout_ref.rollout.load_format", "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu",
+    "reward_model.model.path", "algorithm.rollout_correction.rollout_is", "trainer.total_epochs",
+    "trainer.nnodes", "trainer.n_gpus_per_node", "trainer.default_local_dir",
+}
+
+
+def warned_keys(lines) -> collections.Counter:
+    """Keys named by 'ignored K1, K2: why' lines (the reason may contain ': ' too)."""
+    keys = collections.Counter()
+    for line in lines:
+        head = line.removeprefix("config: ").partition(": ")[0]
+        assert head.startswith("ignored "), line
+        keys.update(head.removeprefix("ignored ").split(", "))
+    return keys
+
+
+def test_verl_fixture_builds_both_roles_with_one_warning_per_key():
+    for cls in ROLES:
+        cfg, warnings = load(cls, {"root": "/run"}, VERL_YAML)
+        keys = warned_keys(warnings)
+        assert set(keys) == FIXTURE_WARNED, set(keys) ^ FIXTURE_WARNED
+        assert set(keys.values()) == {1}
+        assert cfg.buffer.flush_samples == 16  # tandem's own section in the same file
+
+
+def test_verl_fixture_values_reach_each_role():
+    t, _ = load(TrainerConfig, {"root": "/run"}, VERL_YAML)
+    assert t.data.train_batch_size == 4 and t.actor_rollout_ref.actor.optim.lr == 1e-3
+    assert t.trainer.experiment_name == "grpo_n4"  # interpolates the worker's rollout.n
+    assert t.actor_rollout_ref.actor.ppo_max_token_len_per_gpu == 8192  # from an ignored key
+    assert t.trainer.max_ckpt_to_keep == 2  # verl's trainer.max_actor_ckpt_to_keep
+    assert t.trainer.save_freq == -1 and t.trainer.total_training_steps == 3
+    assert t.actor_rollout_ref.actor.use_kl_loss is True
+    w, _ = load(WorkerConfig, {"root": "/run"}, VERL_YAML)
+    assert w.data.train_files == ["~/data/gsm8k/train.parquet"]  # verl's single path: a list
+    assert (w.actor_rollout_ref.rollout.n, w.data.max_response_length) == (4, 3)
+    assert w.actor_rollout_ref.rollout.name == "hf"
+
+
+def test_command_line_override_is_seen_by_interpolations():
+    t, _ = load(TrainerConfig, {"root": "/run", "actor_rollout_ref.rollout.n": "8"}, VERL_YAML)
+    assert t.trainer.experiment_name == "grpo_n8"
+
+
+def test_every_key_of_verls_own_config_is_classified_and_both_roles_build_from_it():
+    path = verl_keys.verl_config_path()
+    honoured = {n for cls in ROLES for n, _, _ in leaves(cls)}
+    keys = yaml_leaves(path)
+    assert len(keys) > 500  # verl's full reference config, not a stub
+    unclassified = [k for k in keys if not verl_keys.classify(k, honoured)]
+    assert not unclassified, unclassified
+    # adv_estimator: verl's default is gae, whose critic the algo branch adds.
+    over = {"root": "/run", "algorithm.adv_estimator": "grpo", "actor_rollout_ref.rollout.name": "vllm"}
+    for cls in ROLES:
+        cfg, warnings = load(cls, over, path)
+        assert warnings and set(warned_keys(warnings).values()) == {1}
+    assert cfg.actor_rollout_ref.rollout.tensor_model_parallel_size == 2  # verl's default, honoured
+
+
+@pytest.mark.parametrize("key,value,why", [
+    ("actor_rollout_ref.model.lora_rank", "8", "LoRA"),
+    ("actor_rollout_ref.actor.strategy", "megatron", "megatron"),
+    ("reward_model.enable", "true", "reward models"),
+    ("actor_rollout_ref.actor.ulysses_sequence_parallel_size", "2", "sequence parallel"),
+    ("actor_rollout_ref.rollout.multi_turn.enable", "true", "multi-turn"),
+    ("algorithm.filter_groups.enable", "true", "dynamic sampling"),
+    ("actor_rollout_ref.rollout.engine_kwargs.vllm.swap_space", "4", "engine arguments"),
+    ("actor_rollout_ref.rollout.top_k", "50", "top-k"),
+])
+def test_settings_tandem_cannot_honour_are_refused_with_the_reason(key, value, why):
+    for cls in ROLES:
+        with pytest.raises(ConfigError) as e:
+            load(cls, {"root": "/run", key: value}, VERL_YAML)
+        assert str(e.value).startswith(f"{key}=") and why in str(e.value), str(e.value)
+
+
+def test_refusal_from_the_file_names_the_file(tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_text(VERL_YAML.read_text().replace("lora_rank: 0", "lora_rank: 16"))
+    with pytest.raises(ConfigError, match=rf"lora_rank=16 \(--config {path}\): not supported: LoRA"):
+        load(TrainerConfig, {"root": "/run"}, path)
+
+
+@pytest.mark.parametrize("key,value", [
+    ("actor_rollout_ref.model.lora_rank", "0"), ("actor_rollout_ref.actor.strategy", "fsdp2"),
+    ("reward_model.enable", "false"), ("actor_rollout_ref.actor.ulysses_sequence_parallel_size", "1"),
+    ("actor_rollout_ref.rollout.top_k", "-1"),
+])
+def test_unsupported_features_left_off_are_accepted_silently(key, value):
+    _, warnings = load(WorkerConfig, {"root": "/run", "train_files": "a", key: value})
+    assert warnings == []
+
+
+def test_other_roles_keys_are_accepted_silently():
+    _, warnings = load(TrainerConfig, {"root": "/r", "actor_rollout_ref.model.path": "/m",
+                                       "actor_rollout_ref.rollout.n": "4", "worker.id": "w0",
+                                       "data.train_files": "[a]"})
+    assert warnings == []
+    _, warnings = load(WorkerConfig, {"root": "/r", "train_files": "a",
+                                      "trainer.total_training_steps": "3", "data.train_batch_size": "4"})
+    assert warnings == []
+
+
+def test_a_plain_schema_is_strict():
+    # Only the role schemas share a file with verl; any other schema accepts its own keys only.
+    with pytest.raises(ConfigError, match="unknown config key 'trainer.nnodes'"):
+        build(Outer, {"name": "x", "trainer.nnodes": "1"})
+
+
+def test_interpolations_relative_and_unresolvable(tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_text("data:\n  max_prompt_length: 16\n  max_response_length: ${.max_prompt_length}\n"
+                    "  train_files: [a.parquet]\n"
+                    "trainer:\n  default_local_dir: ${no.such.key}\n")  # ignored: never resolved
+    cfg, _ = load(WorkerConfig, {"root": "/r"}, path)
+    assert cfg.data.max_response_length == 16
+    path.write_text("data:\n  train_files: [a.parquet]\n  max_prompt_length: ${no.such.key}\n")
+    with pytest.raises(ConfigError, match=r"^data\.max_prompt_length: cannot resolve"):
+        load(WorkerConfig, {"root": "/r"}, path)
+
+
+def test_verl_key_typo_suggests_the_key(tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_text("data:\n  tokenizr: null\n")
+    with pytest.raises(ConfigError, match=r"unknown config key 'data.tokenizr' \(--config .*did you mean data\.tokenizer"):
+        load(TrainerConfig, {"root": "/r", "actor_rollout_ref.model.path": "/m"}, path)
+
+
+@pytest.mark.parametrize("text,message", [
+    ("trainer:\n  total_training_steps: many\n", r"^trainer\.total_training_steps: expected int, got 'many'"),
+    ("actor_rollout_ref:\n  actor:\n    optim:\n      lr: .inf\n", r"^actor_rollout_ref\.actor\.optim\.lr: must be a finite"),
+    ("actor_rollout_ref:\n  actor:\n    optim:\n      lr: .nan\n", r"^actor_rollout_ref\.actor\.optim\.lr: must be a finite"),
+    ("actor_rollout_ref:\n  actor:\n    clip_ratio: 2\n", r"^actor_rollout_ref\.actor\.clip_ratio: must be <= 1"),
+    ("trainer:\n  logger: 3\n", r"^trainer\.logger: expected"),
+])
+def test_bad_values_in_the_file_name_the_field(tmp_path, text, message):
+    path = tmp_path / "c.yaml"
+    path.write_text(text)
+    with pytest.raises(ConfigError, match=message):
+        load(TrainerConfig, {"root": "/r", "actor_rollout_ref.model.path": "/m"}, path)
+
+
+def test_non_finite_floats_refused_on_the_command_line():
+    with pytest.raises(ConfigError, match=r"^flush_interval: must be a finite number, got inf"):
+        build(BufferConfig, {"flush_interval": "inf"})
+
+
+def test_null_means_the_default(tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_text("trainer:\n  total_training_steps: null\nactor_rollout_ref:\n  actor:\n"
+                    "    ppo_micro_batch_size_per_gpu: null\n")
+    cfg, _ = load(TrainerConfig, {"root": "/r", "actor_rollout_ref.model.path": "/m"}, path)
+    assert cfg.trainer.total_training_steps == 100
+    assert cfg.actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu == 32
+
+
+def test_verl_spellings_set_tandem_keys():
+    base = {"root": "/r", "actor_rollout_ref.model.path": "/m"}
+    cfg, _ = load(TrainerConfig, {**base, "actor_rollout_ref.actor.optim.lr_scheduler_type": "cosine",
+                                  "algorithm.rollout_correction.rollout_is_threshold": "5"})
+    assert cfg.actor_rollout_ref.actor.optim.warmup_style == "cosine"
+    assert cfg.algorithm.rollout_is_threshold == 5.0
+    cfg, _ = load(TrainerConfig, {**base, "trainer.resume_mode": "resume_path",
+                                  "trainer.resume_from_path": "/ckpt/step_3"})
+    assert cfg.trainer.resume_mode == "/ckpt/step_3"
+    # Both spellings given: tandem's key wins and one line says so.
+    cfg, warnings = load(TrainerConfig, {**base, "actor_rollout_ref.actor.grad_clip": "1.0",
+                                         "actor_rollout_ref.actor.optim.clip_grad": "0.5"})
+    assert cfg.actor_rollout_ref.actor.grad_clip == 1.0
+    assert warnings == ["ignored actor_rollout_ref.actor.optim.clip_grad=0.5: "
+                        "actor_rollout_ref.actor.grad_clip=1.0 is set too and wins"]
+
+
+def test_warnings_are_printed_by_rank_0_only(capsys, monkeypatch):
+    over = {"root": "/r", "train_files": "a", "actor_rollout_ref.hybrid_engine": "true"}
+    build(WorkerConfig, over)
+    assert capsys.readouterr().err == ("config: ignored actor_rollout_ref.hybrid_engine: tandem is "
+                                       "decoupled: rollout workers and the trainer are always "
+                                       "separate processes\n")
+    monkeypatch.setenv("RANK", "1")
+    build(WorkerConfig, over)
+    assert capsys.readouterr().err == ""
+
+
+def test_verl_keys_report_counts_every_class(capsys):
+    assert verl_keys.report(verl_keys.verl_config_path()) == 0
+    counts = capsys.readouterr().out.strip().splitlines()[-2]
+    for kind in ("honoured", verl_keys.ALIAS, verl_keys.WARN, verl_keys.SAME):
+        assert f"{kind}: " in counts, counts
+
+
+def test_pool_validates_the_workers_config_and_passes_it_on():
+    from rollout.pool import parse
+    # The worker resolves a short key (rollout.n's `n` is ambiguous beside val_kwargs.n).
+    cfg, worker_args = parse(["root=/r", "pool.id=p", "--config", str(VERL_YAML),
+                              "--prompts_per_batch", "2"])
+    assert cfg.pool.id == "p"
+    assert worker_args == ["--config", str(VERL_YAML), "prompts_per_batch=2"]
+    with pytest.raises(ConfigError, match="lora_rank=8"):
+        parse(["root=/r", "--config", str(VERL_YAML), "actor_rollout_ref.model.lora_rank=8"])
+
+
+# --- launch.local with a config ----------------------------------------------------------------
+
+def local_args(**kw):
+    base = dict(config=str(VERL_YAML), model=None, data=None, steps=None, digits=3, trainer=[],
+                worker=[])
+    return argparse.Namespace(**{**base, **kw})
+
+
+def test_launch_local_takes_inputs_from_the_config_and_the_recipe_yields_to_it(tmp_path):
+    from buffer.layout import RunLayout
+    from launch import local
+    layout = RunLayout(str(tmp_path / "run"))
+    config = local.from_config(local_args(), layout)
+    assert config[local.MODEL] == "~/models/Qwen2-7B-Instruct" and config[local.STEPS] == 3
+    with pytest.raises(SystemExit, match=r"actor_rollout_ref.model.path in --config .*is not a model folder"):
+        local.prepare(layout, local_args(), config)
+    trainer_recipe, worker_recipe = local.recipe(config, local_args())
+    assert "data.train_batch_size=16" not in trainer_recipe  # the config sets 4
+    assert "trainer.max_staleness=4" in trainer_recipe  # the config leaves it to the recipe
+    assert not any(a.startswith(("actor_rollout_ref.rollout.n=", "buffer.flush_samples=",
+                                 "data.max_response_length=")) for a in worker_recipe)
+    assert "buffer.max_backlog_samples=256" in worker_recipe
+
+
+def test_launch_local_with_a_verl_config_runs_end_to_end(tmp_path):
+    from rollout import builtin_task
+    builtin_task.write_model(tmp_path / "model")
+    builtin_task.write_parquet(tmp_path / "train.parquet", builtin_task.make_rows(200, 3))
+    root = tmp_path / "run"
+    proc = subprocess.run([sys.executable, "-m", "launch.local", "--config", str(VERL_YAML),
+                           "--root", str(root), "--model", str(tmp_path / "model"),
+                           "--data", str(tmp_path / "train.parquet"), "--timeout", "500"],
+                          cwd=REPO_ROOT, env=subprocess_env(), capture_output=True, text=True,
+                          timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    rows = [json.loads(line) for line in (root / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1, 2, 3]  # the config's trainer.total_training_steps
+    # train_batch_size 4 groups of rollout.n 4: the config's, not the built-in recipe's 16 x 16
+    assert {r["samples/step"] for r in rows} == {16}
+    assert max(r["response_length/mean"] for r in rows) <= 3  # data.max_response_length
+    printed = [line for line in proc.stderr.splitlines() if line.startswith("config: ")]
+    assert warned_keys(printed) == collections.Counter(FIXTURE_WARNED)
+    for log in ("trainer", "worker-w0", "worker-w1"):  # the trainer's 2 ranks: rank 0 prints
+        lines = [line for line in (root / "logs" / f"{log}.log").read_text().splitlines()
+                 if line.startswith("config: ")]
+        assert warned_keys(lines) == collections.Counter(FIXTURE_WARNED), log
+
+
 # --- the entry points, as subprocesses ---------------------------------------------------------
 
 CLI_RUNS = {
@@ -274,6 +565,10 @@ CLI_RUNS = {
     "trainer_bad_steps": ["-m", "trainer.main", "root=/x", "trainer.total_training_steps=0",
                           "actor_rollout_ref.model.path=/m"],
     "trainer_brief": ["-m", "trainer.main", "root=/x", "trainer.total_training_steps=0"],
+    "trainer_verl_lora": ["-m", "trainer.main", "--config", "tests/data/verl_grpo.yaml", "root=/x",
+                          "actor_rollout_ref.model.lora_rank=8"],
+    "worker_verl_inf": ["-m", "rollout.worker", "--config", "tests/data/verl_grpo.yaml", "root=/x",
+                        "--actor_rollout_ref.rollout.top_p", "inf"],
 }
 
 
@@ -326,4 +621,15 @@ def test_trainer_missing_required_exits_2(cli_results):
     rc, out, err = cli_results["trainer_brief"]
     assert rc == 2, (out, err)
     assert "actor_rollout_ref.model.path: required" in err
+    assert "Traceback" not in err
+
+
+@pytest.mark.parametrize("run,words", [
+    ("trainer_verl_lora", ["actor_rollout_ref.model.lora_rank=8", "LoRA is not supported"]),
+    ("worker_verl_inf", ["actor_rollout_ref.rollout.top_p: must be a finite number"]),
+])
+def test_verl_config_errors_exit_2_naming_the_key(cli_results, run, words):
+    rc, out, err = cli_results[run]
+    assert rc == 2, (out, err)
+    assert all(w in err for w in words), err
     assert "Traceback" not in err

@@ -14,6 +14,7 @@ from buffer.grpc_transport import DAMAGED_RESENDS, GrpcShardWriter, ShardServer
 from buffer.layout import RunLayout
 from buffer.reader import ExperienceReader
 from conftest import TESTS_DIR, free_port, make_group, subprocess_env
+from launch.local import rl_metrics
 from protocol import experience_pb2 as pb
 from protocol import experience_pb2_grpc as pb_grpc
 from protocol.experience import SCHEMA_VERSION, encode, to_table
@@ -145,6 +146,13 @@ time.sleep(3600)
 """
 
 
+def _wait(cond, timeout_s: float, what: str) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not cond():
+        assert time.monotonic() < deadline, f"timed out after {timeout_s} s waiting for {what}"
+        time.sleep(0.05)
+
+
 def _start_server(tmp_path, port):
     script = tmp_path / "server.py"
     script.write_text(SERVER)
@@ -164,16 +172,13 @@ def test_server_restart_mid_stream_loses_and_doubles_nothing(tmp_path):
     try:
         for g in range(10):
             writer.add_group(make_group("w0", 0, g, 0, 4))
-        deadline = time.monotonic() + 60
-        while writer.unacked and time.monotonic() < deadline:
-            time.sleep(0.05)
+        _wait(lambda: not writer.unacked, 60, "the first 10 shards to be acknowledged")
         server.send_signal(signal.SIGKILL)  # the trainer dies
         server.wait(timeout=30)
         for g in range(10, 30):  # the worker keeps producing; pushes fail and are retried
             writer.add_group(make_group("w0", 0, g, 0, 4))
             if g == 13:  # 4 shards in flight: the writer would block on the next one
-                time.sleep(1.0)  # a few failed pushes
-                assert "UNAVAILABLE" in (writer.last_error or "")
+                _wait(lambda: "UNAVAILABLE" in (writer.last_error or ""), 60, "a failed push")
                 server = _start_server(tmp_path, port)  # the trainer comes back
         writer.close(timeout_s=120)
     finally:
@@ -202,5 +207,7 @@ def test_pipeline_over_grpc(tmp_path):
                            "--worker", f"buffer.grpc_address=127.0.0.1:{port}"],
                           capture_output=True, text=True, timeout=500, env=env)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert len((root / "metrics.jsonl").read_text().splitlines()) == 4
+    rows, vals = rl_metrics(RunLayout(str(root)))
+    # the validator (weights and validation still go through the run folder) measured v0 and v4
+    assert len(rows) == 4 and [[p[0] for p in v] for v in vals.values()] == [[0, 4]]
     assert "experience gRPC server listening" in (root / "logs" / "trainer.log").read_text()

@@ -33,7 +33,7 @@ def test_missing_model_path_is_named_before_loading(tmp_path):
     assert "Repo id" not in p.stderr and "Traceback" not in p.stderr
     assert not (tmp_path / "run").exists()  # nothing was started
     p, _ = _run("-m", "launch.local", "--root", str(tmp_path / "run"), "--model", "/nonexistent/m")
-    assert p.returncode != 0 and "--model /nonexistent/m not found" in p.stderr, p.stderr
+    assert p.returncode != 0 and "--model: /nonexistent/m not found" in p.stderr, p.stderr
     assert not (tmp_path / "run" / "logs").exists()  # no child was started
 
 

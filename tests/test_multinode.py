@@ -2,9 +2,8 @@
 launch/slurm/trainer.sbatch runs on each node. Global rank and local rank differ on the second
 agent (RANK=1, LOCAL_RANK=0), which a single-node run never shows."""
 
-import torch
-
-from conftest import STEPS, final_weights, free_port, run_folder, trainer_proc, uninterrupted_run
+from conftest import (REORDER_REL_BOUND, STEPS, final_weights, free_port, run_folder, trainer_proc,
+                      uninterrupted_run, weight_distances)
 
 
 def test_two_nodes_by_rendezvous_train_like_two_ranks_on_one(experience):
@@ -18,7 +17,7 @@ def test_two_nodes_by_rendezvous_train_like_two_ranks_on_one(experience):
         assert a.returncode == 0, out[-3000:]
     # rank 0 alone writes metrics: one line per step, not one per node
     assert len((run / "metrics.jsonl").read_text().splitlines()) == STEPS
-    a, b = final_weights(ref), final_weights(run)
-    assert a.keys() == b.keys()
-    for k in a:
-        assert torch.allclose(a[k], b[k], atol=1e-5), k
+    # Same 2 ranks and the same split: the runs agree to the bit where this was written; the
+    # bound is the one for a changed order of fp32 sums, should gloo over TCP sum differently.
+    differ, moved, worst = weight_distances(final_weights(ref), final_weights(run), experience / "model")
+    assert moved > 1e-2 and differ < REORDER_REL_BOUND * moved, (differ, moved, worst)

@@ -1,4 +1,5 @@
-"""The whole loop as real processes: launch.local with a 2-rank trainer and 2 workers."""
+"""The whole loop as real processes: launch.local with a 2-rank trainer, 2 workers and the
+validator."""
 import json
 import os
 import signal
@@ -7,6 +8,8 @@ import sys
 import time
 
 
+from buffer.layout import RunLayout
+from launch.local import rl_metrics
 from protocol.experience import decode, from_table
 
 REQUIRED = {"step", "weights/version", "reward/mean", "staleness/mean", "samples/consumed", "time/step_s"}
@@ -19,8 +22,10 @@ def test_local_pipeline_runs_steps_and_reloads_weights(tmp_path):
                            "--steps", str(steps), "--timeout", "400"],
                           capture_output=True, text=True, timeout=500)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    rows = [json.loads(line) for line in (root / "metrics.jsonl").read_text().splitlines()]
+    rows, vals = rl_metrics(RunLayout(str(root)))
     assert [r["step"] for r in rows] == list(range(1, steps + 1))
+    # the validator (on by default) measured v0 and the last step (test_freq 10 > steps)
+    assert [[p[0] for p in points] for points in vals.values()] == [[0, steps]]
     for r in rows:
         assert REQUIRED <= set(r), REQUIRED - set(r)
         assert 0.0 <= r["reward/mean"] <= 1.0
@@ -39,7 +44,7 @@ def test_local_pipeline_runs_steps_and_reloads_weights(tmp_path):
         versions |= {s.weight_version for s in from_table(decode(shard.read_bytes()))}
     assert versions and versions <= set(range(steps + 1))
     assert not list((root / "experience").rglob(".*tmp-*"))
-    assert "reward/mean: first" in proc.stdout
+    assert "reward/mean: first" in proc.stdout and "validation (held-out prompts" in proc.stdout
 
 
 def _pid_alive(pid: int) -> bool:
@@ -60,8 +65,9 @@ def test_ctrl_c_stops_every_process(tmp_path):
         while not (root / "metrics.jsonl").exists() or not (root / "metrics.jsonl").read_text():
             assert proc.poll() is None and time.monotonic() < deadline, "no trainer step in 240 s"
             time.sleep(0.5)
-        pids = [json.loads(p.read_text())["pid"] for p in (root / "workers").glob("*.json")]
-        assert len(pids) == 2
+        beats = [*(root / "workers").glob("*.json"), root / "validation" / "validator.json"]
+        pids = [json.loads(p.read_text())["pid"] for p in beats]
+        assert len(pids) == 3
         proc.send_signal(signal.SIGINT)
         out, err = proc.communicate(timeout=120)
     finally:
@@ -71,7 +77,7 @@ def test_ctrl_c_stops_every_process(tmp_path):
     assert proc.returncode == 130, err[-2000:]
     assert "interrupted" in err
     assert not any(_pid_alive(p) for p in pids)
-    for beat in (root / "workers").glob("*.json"):
+    for beat in beats:
         assert json.loads(beat.read_text())["state"] == "stopped"  # drained, not killed
 
 

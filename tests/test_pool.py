@@ -51,11 +51,22 @@ def _pool_state(root: Path, pid="p") -> dict:
     return json.loads(p.read_text()) if p.exists() else {}
 
 
+def _pool_rounds(root: Path, saves: int = 3) -> None:
+    """Wait until whatever was written before this call has been read by the supervisor. A round
+    (read the control file, apply, reconcile) saves the state once, or twice when it applies a
+    command, so of three saves after this call the last is in a round that began after it."""
+    for _ in range(saves):
+        last = _pool_state(root).get("updated")
+        _wait(lambda: _pool_state(root).get("updated") != last, 60, "a supervisor round")
+
+
 def _running(root: Path) -> set:
-    """Workers the pool runs whose heartbeat says they are generating."""
+    """Workers the pool runs whose heartbeat says they are generating (or held back by
+    backpressure: 'waiting', which a worker says only once it has started)."""
     beats = _beats(root)
     return {w["worker_id"] for w in _pool_state(root).get("workers", [])
-            if w["state"] == "running" and beats.get(w["worker_id"], {}).get("state") == "running"}
+            if w["state"] == "running"
+            and beats.get(w["worker_id"], {}).get("state") in ("running", "waiting")}
 
 
 def _control(root: Path, *args):
@@ -92,14 +103,17 @@ def test_control_file_grows_and_shrinks_the_pool_exactly_once(run, tmp_path):
         # The same file rewritten, and a garbage file: nothing changes, the pool keeps running.
         text = (root / "control.json").read_text()
         (root / "control.json").write_text(text)
+        _pool_rounds(root)  # the pool has read the rewritten file
         (root / "control.json").write_text("{not json")
-        time.sleep(2)
+        _wait(lambda: "not JSON" in _pool_state(root).get("last_error", ""), 60, "the garbage read")
+        _pool_rounds(root)
         assert pool.poll() is None
         assert _pool_state(root)["target"] == 2 and len(_pool_state(root)["workers"]) == 2
         # A seed-style command written twice with the same content is one command.
-        for _ in range(2):
-            (root / "control.json").write_text(json.dumps({"action": "add", "count": 1}))
-            time.sleep(1)
+        (root / "control.json").write_text(json.dumps({"action": "add", "count": 1}))
+        _wait(lambda: _pool_state(root)["target"] == 3, 60, "the seed-style 'add 1' applied")
+        (root / "control.json").write_text(json.dumps({"action": "add", "count": 1}))
+        _pool_rounds(root)
         _wait(lambda: len(_running(root)) == 3, 180, "3 workers after the seed-style 'add 1'")
         assert _pool_state(root)["target"] == 3
 
@@ -108,7 +122,7 @@ def test_control_file_grows_and_shrinks_the_pool_exactly_once(run, tmp_path):
         # A restarted supervisor does not apply old commands again.
         pool = _start_pool(root, data, log)
         _wait(lambda: len(_running(root)) == 3, 180, "3 workers after the supervisor restart")
-        time.sleep(2)
+        _pool_rounds(root)
         assert _pool_state(root)["target"] == 3
         assert len(_pool_state(root)["workers"]) == 3
     finally:

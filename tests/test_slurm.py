@@ -145,7 +145,7 @@ def test_submit_errors_are_clear(slurm, tmp_path):
     assert out.returncode == 2 and "no_such_key" in out.stderr
 
 
-def test_dry_run_renders_both_roles(tmp_path):
+def test_dry_run_renders_every_role(tmp_path):
     root = str(tmp_path / "r")
     out = _run([sys.executable, "-m", "launch.submit", "trainer", "--root", root, "--partition", "big",
                 "--nodes", "4", "--gpus-per-node", "8", "--port", "29555", "--dry-run",
@@ -167,6 +167,70 @@ def test_dry_run_renders_both_roles(tmp_path):
                  "slurm-rollout-%A_%a.out", "TANDEM_BIND_GPU=1", "-m rollout.worker",
                  "buffer.flush_interval=30", "'data.train_files=[t.parquet]'"):
         assert want in s, f"{want!r} not in rollout script:\n{s}"
+    out = _run([sys.executable, "-m", "launch.submit", "validate", "--root", root, "--partition",
+                "cheap", "--gpus-per-node", "1", "--dry-run", "data.val_files=[v.parquet]",
+                "actor_rollout_ref.rollout.val_kwargs.n=4"])
+    assert out.returncode == 0, out.stderr
+    s = out.stdout
+    for want in ("#SBATCH --partition=cheap", "#SBATCH --nodes=1", "#SBATCH --gpus-per-node=1",
+                 "#SBATCH --signal=TERM@120", "slurm-validate-%j.out", "-m rollout.validate",
+                 f"root={root}", "'data.val_files=[v.parquet]'",
+                 "actor_rollout_ref.rollout.val_kwargs.n=4"):
+        assert want in s, f"{want!r} not in validate script:\n{s}"
+    # the validator's own settings are checked before anything is submitted
+    out = _run([sys.executable, "-m", "launch.submit", "validate", "--root", root, "--dry-run"])
+    assert out.returncode == 2 and "data.val_files" in out.stderr, out.stderr
+    out = _run([sys.executable, "-m", "launch.submit", "validate", "--root", root, "--nodes", "2",
+                "--dry-run", "data.val_files=[v.parquet]"])
+    assert out.returncode == 2 and "one validator per run" in out.stderr, out.stderr
+
+
+def test_dry_run_renders_the_sft_role(tmp_path):
+    out_dir = str(tmp_path / "sft")
+    config = tmp_path / "sft.yaml"
+    config.write_text("data:\n  train_files: [t.parquet]\nmodel:\n  partial_pretrain: m\n")
+    base = [sys.executable, "-m", "launch.submit", "sft", "--root", out_dir, "--dry-run",
+            "--config", str(config)]
+    out = _run([*base, "--partition", "big", "--nodes", "2", "--gpus-per-node", "8", "optim.lr=2e-5"])
+    assert out.returncode == 0, out.stderr
+    s = out.stdout
+    for want in ("#SBATCH --partition=big", "#SBATCH --nodes=2", "#SBATCH --job-name=tandem-sft",
+                 "#SBATCH --gpus-per-node=8", "--nproc_per_node=8", "--nnodes=${SLURM_NNODES}",
+                 "--rdzv_backend=c10d", "-m trainer.sft", f"trainer.default_local_dir={out_dir}",
+                 f"--config {config}", "optim.lr=2e-5", f"{out_dir}/logs/slurm-sft-%j.out"):
+        assert want in s, f"{want!r} not in sft script:\n{s}"
+    assert "trainer.main" not in s and " root=" not in s
+    # refused before anything is submitted, with the setting named
+    out = _run([*base, "trainer.default_local_dir=/elsewhere"])
+    assert out.returncode == 2 and "give the output folder with --root" in out.stderr, out.stderr
+    out = _run([*base, "model.lora_rank=8"])
+    assert out.returncode == 2 and "model.lora_rank=8: LoRA is not supported yet" in out.stderr
+
+
+@pytest.mark.slow
+def test_sft_as_a_slurm_job(slurm, tmp_path):
+    """trainer.sft on 2 ranks as a job in partition trainer: torchrun's c10d rendezvous inside
+    the allocation, the HF folder at the end."""
+    paths = {(k, s): str(tmp_path / f"{k}_{s}.parquet") for k in ("sft", "rl") for s in ("train", "val")}
+    builtin_task.write_sft_and_rl(paths, num=240)
+    builtin_task.write_model(tmp_path / "model")
+    out = RunLayout(str(tmp_path / "sft"))
+    job = _submit("sft", "--root", out.root, "--partition", "trainer", "--nproc-per-node", "2",
+                  "--time", "20:00", f"data.train_files=[{paths[('sft', 'train')]}]",
+                  f"data.val_files=[{paths[('sft', 'val')]}]", f"model.partial_pretrain={tmp_path / 'model'}",
+                  "data.train_batch_size=16", "trainer.total_training_steps=6", "data.max_length=16",
+                  "data.max_token_len_per_gpu=64", "model.enable_gradient_checkpointing=false")
+    output = Path(out.root, "logs", f"slurm-sft-{job}.out")
+    try:
+        _wait(lambda: _squeue(job) is None, 300, f"sft job {job} to finish", interval=1.0,
+              dump=lambda: output.read_text()[-3000:] if output.exists() else "(no output yet)")
+    finally:
+        if _squeue(job) is not None:
+            _run(["scancel", job])
+    info = _job(job)
+    assert info.get("JobState") == "COMPLETED" and info.get("ExitCode") == "0:0", (info, output.read_text()[-3000:])
+    assert f"tandem sft job {job}: 1 node(s) x 2 ranks" in output.read_text()
+    assert len(_metrics(out)) == 6 and Path(out.hf_model, "config.json").exists()
 
 
 @pytest.mark.slow

@@ -30,9 +30,10 @@ def test_interruptible_generation_resumes_on_new_weights(tmp_path):
     store = WeightStore(str(root))
     store.publish_hf_folder(tmp_path / "m0", 0, 0, keep=5)
     cfg = build(WorkerConfig, {"root": str(root), "train_files": f"[{tmp_path / 't.parquet'}]",
-                               "worker.id": "w", "max_response_length": "6", "n": "3",
-                               "prompts_per_batch": "4", "interruptible": "true",
-                               "segment_tokens": "2", "temperature": "0.9"})
+                               "worker.id": "w", "max_response_length": "6",
+                               "actor_rollout_ref.rollout.n": "3", "prompts_per_batch": "4",
+                               "interruptible": "true", "segment_tokens": "2",
+                               "actor_rollout_ref.rollout.temperature": "0.9"})
     worker = RolloutWorker(cfg)
     worker.start()
     assert worker.version == 0
@@ -45,6 +46,8 @@ def test_interruptible_generation_resumes_on_new_weights(tmp_path):
     assert all(v == 0 for vs in batch.versions for v in vs)  # tagged with the oldest version
     for prompt, c in long:
         # The first segment was sampled by v0, the rest by v1: each token's logprob is its own.
+        # Cached decoding vs a full forward of the same fp32 weights: rounding of |logprob| <= ~3
+        # (measured <= 4.8e-7); the other version's differ by >= 0.03 here, so 1e-4 tells them apart.
         lp0 = _logprobs(m0, prompt.token_ids, c.token_ids, 0.9)
         lp1 = _logprobs(m1, prompt.token_ids, c.token_ids, 0.9)
         assert c.logprobs[:2] == pytest.approx(lp0[:2], abs=1e-4)

@@ -2,10 +2,15 @@
 
 Three policies meet here (see NOTES: decoupled PPO, truncated IS):
   mu       the behaviour policy: the engine weights that sampled, logprobs stored per token;
-  pi_old   the trainer's weights before this step (recomputed here, no gradient);
-  pi_theta the weights being optimised.
-The PPO ratio is pi_theta/pi_old (verl's clipped loss); stale or engine-mismatched samples are
-reweighted per token by w = min(pi_old/mu, C), no gradient through w (Yao et al., truncated IS).
+  pi_old   the trainer's weights at the start of this step (computed once, before any of the
+           step's optimizer steps, no gradient);
+  pi_theta the weights being optimised, which move with every mini-batch.
+The PPO ratio is pi_theta/pi_old (verl's clipped loss, which acts from the second mini-batch or
+epoch on); stale or engine-mismatched samples are reweighted per token by w = min(pi_old/mu, C),
+no gradient through w (Yao et al., truncated IS).
+
+Shapes: B rows (sequences), R response positions; (B, R) tensors are response-aligned, zero past
+a row's response (see trainer/batch.py).
 """
 from __future__ import annotations
 
@@ -35,6 +40,15 @@ def response_logprobs(model, batch: Batch, with_entropy: bool = False):
     return logprobs * batch.response_mask, entropy
 
 
+def response_values(critic, batch: Batch) -> torch.Tensor:
+    """V(s_j) for each response position j, shape (B, R): the value head's output at the
+    position that predicts token j (the state before it), as verl's critic reads values[:, -R-1:-1]."""
+    out = critic(input_ids=batch.input_ids, attention_mask=batch.attention_mask,
+                 use_cache=False).logits.squeeze(-1)  # (B, T)
+    rows = torch.arange(out.shape[0], device=out.device).unsqueeze(1)
+    return out[rows, batch.logit_index].float() * batch.response_mask
+
+
 def kl_and_entropy_terms(logprobs, ref_logprobs, entropy, mask, kl_type: str, loss_agg_mode: str,
                          loss_cfg) -> tuple[torch.Tensor | None, torch.Tensor | None]:
     """verl's KL penalty against the reference policy and the entropy, aggregated like the loss."""
@@ -60,17 +74,54 @@ def lr_at(step: int, total: int, base_lr: float, warmup_ratio: float, style: str
     return base_lr * (min_lr_ratio + (1 - min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress)))
 
 
-def advantages(batch: Batch, estimator: str, norm_by_std: bool) -> torch.Tensor:
+def kl_in_reward(scores, old_logprobs, ref_logprobs, mask, kl_penalty: str,
+                 kl_ctrl) -> tuple[torch.Tensor, dict]:
+    """verl's apply_kl_penalty: token rewards = scores - beta * KL(pi_old || ref) per token,
+    then the controller sees the batch's KL (mean over sequences of the per-token mean).
+    All (B, R) over the whole batch (all ranks); kl_ctrl: verl's Fixed/AdaptiveKLController."""
     from verl.trainer.ppo import core_algos
-    index = np.array(batch.group_ids, dtype=object)
-    if estimator == "grpo":
-        adv, _ = core_algos.compute_grpo_outcome_advantage(
-            batch.token_level_rewards, batch.response_mask, index, norm_adv_by_std_in_grpo=norm_by_std)
-    else:
-        adv, _ = core_algos.get_adv_estimator_fn(estimator)(
-            token_level_rewards=batch.token_level_rewards, response_mask=batch.response_mask,
-            index=index)
-    return adv
+    from verl.utils.torch_functional import masked_mean
+    kld = core_algos.kl_penalty(old_logprobs, ref_logprobs, kl_penalty=kl_penalty) * mask
+    beta = kl_ctrl.value
+    rewards = scores - beta * kld
+    current_kl = masked_mean(kld, mask=mask, axis=-1).mean().item()
+    kl_ctrl.update(current_kl=current_kl, n_steps=scores.shape[0])
+    return rewards, {"actor/reward_kl_penalty": current_kl, "actor/reward_kl_penalty_coeff": beta}
+
+
+def compute_advantage(algorithm, rewards, mask, index: np.ndarray, values=None):
+    """Advantages and returns, (B, R) each, by verl's registered estimator (as verl's
+    ray_trainer.compute_advantage calls it). Over the whole batch (all ranks): gae and the
+    reinforce_plus_plus pair whiten over the batch, the others over each group (`index`)."""
+    from verl.trainer.config import AlgoConfig
+    from verl.trainer.ppo import core_algos
+    fn = core_algos.get_adv_estimator_fn(algorithm.adv_estimator)
+    if algorithm.adv_estimator == "gae":
+        return fn(token_level_rewards=rewards, values=values, response_mask=mask,
+                  gamma=algorithm.gamma, lam=algorithm.lam)
+    config = AlgoConfig(gamma=algorithm.gamma, lam=algorithm.lam,
+                        adv_estimator=algorithm.adv_estimator,
+                        norm_adv_by_std_in_grpo=algorithm.norm_adv_by_std_in_grpo)
+    return fn(token_level_rewards=rewards, response_mask=mask, index=index, config=config,
+              norm_adv_by_std_in_grpo=algorithm.norm_adv_by_std_in_grpo)
+
+
+def data_metrics(scores, rewards, adv, returns, values, mask) -> dict:
+    """verl's compute_data_metrics names over the whole batch; `values` None without a critic."""
+    valid = mask.bool()
+    out = {}
+    for name, seq in (("score", scores.sum(-1)), ("rewards", rewards.sum(-1))):
+        out |= {f"critic/{name}/mean": seq.mean().item(), f"critic/{name}/max": seq.max().item(),
+                f"critic/{name}/min": seq.min().item()}
+    tensors = {"advantages": adv, "returns": returns, **({"values": values} if values is not None else {})}
+    for name, t in tensors.items():
+        v = torch.masked_select(t, valid)
+        out |= {f"critic/{name}/mean": v.mean().item(), f"critic/{name}/max": v.max().item(),
+                f"critic/{name}/min": v.min().item()}
+    if values is not None:
+        ret, val = torch.masked_select(returns, valid), torch.masked_select(values, valid)
+        out["critic/vf_explained_var"] = (1.0 - (ret - val).var() / (ret.var() + 1e-5)).item()
+    return out
 
 
 def truncated_is_weights(old_logprobs: torch.Tensor, behaviour_logprobs: torch.Tensor,
@@ -80,17 +131,35 @@ def truncated_is_weights(old_logprobs: torch.Tensor, behaviour_logprobs: torch.T
     return torch.exp(log_ratio).clamp(max=cap).detach() * mask
 
 
-def actor_loss_config(clip_ratio: float, dp_size: int, batch_num_tokens: int, global_batch_size: int):
-    """verl's ActorConfig carries clip settings and the global sizes agg_loss normalises by."""
+def actor_loss_config(actor, dp_size: int, batch_num_tokens: int, global_batch_size: int):
+    """verl's ActorConfig carries the clip settings (clip_ratio_low/high None: clip_ratio, as
+    verl's vanilla loss reads them) and the mini-batch's global sizes agg_loss normalises by.
+    `actor`: our actor section (trainer.config.ActorConfig)."""
     from verl.workers.config.actor import ActorConfig
-    return ActorConfig(strategy="fsdp", clip_ratio=clip_ratio, ppo_mini_batch_size=1,
+    low = actor.clip_ratio_low if actor.clip_ratio_low is not None else actor.clip_ratio
+    high = actor.clip_ratio_high if actor.clip_ratio_high is not None else actor.clip_ratio
+    return ActorConfig(strategy="fsdp", clip_ratio=actor.clip_ratio, clip_ratio_low=low,
+                       clip_ratio_high=high, clip_ratio_c=actor.clip_ratio_c,
+                       loss_agg_mode=actor.loss_agg_mode, ppo_mini_batch_size=1,
                        ppo_micro_batch_size_per_gpu=1, rollout_n=1,
                        global_batch_info={"dp_size": dp_size, "batch_num_tokens": batch_num_tokens,
                                           "global_batch_size": global_batch_size})
 
 
-def policy_loss(old_logprobs, logprobs, adv, mask, is_weights, loss_agg_mode: str, loss_cfg):
+def policy_loss(old_logprobs, logprobs, adv, mask, is_weights, loss_cfg):
+    """verl's vanilla (dual-)clipped PPO loss; metrics actor/pg_clipfrac, ppo_kl, pg_clipfrac_lower."""
     from verl.trainer.ppo import core_algos
     return core_algos.get_policy_loss_fn("vanilla")(
         old_log_prob=old_logprobs, log_prob=logprobs, advantages=adv, response_mask=mask,
-        loss_agg_mode=loss_agg_mode, config=loss_cfg, rollout_is_weights=is_weights)
+        loss_agg_mode=loss_cfg.loss_agg_mode, config=loss_cfg, rollout_is_weights=is_weights)
+
+
+def value_loss(vpreds, returns, old_values, mask, cliprange_value: float, loss_agg_mode: str,
+               dp_size: int, batch_num_tokens: int, global_batch_size: int):
+    """verl's clipped value loss 0.5 * max((V - G)^2, (clip(V, V_old +- c) - G)^2), aggregated
+    like the actor's loss; returns (loss, clip fraction)."""
+    from verl.trainer.ppo import core_algos
+    return core_algos.compute_value_loss(
+        vpreds=vpreds, returns=returns, values=old_values, response_mask=mask,
+        cliprange_value=cliprange_value, loss_agg_mode=loss_agg_mode, dp_size=dp_size,
+        batch_num_tokens=batch_num_tokens, global_batch_size=global_batch_size)

@@ -30,11 +30,15 @@ class Batch:
             f.name: getattr(self, f.name).to(device) for f in dataclasses.fields(self)
             if isinstance(getattr(self, f.name), torch.Tensor)})
 
-    def rows(self, start: int, stop: int) -> "Batch":
-        return Batch(**{f.name: getattr(self, f.name)[start:stop] for f in dataclasses.fields(self)})
+    def select(self, rows: torch.Tensor) -> "Batch":
+        """The rows at indices `rows` (1-D long)."""
+        picked = rows.tolist()
+        return Batch(**{f.name: (v[rows.to(v.device)] if isinstance(v, torch.Tensor)
+                                 else [v[i] for i in picked])
+                        for f in dataclasses.fields(self) for v in [getattr(self, f.name)]})
 
     def trimmed(self) -> "Batch":
-        """The same rows without the columns that are padding for every row (after `rows`)."""
+        """The same rows without the columns that are padding for every row (after `select`)."""
         t = int(self.attention_mask.sum(1).max())
         r = int(self.response_mask.sum(1).max())
         return dataclasses.replace(

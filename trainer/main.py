@@ -3,8 +3,10 @@
     torchrun --nproc_per_node 2 -m trainer.main root=RUN actor_rollout_ref.model.path=MODEL
 
 Rank 0 owns the experience reader (exactly-once consumption, staleness filter) and scatters
-whole groups to the ranks; every rank trains on its share; weight versions are gathered and
-written by rank 0. One console line and one JSON line per step.
+whole groups to the ranks; every rank trains on its share (mini-batches, epochs and micro-batches
+as verl's, see trainer/update.py); with GAE a critic trains beside the actor (trainer/critic.py).
+Weight versions of the actor are gathered and written by rank 0. One console line and one JSON
+line per step.
 """
 from __future__ import annotations
 
@@ -25,12 +27,14 @@ from buffer.reader import ExperienceReader, Group
 from buffer.storage import atomic_write_json, filesystem
 from buffer.weights import WeightStore, hf_folder_problem
 from protocol.config import parse_cli, to_dict
-from trainer import algo, checkpoint
+from trainer import algo, checkpoint, update
 from trainer.batch import collate
 from trainer.config import TrainerConfig
+from trainer.critic import Critic
 from trainer.metrics import MetricsLog
 from trainer.model import build_actor
 from trainer.publish import publish_version
+from trainer.validation import ValidationLog, validation_due
 
 log = logging.getLogger("trainer")
 
@@ -66,14 +70,17 @@ class Trainer:
             raise ValueError(f"data.train_batch_size={cfg.data.train_batch_size} must be at least "
                              f"the number of ranks ({self.world}): groups are not split")
         torch.manual_seed(cfg.trainer.seed)
-        self.model_path = cfg.actor_rollout_ref.model.path
+        self.model_path = os.path.expanduser(cfg.actor_rollout_ref.model.path)  # verl writes ~/models/...
         grad_ckpt = cfg.actor_rollout_ref.model.enable_gradient_checkpointing
         self.model = build_actor(self.model_path, device, gradient_checkpointing=grad_ckpt)
-        self.ref_model = (build_actor(self.model_path, device, trainable=False)
-                          if cfg.actor_rollout_ref.actor.use_kl_loss else None)
+        use_ref = cfg.actor_rollout_ref.actor.use_kl_loss or cfg.algorithm.use_kl_in_reward
+        self.ref_model = build_actor(self.model_path, device, trainable=False) if use_ref else None
         optim = cfg.actor_rollout_ref.actor.optim
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=optim.lr,
                                            weight_decay=optim.weight_decay, betas=tuple(optim.betas))
+        self.critic = Critic(cfg.critic, device) if cfg.use_critic else None
+        from verl.trainer.ppo.core_algos import get_kl_controller
+        self.kl_ctrl = get_kl_controller(cfg.algorithm.kl_ctrl)  # used with use_kl_in_reward
         self.pad_id = self.model.config.pad_token_id or 0
         self.store = WeightStore(cfg.root)
         self.fs, _ = filesystem(cfg.root)
@@ -92,7 +99,10 @@ class Trainer:
             self.metrics = MetricsLog(self.store.layout.metrics, cfg.trainer.total_training_steps,
                                       cfg.trainer.logger, cfg.trainer.project_name,
                                       cfg.trainer.experiment_name, to_dict(cfg),
-                                      self.store.layout.tensorboard_dir)
+                                      self.store.layout.tensorboard_dir,
+                                      self.store.layout.swanlab_dir)
+        self.validation = (ValidationLog(self.store, self.metrics)
+                           if self.rank == 0 and cfg.trainer.test_freq > 0 else None)
         if resume is not None:
             self._resume(resume)
         self.server = None
@@ -101,19 +111,13 @@ class Trainer:
             self.server = ShardServer(cfg.root, cfg.buffer, consumed=lambda: self.reader.consumed)
 
     def _resume_path(self) -> str | None:
-        mode = self.cfg.trainer.resume_mode
-        if mode == "disable":
-            return None
-        if mode == "auto":
-            return checkpoint.latest_complete(self.store.layout)
-        if not os.path.isdir(mode):
-            raise FileNotFoundError(f"trainer.resume_mode: {mode} is not a checkpoint folder")
-        return mode
+        return checkpoint.resume_path(self.cfg.trainer.resume_mode, self.store.layout)
 
     def _resume(self, path: str) -> None:
         """Restore weights, optimizer, step and the experience ledger; continue the version count."""
-        state, pool = checkpoint.load(self.model, self.optimizer, path)
+        state, pool = checkpoint.load(self.model, self.optimizer, path, self.critic)
         self.step = state["step"]
+        self.kl_ctrl.value = state.get("kl_coef", self.kl_ctrl.value)
         torch.set_rng_state(torch.tensor(state["rng"]["cpu"], dtype=torch.uint8))
         if state["rng"]["cuda"] is not None and self.device.type == "cuda":
             torch.cuda.set_rng_state(torch.tensor(state["rng"]["cuda"], dtype=torch.uint8))
@@ -135,11 +139,12 @@ class Trainer:
                      "rng": {"cpu": torch.get_rng_state().tolist(),
                              "cuda": (torch.cuda.get_rng_state().tolist()
                                       if self.device.type == "cuda" else None)},
-                     "consumed": self.reader.consumed.to_json(), "stats": dict(self.reader.stats)}
+                     "consumed": self.reader.consumed.to_json(), "stats": dict(self.reader.stats),
+                     "kl_coef": self.kl_ctrl.value}
             pool = list(self.reader.pool)
         t0 = time.monotonic()
         path = checkpoint.save(self.model, self.optimizer, self.store.layout, self.step, state, pool,
-                               self.cfg.trainer.max_ckpt_to_keep)
+                               self.cfg.trainer.max_ckpt_to_keep, self.critic)
         log.info("checkpoint %s written in %.2f s", path, time.monotonic() - t0)
         if self.rank == 0 and self.cfg.buffer.retention != "keep":
             # Only now are the ledger's shards covered by a committed checkpoint.
@@ -150,7 +155,8 @@ class Trainer:
             log.info("retention: %s, %d stale temporaries removed", pruned, temps)
 
     # --- data: rank 0 reads, every rank gets whole groups ------------------------------------
-    def next_share(self) -> tuple[list, dict]:
+    def next_share(self) -> tuple[list, list[int], dict]:
+        """This rank's samples, the step-wide number of each one's group, and the step's info."""
         payloads = None
         if self.rank == 0:
             payloads = self._read_and_split()
@@ -159,7 +165,7 @@ class Trainer:
         share = out[0]
         if "error" in share:
             raise RuntimeError(share["error"])
-        return share["samples"], share["info"]
+        return share["samples"], share["groups"], share["info"]
 
     def _read_and_split(self) -> list[dict]:
         t0 = time.monotonic()
@@ -171,7 +177,8 @@ class Trainer:
         stats = self.reader.stats
         atomic_write_json(self.fs, self.store.layout.progress, {
             "samples_retired": stats["consumed_samples"] + stats["dropped_stale_samples"],
-            "version": self.version, "time": time.time()})
+            "version": self.version, "time": time.time(),
+            "step": self.step, "total_steps": self.cfg.trainer.total_training_steps})  # launch.status
         samples = [s for g in groups for s in g.samples]
         info = {"sample_ids": [s.sample_id for s in samples]} if self.cfg.trainer.log_sample_ids else {}
         info |= {
@@ -182,97 +189,117 @@ class Trainer:
             "staleness/mean": sum(self.version - s.weight_version for s in samples) / len(samples),
             "staleness/max": max(self.version - s.weight_version for s in samples),
             "response_length/mean": sum(len(s.response_ids) for s in samples) / len(samples),
+            "response_length/max": max(len(s.response_ids) for s in samples),
+            "response_length/min": min(len(s.response_ids) for s in samples),
+            "response_length/clip_ratio": sum(s.finish_reason == "length" for s in samples) / len(samples),
         }
-        return [{"samples": [s for g in groups[r::self.world] for s in g.samples], "info": info}
-                for r in range(self.world)]
+        # Group i goes to rank i % world; its number i places it in mini-batch i // mini_size.
+        return [{"samples": [s for g in groups[r::self.world] for s in g.samples],
+                 "groups": [i for i in range(r, len(groups), self.world) for _ in groups[i].samples],
+                 "info": info} for r in range(self.world)]
 
     # --- one optimisation step, top to bottom ------------------------------------------------
-    def micro_batches(self, batch) -> list:
-        """Row spans per forward/backward, by sample count or token budget. Every rank runs the
-        same number (FSDP's all-gathers and reduce-scatters must pair up), so shorter lists are
-        padded with None: a zero-weight pass."""
-        actor = self.cfg.actor_rollout_ref.actor
-        spans, start = [], 0
-        lengths = batch.attention_mask.sum(1).tolist()
-        while start < len(batch):
-            stop = start + 1
-            if actor.use_dynamic_bsz:  # padded cost: rows x longest row
-                while stop < len(batch) and (stop + 1 - start) * max(lengths[start:stop + 1]) \
-                        <= actor.ppo_max_token_len_per_gpu:
-                    stop += 1
-            else:
-                stop = min(len(batch), start + actor.ppo_micro_batch_size_per_gpu)
-            spans.append((start, stop))
-            start = stop
-        count = torch.tensor([len(spans)], device=self.device)
-        dist.all_reduce(count, op=dist.ReduceOp.MAX)
-        return spans + [None] * (int(count) - len(spans))
-
-    def train_step(self, samples: list, info: dict) -> dict:
-        actor = self.cfg.actor_rollout_ref.actor
-        algorithm = self.cfg.algorithm
+    def train_step(self, samples: list, group_index: list[int] | None = None) -> dict:
+        """`group_index`: the step-wide number of each sample's group (None: this rank's groups
+        in order of appearance, numbered as rank 0 deals them)."""
         batch = collate(samples, self.pad_id).to(self.device)
-        spans = self.micro_batches(batch)
-        # A None span re-runs row 0 with weight 0, only to keep the collectives in step.
-        chunks = [(batch.rows(*sp).trimmed(), 1.0) if sp else (batch.rows(0, 1).trimmed(), 0.0)
-                  for sp in spans]
+        if group_index is None:
+            order = {g: i for i, g in enumerate(dict.fromkeys(batch.group_ids))}
+            group_index = [order[g] * self.world + self.rank for g in batch.group_ids]
+        groups = torch.tensor(group_index)
 
-        # 1. pi_old: the current weights' logprobs before the update (the PPO anchor); pi_ref.
-        with torch.no_grad():
-            old = [algo.response_logprobs(self.model, c)[0] for c, _ in chunks]
-            ref = [algo.response_logprobs(self.ref_model, c)[0] if self.ref_model else None
-                   for c, _ in chunks]
+        # 1. The step's anchors at its starting weights, before any update: pi_old, pi_ref, V_old.
+        actor = self.cfg.actor_rollout_ref.actor
+        passes = update.plan([torch.arange(len(batch))], batch, actor)[0].passes
+        old = update.infer(lambda c: algo.response_logprobs(self.model, c)[0], batch, passes)
+        ref = (update.infer(lambda c: algo.response_logprobs(self.ref_model, c)[0], batch, passes)
+               if self.ref_model is not None else None)
+        values = self.critic.values(batch) if self.critic is not None else None
 
-        # 2. Group-relative advantages; a group never spans ranks, so this is local.
-        adv = algo.advantages(batch, algorithm.adv_estimator, algorithm.norm_adv_by_std_in_grpo)
+        # 2. Rewards (optionally KL-penalised) and advantages over the whole batch of all ranks.
+        adv, returns, metrics = self.advantages(batch, groups, old, ref, values)
 
-        # 3. Clipped policy gradient, truncated-IS weighted, accumulated over micro-batches,
-        #    plus the optional KL and entropy terms. agg_loss normalises by the global token
-        #    count, so the accumulated gradient is that of the global mean.
-        loss_cfg = algo.actor_loss_config(actor.clip_ratio, self.world, info["tokens"], info["seqs"])
-        totals = torch.zeros(6, dtype=torch.float64, device=self.device)  # NCCL reduces on GPU
-        for (c, weight), old_lp, ref_lp, sp in zip(chunks, old, ref, spans):
-            rows = slice(*sp) if sp else slice(0, 1)
-            a = adv[rows, :c.response_mask.shape[1]]
+        # 3. The critic, then (after trainer.critic_warmup) the actor, as verl's fit loop.
+        seed = [self.cfg.trainer.seed, self.step, self.rank]
+        num_groups = self.cfg.data.train_batch_size
+        if self.critic is not None:
+            metrics |= self.critic.update(batch, groups, num_groups, values, returns, self.step,
+                                          self.cfg.trainer.total_training_steps, seed + [1])
+        if self.step >= self.cfg.trainer.critic_warmup:
+            metrics |= self.update_actor(batch, groups, old, ref, adv, seed + [0])
+        return metrics
+
+    def advantages(self, batch, groups, old, ref, values) -> tuple:
+        """(advantages, returns) of this rank's rows, (B, R) each, and verl's data metrics.
+        Estimators whiten over the batch (gae, reinforce_plus_plus) or per group, so the
+        inputs of every rank are gathered and each rank computes the same global result."""
+        alg = self.cfg.algorithm
+        mask = batch.response_mask
+        local = {"scores": batch.token_level_rewards, "mask": mask, "old": old, "ref": ref,
+                 "values": values}
+        names = ["scores", "mask", *(["old", "ref"] if alg.use_kl_in_reward else []),
+                 *(["values"] if values is not None else [])]
+        glob, first = update.gather_rows(torch.stack([local[n] for n in names]))
+        g = dict(zip(names, glob))
+        index, _ = update.gather_rows(groups.to(self.device).view(1, -1, 1))
+        metrics = {}
+        rewards = g["scores"]
+        if alg.use_kl_in_reward:
+            rewards, metrics = algo.kl_in_reward(g["scores"], g["old"], g["ref"], g["mask"],
+                                                 alg.kl_penalty, self.kl_ctrl)
+        adv, returns = algo.compute_advantage(alg, rewards, g["mask"],
+                                              index.flatten().cpu().numpy(), g.get("values"))
+        metrics |= algo.data_metrics(g["scores"], rewards, adv, returns, g.get("values"), g["mask"])
+        rows, r = slice(first, first + len(batch)), mask.shape[1]
+        return adv[rows, :r], returns[rows, :r], metrics
+
+    def update_actor(self, batch, groups, old, ref, adv, seed: list[int]) -> dict:
+        """Clipped policy gradient per mini-batch and epoch, truncated-IS weighted, plus the
+        optional KL and entropy terms; verl's actor/* metrics."""
+        actor = self.cfg.actor_rollout_ref.actor
+        rows = update.epochs(groups, actor.ppo_mini_batch_size, self.cfg.data.train_batch_size,
+                             actor.ppo_epochs, actor.shuffle, seed)
+        minibatches = update.plan(rows, batch, actor)
+
+        def loss_fn(idx, mb):
+            c = batch.select(idx).trimmed()
+            r = c.response_mask.shape[1]
+            old_lp = old[idx, :r]
+            loss_cfg = algo.actor_loss_config(actor, self.world, mb.tokens, mb.seqs)
             lp, entropy = algo.response_logprobs(self.model, c, with_entropy=actor.entropy_coeff > 0)
             w = algo.truncated_is_weights(old_lp, c.behaviour_logprobs, c.response_mask,
-                                          algorithm.rollout_is_threshold)
-            pg, m = algo.policy_loss(old_lp, lp, a, c.response_mask, w, actor.loss_agg_mode, loss_cfg)
-            kl, ent = algo.kl_and_entropy_terms(lp, ref_lp, entropy, c.response_mask,
-                                                actor.kl_loss_type, actor.loss_agg_mode, loss_cfg)
+                                          self.cfg.algorithm.rollout_is_threshold)
+            pg, m = algo.policy_loss(old_lp, lp, adv[idx, :r], c.response_mask, w, loss_cfg)
+            kl, ent = algo.kl_and_entropy_terms(lp, ref[idx, :r] if ref is not None else None,
+                                                entropy, c.response_mask, actor.kl_loss_type,
+                                                actor.loss_agg_mode, loss_cfg)
             loss = pg + (actor.kl_loss_coef * kl if kl is not None else 0.0) \
                 - (actor.entropy_coeff * ent if ent is not None else 0.0)
-            (loss * weight).backward()
-            n_tok = float(c.response_mask.sum())
-            totals += weight * torch.tensor(
-                [pg.item(), m["actor/ppo_kl"] * n_tok, m["actor/pg_clipfrac"] * n_tok,
-                 float(w.sum()), kl.item() if kl is not None else 0.0,
-                 ent.item() if ent is not None else 0.0], dtype=torch.float64, device=self.device)
-        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), actor.grad_clip)
-        grad_norm = float(grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm)
-        lr = algo.lr_at(self.step, self.cfg.trainer.total_training_steps, actor.optim.lr,
+            n = float(c.response_mask.sum())
+            return loss, [pg.item(), m["actor/ppo_kl"] * n, m["actor/pg_clipfrac"] * n,
+                          m["actor/pg_clipfrac_lower"] * n, float(w.sum()),
+                          kl.item() if kl is not None else 0.0,
+                          ent.item() if ent is not None else 0.0, n]
+
+        # The schedule counts the trainer steps that updated the actor (verl steps it once per
+        # update_actor call), so critic warmup does not eat the actor's lr warmup.
+        updates = self.step - max(self.cfg.trainer.critic_warmup, 1) + 1
+        lr = algo.lr_at(updates, self.cfg.trainer.total_training_steps, actor.optim.lr,
                         actor.optim.lr_warmup_steps_ratio, actor.optim.warmup_style,
                         actor.optim.min_lr_ratio)
-        # 4. Metrics: sum over ranks (gloo has no AVG); loss sums are already dp-scaled. Reduced
-        #    before the update so every rank sees the same numbers and skips the same steps:
-        #    a non-finite loss or (global) gradient norm never reaches the weights.
-        dist.all_reduce(totals)
-        finite = math.isfinite(grad_norm) and bool(torch.isfinite(totals).all())
-        if finite:
-            for group in self.optimizer.param_groups:
-                group["lr"] = lr  # a function of the step: nothing to restore on resume
-            self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
-        tokens = info["tokens"]
-        return {"actor/pg_loss": totals[0].item() / self.world,
-                "actor/ppo_kl": totals[1].item() / tokens,
-                "actor/pg_clipfrac": totals[2].item() / tokens,
-                "actor/is_weight_mean": totals[3].item() / tokens,
-                "actor/kl_loss": totals[4].item() / self.world,
-                "actor/entropy": totals[5].item() / self.world,
-                "actor/lr": lr,
-                "actor/grad_norm": grad_norm,
-                "actor/skipped_nonfinite": int(not finite)}
+        totals, norms = update.optimize(self.model, self.optimizer, minibatches, lr,
+                                        actor.grad_clip, loss_fn)
+        pg, ppo_kl, clipfrac, lower, w, kl, ent, tokens = update.all_sum(totals, self.device).tolist()
+        # Loss terms: each pass is scaled by world / (mini-batch tokens), so a mini-batch's sum
+        # over ranks is world x its loss; reported as the mean over optimizer steps.
+        steps = self.world * len(minibatches)
+        return {"actor/pg_loss": pg / steps, "actor/ppo_kl": ppo_kl / tokens,
+                "actor/pg_clipfrac": clipfrac / tokens, "actor/pg_clipfrac_lower": lower / tokens,
+                "actor/is_weight_mean": w / tokens, "actor/kl_loss": kl / steps,
+                "actor/entropy": ent / steps, "actor/lr": lr,
+                "actor/grad_norm": sum(norms) / len(norms), "actor/optimizer_steps": len(norms),
+                # optimize() skipped these: a non-finite (global) gradient norm
+                "actor/skipped_nonfinite": sum(not math.isfinite(n) for n in norms)}
 
     def count_nonfinite(self, step: int, metrics: dict) -> None:
         """Count a skipped step (actor/skipped_steps); stop after max_nonfinite_steps in a row.
@@ -284,8 +311,10 @@ class Trainer:
             self.nonfinite_in_row += 1
             if self.rank == 0:
                 log.warning("step %d skipped: non-finite loss or gradient (loss %s, grad norm %s); "
-                            "the weights were not updated (%d in a row)", step,
-                            metrics["actor/pg_loss"], metrics["actor/grad_norm"], self.nonfinite_in_row)
+                            "%d of its %d optimizer steps left the weights as they were (%d such "
+                            "trainer steps in a row)", step, metrics["actor/pg_loss"],
+                            metrics["actor/grad_norm"], metrics["actor/skipped_nonfinite"],
+                            metrics["actor/optimizer_steps"], self.nonfinite_in_row)
         metrics["actor/skipped_steps"] = self.skipped_steps
 
     def check_nonfinite_limit(self, step: int, metrics: dict) -> None:
@@ -313,20 +342,28 @@ class Trainer:
         return publish_version(self.model, self.store, self.model_path, self.version, step,
                                self.cfg.trainer.keep_versions, dtype)
 
+    def request_validation(self, step: int, due: bool) -> None:
+        """Ask rollout.validate for the version just published (rank 0; never waits)."""
+        if due and self.validation is not None:
+            self.validation.request(self.version, step)
+
     def run(self) -> None:
         tc = self.cfg.trainer
         # v0 (or, on resume, the restored weights): every sample names a published version.
         self.publish(step=self.step)
+        self.request_validation(self.step, validation_due(tc, self.step, first=True))
         for step in range(self.step + 1, tc.total_training_steps + 1):
             self.step = step
             t0 = time.monotonic()
-            samples, info = self.next_share()
+            samples, groups, info = self.next_share()
             metrics = {"step": step, "weights/version": self.version}
-            metrics.update(self.train_step(samples, info))
+            metrics.update(self.train_step(samples, groups))
             self.count_nonfinite(step, metrics)
-            if step % tc.publish_freq == 0 or step == tc.total_training_steps:
+            validate = validation_due(tc, step, first=False)
+            if step % tc.publish_freq == 0 or step == tc.total_training_steps or validate:
                 self.version += 1
                 metrics.update(self.publish(step))
+                self.request_validation(step, validate)
             if self.rank == 0:
                 metrics.update({k: v for k, v in info.items() if k not in ("wait_s", "seqs", "tokens")})
                 if "sample_ids" in metrics:
@@ -338,9 +375,13 @@ class Trainer:
                                 "buffer/dropped_stale_samples": self.reader.stats["dropped_stale_samples"],
                                 "buffer/bad_shards": self.reader.stats["bad_shards"]})
                 self.metrics.write(metrics)
+                if self.validation is not None:
+                    self.validation.collect(step)
             self.check_nonfinite_limit(step, metrics)
-            if tc.save_freq and step % tc.save_freq == 0:
+            if tc.save_freq > 0 and step % tc.save_freq == 0:
                 self.save_checkpoint()
+        if self.validation is not None:
+            self.validation.finish(tc.val_timeout_s, self.step)
         if self.rank == 0:
             atomic_write_json(self.fs, self.store.layout.done_marker,
                               {"steps": tc.total_training_steps, "version": self.version})

@@ -1,4 +1,5 @@
-"""The actor: an HF causal LM sharded with FSDP2, one `fully_shard` unit per decoder layer."""
+"""The actor (an HF causal LM) and the critic (the same backbone with a scalar value head),
+sharded with FSDP2, one `fully_shard` unit per decoder layer."""
 from __future__ import annotations
 
 import torch
@@ -18,9 +19,21 @@ def decoder_layers(model) -> list[torch.nn.Module]:
 
 
 def build_actor(model_path: str, device: torch.device, gradient_checkpointing: bool = False,
-                trainable: bool = True):
-    from transformers import AutoModelForCausalLM
-    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
+                trainable: bool = True, value_head: bool = False, trust_remote_code: bool = False,
+                attn_implementation: str | None = None):
+    """`value_head`: the critic as verl builds it, AutoModelForTokenClassification with one label
+    (the backbone's weights, a new linear `score` head, no dropout); its logits are (B, T, 1).
+    `attn_implementation` None: transformers' default for the model (sdpa for Qwen2)."""
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForTokenClassification
+    extra = {"trust_remote_code": trust_remote_code, "attn_implementation": attn_implementation}
+    if value_head:
+        config = AutoConfig.from_pretrained(model_path, num_labels=1,
+                                            trust_remote_code=trust_remote_code)
+        config.classifier_dropout = 0.0  # not every config class declares it (Qwen2's does not)
+        model = AutoModelForTokenClassification.from_pretrained(model_path, config=config,
+                                                                dtype=torch.float32, **extra)
+    else:
+        model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32, **extra)
     model.config.use_cache = False
     if gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})

@@ -108,6 +108,7 @@ def publish_version(model, store: WeightStore, model_path: str, version: int, st
         copy_model_metadata(model_path, staged)
         store.publish(staged, version, step, keep, described=(all_files, all_tensors))
     dist.barrier()
-    return {"weights/published": version, "weights/publish_s": time.monotonic() - t0,
+    return {"weights/published": version, "weights/published_at": store.announced_at,
+            "weights/publish_s": time.monotonic() - t0,
             "weights/gather_s": gathered_at - t0, "weights/write_wait_s": written_at - gathered_at,
             "weights/bytes": int(totals.item())}

@@ -1,8 +1,9 @@
-"""SLURM job scripts for the two roles, rendered from the templates in this folder, and the few
+"""SLURM job scripts for the roles, rendered from the templates in this folder, and the few
 SLURM commands tandem runs (sbatch, scancel, squeue, scontrol), with their errors surfaced.
 
-`render_rollout` / `render_trainer` take a `JobSpec` (the run's settings) and the role's own
+`render_rollout` / `render_trainer` / `render_validate` take a `JobSpec` (the run's settings) and the role's own
 `key=value` arguments and return the sbatch script text; `submit` hands it to `sbatch --parsable`.
+The torchrun roles (TORCHRUN_ROLES: the RL trainer and SFT) share trainer.sbatch.
 """
 from __future__ import annotations
 
@@ -20,6 +21,10 @@ HERE = Path(__file__).resolve().parent
 TASK_SCRIPT = HERE / "rollout_task.sh"
 _TIME = re.compile(r"^(\d+-)?\d+(:\d{1,2}){0,2}$|^UNLIMITED$|^INFINITE$", re.I)
 _NAME = re.compile(r"^[A-Za-z0-9_.-]+$")
+
+
+# torchrun roles: (module, the key= argument that receives the job's --root folder)
+TORCHRUN_ROLES = {"trainer": ("trainer.main", "root"), "sft": ("trainer.sft", "trainer.default_local_dir")}
 
 
 class SlurmError(RuntimeError):
@@ -41,7 +46,7 @@ class JobSpec:
     nproc_per_node: int = 1          # trainer only: ranks per node
     port: str = "auto"               # trainer only: rendezvous port ("auto": 20000 + job id % 20000)
     worker_prefix: str = ""          # rollout only: worker ids <prefix>[-a<k>][-t<rank>]
-    signal_before_s: int = 120       # rollout only: SIGTERM this long before the time limit
+    signal_before_s: int = 120       # rollout, validate: SIGTERM this long before the time limit
     output: str | None = None        # default: <root>/logs/slurm-<role>-%j.out
     sbatch_args: list[str] = dataclasses.field(default_factory=list)  # extra #SBATCH lines
     python: str = sys.executable
@@ -94,7 +99,7 @@ def _common(spec: JobSpec, role: str) -> dict:
         "output": output_path(spec, role),
         "optional_lines": "\n".join(optional),
         "python": shlex.quote(spec.python),
-        "omp_threads": max(1, spec.cpus_per_task // max(1, spec.nproc_per_node if role == "trainer" else 1)),
+        "omp_threads": max(1, spec.cpus_per_task // max(1, spec.nproc_per_node if role in TORCHRUN_ROLES else 1)),
     }
 
 
@@ -121,17 +126,29 @@ def render_rollout(spec: JobSpec, worker_args: list[str]) -> str:
     return _finish(_template("rollout.sbatch").substitute(values), spec)
 
 
-def render_trainer(spec: JobSpec, trainer_args: list[str]) -> str:
-    spec.check("trainer")
+def render_trainer(spec: JobSpec, trainer_args: list[str], role: str = "trainer") -> str:
+    """A torchrun role's job: `role` 'trainer' (trainer.main) or 'sft' (trainer.sft)."""
+    spec.check(role)
     if spec.array:
-        raise ValueError("trainer job: --array is for rollout jobs only")
+        raise ValueError(f"{role} job: --array is for rollout jobs only")
     if spec.gpus_per_node and spec.nproc_per_node > spec.gpus_per_node:
-        raise ValueError(f"trainer job: --nproc-per-node {spec.nproc_per_node} ranks on "
+        raise ValueError(f"{role} job: --nproc-per-node {spec.nproc_per_node} ranks on "
                          f"{spec.gpus_per_node} GPUs per node: use one rank per GPU")
-    values = _common(spec, "trainer")
-    values.update(nproc_per_node=spec.nproc_per_node, port=spec.port,
-                  trainer_args=_q([f"root={spec.root}", *trainer_args]))
+    module, root_key = TORCHRUN_ROLES[role]
+    values = _common(spec, role)
+    values.update(nproc_per_node=spec.nproc_per_node, port=spec.port, role=role, module=module,
+                  trainer_args=_q([f"{root_key}={spec.root}", *trainer_args]))
     return _finish(_template("trainer.sbatch").substitute(values), spec)
+
+
+def render_validate(spec: JobSpec, validate_args: list[str]) -> str:
+    spec.check("validate")
+    if spec.nodes != 1 or spec.array:
+        raise ValueError("validate job: one validator per run: one node, no --array")
+    values = _common(spec, "validate")
+    values.update(signal_before_s=spec.signal_before_s,
+                  validate_args=_q([f"root={spec.root}", *validate_args]))
+    return _finish(_template("validate.sbatch").substitute(values), spec)
 
 
 # --- SLURM commands -------------------------------------------------------------------------

@@ -5,9 +5,9 @@ tensor parallelism.
 Run on the device machine: python -m pytest -m gpu tests/gpu -rA
 """
 import pytest
-from vllm_helpers import PROMPTS, mean_abs, trainer_logprobs
+from vllm_helpers import PROMPTS, mean_abs, needs_gpus, trainer_logprobs
 
-pytestmark = pytest.mark.gpu
+pytestmark = [pytest.mark.gpu, needs_gpus(1)]
 
 # The trainer (CPU, float32) and vLLM (GPU, float32, other kernels) agree to ~1e-4 per token on
 # this model; two models of different seeds differ by ~0.3. 1e-2 separates the two by 30x each way.
@@ -69,7 +69,7 @@ def test_default_engine_reloads_in_place(tmp_path):
         engine.close()
 
 
-@pytest.mark.gpus(2)
+@needs_gpus(2)
 def test_tensor_parallel_engine_reloads_in_place(tmp_path, monkeypatch):
     # The lent H200 hosts turn NVLink multicast off; vLLM's default fused all-reduce backend
     # (FlashInfer "mnnvl") needs it and fails there, so use the single-node backend and no

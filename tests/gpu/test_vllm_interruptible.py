@@ -7,9 +7,9 @@ Run on the device machine: python -m pytest -m gpu tests/gpu -rA
 """
 import pytest
 import torch
-from vllm_helpers import mean_abs
+from vllm_helpers import mean_abs, needs_gpus
 
-pytestmark = pytest.mark.gpu
+pytestmark = [pytest.mark.gpu, needs_gpus(1)]
 
 SEGMENT = 3
 
@@ -38,9 +38,9 @@ def test_interruptible_generation_resumes_on_new_weights(tmp_path):
                                "train_files": f"[{tmp_path / 't.parquet'}]",
                                "actor_rollout_ref.rollout.name": "vllm", "dtype": "float32",
                                "gpu_memory_utilization": "0.3",
-                               "max_response_length": "9", "n": "4", "prompts_per_batch": "16",
+                               "max_response_length": "9", "actor_rollout_ref.rollout.n": "4", "prompts_per_batch": "16",
                                "interruptible": "true", "segment_tokens": str(SEGMENT),
-                               "temperature": "0.9"})
+                               "actor_rollout_ref.rollout.temperature": "0.9"})
     worker = RolloutWorker(cfg)
     worker.start()
     try:

@@ -1,5 +1,18 @@
-"""What the GPU tests share: the trainer's logprobs of sampled responses, computed on the CPU."""
+"""What the GPU tests share.
+
+They run the vLLM engine as production does: vLLM's default multiprocess mode, its engine
+processes started fresh. The pytest process never touches CUDA (the trainer-side logprobs that
+the tests compare against are computed on the CPU in float32), so vLLM may start its processes
+either way and no test depends on the order the files run in.
+"""
+import pytest
 import torch
+
+
+def needs_gpus(count: int):
+    # device_count() is NVML-based: it does not initialise CUDA in this process.
+    found = torch.cuda.device_count()
+    return pytest.mark.skipif(found < count, reason=f"needs {count} CUDA GPU(s), found {found}")
 
 
 def trainer_logprobs(model, prompts, groups, temperature):

@@ -1,0 +1,185 @@
+"""Validation role: measure the trainer's weight versions on held-out prompts, as verl does.
+
+    python -m rollout.validate root=RUN data.val_files=[RUN/data/rl_val.parquet]
+
+The trainer asks for versions (the initial weights, every `trainer.test_freq` steps, the last
+step) by writing a validation request when it publishes them, and keeps them on disk until they
+are answered. This process answers the open requests oldest first: it loads the version into its
+engine in place, generates for every prompt of `data.val_files` with
+`actor_rollout_ref.rollout.val_kwargs` (greedy, n=1 by default), scores with the workers' reward
+function, and writes verl's metrics (`val-core/<data_source>/reward/mean@1`, `val-aux/...`,
+computed by `verl.trainer.ppo.metric_utils.process_validation_metrics`) as the version's result.
+A version no longer on disk is answered as skipped, with the reason. The process exits when the
+trainer has finished (DONE) and no request is open; SIGTERM finishes the current version first.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import socket
+import sys
+import time
+
+from buffer.storage import atomic_write_json
+from buffer.weights import WeightStore
+from protocol.validation import ValidationRequest, ValidationResult
+from protocol.weights import ManifestError
+from rollout import reward
+from rollout.config import ValidatorConfig
+from rollout.dataset import Prompt, load_prompts
+from rollout.engine import SamplingSettings
+from rollout.worker import run_role, start_engine
+
+log = logging.getLogger("rollout.validate")
+NOTE_EVERY_S = 60.0  # a line while idle, naming what it waits for
+
+
+def val_metrics(data_sources: list[str], uids: list[str], infos: dict[str, list]) -> dict[str, float]:
+    """verl's validation metrics under verl's names (RayPPOTrainer._val_metrics_update): per
+    data source and variable, mean@n (and std/best/worst/maj@k for n > 1); the core ones, of
+    `acc` if the reward function reports it, else of `reward`, go under val-core/, the rest
+    under val-aux/. `infos`: variable -> one value per sample."""
+    from verl.trainer.ppo.metric_utils import process_validation_metrics
+    out = {}
+    for source, var2metrics in process_validation_metrics(data_sources, uids, infos).items():
+        core_var = "acc" if "acc" in var2metrics else "reward"
+        for var, metrics in var2metrics.items():
+            n_max = max(int(name.split("@")[-1].split("/")[0]) for name in metrics)
+            for name, value in metrics.items():
+                core = (var == core_var and name.startswith(("mean", "maj", "best"))
+                        and f"@{n_max}" in name)
+                out[f"{'val-core' if core else 'val-aux'}/{source}/{var}/{name}"] = float(value)
+    return out
+
+
+class Validator:
+    def __init__(self, cfg: ValidatorConfig):
+        self.cfg = cfg
+        self.store = WeightStore(cfg.root)
+        self.queue = self.store.validation
+        self.fs, self.layout = self.store.fs, self.store.layout
+        self.score = reward.resolve_details(cfg.custom_reward_function.path,
+                                            cfg.custom_reward_function.name)
+        self.stopping = False
+        self.version: int | None = None  # the weights in the engine
+        self.answered: list[int] = []
+
+    def _on_signal(self, signum, _frame) -> None:
+        log.info("%s received: finishing the current version, then stopping",
+                 signal.Signals(signum).name)
+        self.stopping = True
+
+    def start(self) -> None:
+        signal.signal(signal.SIGTERM, self._on_signal)
+        signal.signal(signal.SIGINT, self._on_signal)
+        self.heartbeat("starting")
+        self.engine, self.version = start_engine(
+            self.store, self.cfg.actor_rollout_ref.rollout, self.cfg.validator.device,
+            self.cfg.validator.weights_timeout_s, "validator")
+        data = self.cfg.data
+        self.prompts: list[Prompt] = load_prompts(data.val_files, self.engine.tokenizer,
+                                                  data.prompt_key, data.max_prompt_length,
+                                                  field="data.val_files")
+        log.info("validator: %d prompts from %s", len(self.prompts), data.val_files)
+
+    def sampling(self) -> SamplingSettings:
+        vk = self.cfg.actor_rollout_ref.rollout.val_kwargs
+        if not vk.do_sample:  # verl: greedy, whatever temperature says
+            return SamplingSettings(n=vk.n, temperature=0.0, top_p=1.0, top_k=-1,
+                                    max_tokens=self.cfg.data.max_response_length, seed=0)
+        return SamplingSettings(n=vk.n, temperature=vk.temperature, top_p=vk.top_p, top_k=vk.top_k,
+                                max_tokens=self.cfg.data.max_response_length,
+                                seed=self.cfg.validator.seed)
+
+    def load(self, version: int) -> str:
+        """Put `version` into the engine in place; '' on success, else why it is not there."""
+        if version == self.version:
+            return ""
+        self.version = None  # a failed load leaves a mix of weights
+        try:
+            self.engine.load_files(self.store.verified_files(version))
+        except (OSError, ManifestError) as e:
+            return (f"weight version {version} is no longer on disk (pruned before validation: "
+                    f"more than trainer.keep_versions validations were pending): {e}")
+        self.version = version
+        return ""
+
+    def evaluate(self, req: ValidationRequest) -> ValidationResult:
+        why = self.load(req.version)
+        if why:
+            return ValidationResult(req.version, req.step, {}, skipped=why, finished_at=time.time())
+        t0 = time.monotonic()
+        params = self.sampling()
+        size = self.cfg.data.val_batch_size or len(self.prompts)
+        sources, uids, rows = [], [], []
+        for start in range(0, len(self.prompts), size):
+            chunk = self.prompts[start:start + size]
+            for i, (p, group) in enumerate(zip(chunk, self.engine.generate(
+                    [p.token_ids for p in chunk], params)), start):
+                for c in group:
+                    text = self.engine.tokenizer.decode(c.token_ids, skip_special_tokens=True)
+                    value, extra = self.score(p.data_source, text, p.ground_truth, p.extra_info)
+                    sources.append(p.data_source)
+                    uids.append(str(i))  # a prompt's n responses share its uid
+                    rows.append({"reward": value, **extra})
+        infos = {k: [r.get(k) for r in rows] for k in dict.fromkeys(k for r in rows for k in r)}
+        return ValidationResult(req.version, req.step, val_metrics(sources, uids, infos),
+                                prompts=len(self.prompts), samples=len(rows),
+                                generate_s=time.monotonic() - t0, finished_at=time.time())
+
+    def heartbeat(self, state: str) -> None:
+        atomic_write_json(self.fs, self.layout.validator_heartbeat, {
+            "host": socket.gethostname(), "pid": os.getpid(), "state": state,
+            "weight_version": self.version, "answered": self.answered, "last_beat": time.time()})
+
+    def answer_next(self) -> bool:
+        """Answer the oldest open request; False when there is none."""
+        requests = self.queue.requests()
+        if not requests:
+            return False
+        result = self.evaluate(requests[0])
+        self.queue.answer(result)
+        self.answered.append(result.version)
+        self.heartbeat("running")
+        if result.skipped:
+            log.warning("skipped weights v%d (step %d): %s", result.version, result.step, result.skipped)
+        else:
+            core = "; ".join(f"{k} {v:.3f}" for k, v in sorted(result.metrics.items())
+                             if k.startswith("val-core/"))
+            log.info("validated weights v%d (step %d): %s | %d samples in %.2f s", result.version,
+                     result.step, core, result.samples, result.generate_s)
+        return True
+
+    def run(self) -> None:
+        try:
+            self.start()
+            self.heartbeat("running")
+            last_note = time.monotonic()
+            while not self.stopping:
+                if self.answer_next():
+                    last_note = time.monotonic()
+                    continue
+                if self.fs.exists(self.layout.done_marker):
+                    break  # the trainer wrote every request before DONE
+                if time.monotonic() - last_note > NOTE_EVERY_S:
+                    last_note = time.monotonic()
+                    log.info("waiting for validation requests in %s (the trainer writes one "
+                             "every trainer.test_freq steps)", self.layout.validation_requests_dir)
+                    self.heartbeat("running")
+                time.sleep(self.cfg.validator.poll_interval_s)
+        finally:
+            self.heartbeat("stopped")  # the trainer stops waiting for results
+        log.info("validator stopped: answered versions %s", self.answered)
+        self.engine.close()
+
+
+def main(argv: list[str] | None = None) -> int:
+    return run_role(Validator, ValidatorConfig, argv, "python -m rollout.validate",
+                    "Validator: evaluates the weight versions the trainer asks for (every "
+                    "trainer.test_freq steps) on data.val_files and writes verl's val-core / "
+                    "val-aux metrics beside them, for the trainer to log.", "validate")
+
+
+if __name__ == "__main__":
+    sys.exit(main())
