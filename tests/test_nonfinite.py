@@ -72,7 +72,7 @@ def test_bad_rewards_drop_their_samples_and_the_worker_goes_on(tmp_path, caplog)
     root = tmp_path / "run"
     WeightStore(str(root)).publish_hf_folder(tmp_path / "m0", 0, 0, keep=2)
     cfg = build(WorkerConfig, {"root": str(root), "train_files": f"[{tmp_path / 't.parquet'}]",
-                               "worker.id": "w0", "max_response_length": "3", "n": "4",
+                               "worker.id": "w0", "max_response_length": "3", "actor_rollout_ref.rollout.n": "4",
                                "prompts_per_batch": "10", "worker.max_batches": "3",
                                "custom_reward_function.path": str(tmp_path / "bad_reward.py")})
     caplog.set_level("WARNING", logger="rollout.worker")
