@@ -42,6 +42,7 @@ from protocol.shard_stream import (PUSH_METHOD, SERVICE, Undecodable, chunk_data
 log = logging.getLogger(__name__)
 TOKEN_ENV = "TANDEM_GRPC_TOKEN"
 WRITER_KEY = "x-tandem-writer"  # metadata: one random id per writer, its claim on a worker id
+MAX_CLAIMS = 4096  # worker-id claims kept before the expired ones are dropped
 # One chunk (buffer.grpc_chunk_kb <= 4 MiB) plus protobuf framing; shards themselves are bounded
 # by buffer.grpc_max_shard_mb, checked against the header before any byte is written.
 MAX_MESSAGE_BYTES = (4 << 20) + (64 << 10)
@@ -181,6 +182,9 @@ class _Servicer:
                                   "(buffer.grpc_claim_ttl_s)")
                 claim = None
             if claim is None:
+                if len(self.claims) >= MAX_CLAIMS:  # ids invented by a client must not pile up
+                    self.claims = {w: c for w, c in self.claims.items()
+                                   if c.active or now - c.last < self.cfg.grpc_claim_ttl_s}
                 claim = self.claims[worker_id] = _Claim(writer)
             if claim.active >= self.cfg.grpc_max_pushes_per_worker:
                 self.stats["over_cap"] += 1
@@ -314,10 +318,14 @@ def bind_hosts(bind: str) -> list[str]:
 
 
 def _is_loopback(host: str) -> bool:
+    host = host.strip("[]")
     try:
-        return ipaddress.ip_address(socket.gethostbyname(host.strip("[]"))).is_loopback
-    except (OSError, ValueError):
-        return False
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:  # a name
+        try:
+            return ipaddress.ip_address(socket.gethostbyname(host)).is_loopback
+        except OSError:
+            return False
 
 
 class GrpcShardWriter(ShardWriter):

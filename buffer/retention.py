@@ -101,8 +101,9 @@ def prune_consumed(root: str, consumed_keys: Ledger | Iterable[str],
 
 def clean_stale_temps(root: str, older_than_s: float, now: float | None = None) -> int:
     """Remove temporary files (names containing layout.TMP_MARK) of dead writers under
-    `experience/<worker>/`, `experience/` (gRPC spool) and `workers/` (heartbeats) whose mtime is more than `older_than_s`
-    seconds before `now` (default: time.time()). Returns how many were removed."""
+    `experience/<worker>/`, `experience/` (the gRPC spool) and `workers/` (heartbeats) whose
+    mtime is more than `older_than_s` seconds before `now` (default: time.time()). Returns how
+    many were removed."""
     fs, root_path = filesystem(root)
     layout = RunLayout(root_path)
     cutoff = (time.time() if now is None else now) - older_than_s
