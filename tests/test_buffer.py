@@ -90,9 +90,11 @@ def test_killed_writer_leaves_only_temporaries_that_reader_ignores(tmp_path):
         try:
             time.sleep(rng.uniform(0.0, 1.5))
             # then SIGKILL as soon as a temporary is being written (they exist for ~10-100 ms)
-            deadline = time.monotonic() + 15
+            # after at least one shard was published. The writer needs seconds to import torch
+            # on a loaded machine, so the wait is for those events, bounded generously.
+            deadline = time.monotonic() + 120
             while time.monotonic() < deadline and p.poll() is None:
-                if wdir.is_dir() and _tmps(wdir):
+                if wdir.is_dir() and _tmps(wdir) and _published(wdir):
                     break
                 time.sleep(0.001)
             crashed = p.poll() is not None
