@@ -302,19 +302,21 @@ class Trainer:
                 "actor/skipped_nonfinite": sum(not math.isfinite(n) for n in norms)}
 
     def count_nonfinite(self, step: int, metrics: dict) -> None:
-        """Count a skipped step (actor/skipped_steps); stop after max_nonfinite_steps in a row.
-        Every rank sees the same all-reduced metrics, so every rank stops at the same step."""
-        if not metrics["actor/skipped_nonfinite"]:
+        """Count a step with skipped optimizer steps, actor's or critic's (actor/skipped_steps);
+        stop after max_nonfinite_steps in a row. Every rank sees the same all-reduced grad
+        norms, so every rank stops at the same step."""
+        skipped = metrics.get("actor/skipped_nonfinite", 0) + metrics.get("critic/skipped_nonfinite", 0)
+        if not skipped:
             self.nonfinite_in_row = 0
         else:
             self.skipped_steps += 1
             self.nonfinite_in_row += 1
             if self.rank == 0:
-                log.warning("step %d skipped: non-finite loss or gradient (loss %s, grad norm %s); "
-                            "%d of its %d optimizer steps left the weights as they were (%d such "
-                            "trainer steps in a row)", step, metrics["actor/pg_loss"],
-                            metrics["actor/grad_norm"], metrics["actor/skipped_nonfinite"],
-                            metrics["actor/optimizer_steps"], self.nonfinite_in_row)
+                log.warning("step %d skipped: non-finite loss or gradient (actor loss %s, grad "
+                            "norm %s; critic grad norm %s): %d optimizer steps left the weights as "
+                            "they were (%d such trainer steps in a row)", step,
+                            metrics.get("actor/pg_loss"), metrics.get("actor/grad_norm"),
+                            metrics.get("critic/grad_norm"), skipped, self.nonfinite_in_row)
         metrics["actor/skipped_steps"] = self.skipped_steps
 
     def check_nonfinite_limit(self, step: int, metrics: dict) -> None:
@@ -322,8 +324,9 @@ class Trainer:
         if self.nonfinite_in_row >= limit:
             raise RuntimeError(
                 f"stopping at step {step}: {limit} steps in a row had a non-finite loss or gradient "
-                f"(last: loss {metrics['actor/pg_loss']}, grad norm {metrics['actor/grad_norm']}, "
-                f"lr {metrics['actor/lr']:g}); the published weights are finite. Lower "
+                f"(last: actor loss {metrics.get('actor/pg_loss')}, grad norm "
+                f"{metrics.get('actor/grad_norm')}, lr {metrics.get('actor/lr')}; critic grad norm "
+                f"{metrics.get('critic/grad_norm')}); the published weights are finite. Lower "
                 "actor_rollout_ref.actor.optim.lr or check the experience (trainer.max_nonfinite_steps)")
 
     def publish(self, step: int) -> dict:
