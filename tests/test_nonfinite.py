@@ -45,6 +45,24 @@ def test_non_finite_steps_are_skipped_and_never_published(experience):
             or not math.isfinite(r["actor/pg_loss"])
 
 
+def test_non_finite_critic_steps_are_counted_during_critic_warmup(experience):
+    """GAE with critic.optim.lr=1e30 and the actor still in trainer.critic_warmup: the critic's
+    steps go non-finite from step 2 (its weights ~1e30 after step 1); they are counted although
+    the step has no actor metrics, and the trainer stops after 2 in a row."""
+    root = run_folder(experience, "nonfinite_critic")
+    p = trainer_proc(root, experience / "model", 1, "algorithm.adv_estimator=gae",
+                     "critic.optim.lr=1e30", "trainer.critic_warmup=8",
+                     "trainer.max_nonfinite_steps=2", steps=8)
+    out, _ = p.communicate(timeout=300)
+    assert p.returncode != 0, out[-3000:]
+    assert "2 steps in a row had a non-finite loss or gradient" in out, out[-3000:]
+    assert "critic.optim.lr" in out
+    rows = [json.loads(line) for line in (root / "metrics.jsonl").read_text().splitlines()]
+    assert all("actor/pg_loss" not in r for r in rows)  # warmup: only the critic trained
+    assert [r["critic/skipped_nonfinite"] > 0 for r in rows] == [False, True, True]
+    assert rows[-1]["actor/skipped_steps"] == 2
+
+
 BAD_REWARDS = '''
 import itertools
 _calls = itertools.count()

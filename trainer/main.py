@@ -327,7 +327,8 @@ class Trainer:
                 f"(last: actor loss {metrics.get('actor/pg_loss')}, grad norm "
                 f"{metrics.get('actor/grad_norm')}, lr {metrics.get('actor/lr')}; critic grad norm "
                 f"{metrics.get('critic/grad_norm')}); the published weights are finite. Lower "
-                "actor_rollout_ref.actor.optim.lr or check the experience (trainer.max_nonfinite_steps)")
+                "actor_rollout_ref.actor.optim.lr (critic.optim.lr with a critic) or check the experience "
+                "(trainer.max_nonfinite_steps)")
 
     def publish(self, step: int) -> dict:
         # A finite loss and gradient can still overflow the weights (an absurd lr): never
