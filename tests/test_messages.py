@@ -80,6 +80,12 @@ def test_unknown_data_source_is_refused_at_start(tmp_path):
     assert f"data_source 'nobody/knows' (in {data}) has no reward function" in p.stderr
     assert took < 50, took  # well under weights_timeout_s: nothing waited for weights
     assert not (tmp_path / "run" / "experience").exists()
+    # The validator scores data.val_files the same way: refused before it waits for weights.
+    p, took = _run("-m", "rollout.validate", f"root={tmp_path / 'run'}", f"data.val_files=[{data}]",
+                   "validator.weights_timeout_s=60")
+    assert p.returncode == 2, p.stdout[-2000:] + p.stderr[-2000:]
+    assert f"data_source 'nobody/knows' (in {data}) has no reward function" in p.stderr
+    assert took < 50, took
 
 
 @pytest.mark.parametrize("key,value,words", [

@@ -110,3 +110,33 @@ def test_bad_rewards_drop_their_samples_and_the_worker_goes_on(tmp_path, caplog)
         rewards += [s.reward for s in from_table(load_shard(shard.read_bytes()))]
     assert len(rewards) == total - len(bad) and all(r == 1.0 for r in rewards)
     assert not (root / "quarantine").exists()
+
+
+def test_bad_rewards_in_validation_drop_their_samples_and_are_counted(tmp_path, caplog):
+    """The validator scores with the same reward function: a bad value drops that sample from
+    the metrics (val-aux/rewards_dropped counts them), and the version is still answered."""
+    from rollout import builtin_task
+    from rollout.config import ValidatorConfig
+    from rollout.validate import Validator
+    from trainer.metrics import MetricsLog
+    from trainer.validation import ValidationLog
+    builtin_task.write_model(tmp_path / "m0")
+    builtin_task.write_parquet(tmp_path / "v.parquet", builtin_task.make_rows(20, 3))
+    (tmp_path / "bad_reward.py").write_text(BAD_REWARDS)
+    root = tmp_path / "run"
+    store = WeightStore(str(root))
+    store.publish_hf_folder(tmp_path / "m0", 0, 0, keep=2)
+    ValidationLog(store, MetricsLog(str(root / "metrics.jsonl"), 20)).request(0, step=0)
+    caplog.set_level("WARNING", logger="rollout.validate")
+    validator = Validator(build(ValidatorConfig, {
+        "root": str(root), "data.val_files": f"[{tmp_path / 'v.parquet'}]",
+        "data.max_response_length": "3", "custom_reward_function.path": str(tmp_path / "bad_reward.py")}))
+    assert validator.start() and validator.answer_next()
+    bad = [k for k in range(20) if k % 7 == 3 or k % 11 == 5 or k % 13 == 8]  # n=1: one call a prompt
+    result = store.validation.result(0)
+    assert not result.skipped and result.samples == 20 - len(bad)
+    assert result.metrics["val-aux/rewards_dropped"] == len(bad)
+    assert result.metrics["val-core/tandem/copy/reward/mean@1"] == 1.0  # only the good 1.0s left
+    lines = [r.getMessage() for r in caplog.records if "dropped a sample" in r.getMessage()]
+    assert len(lines) == len(bad) and all("prompt " in ln for ln in lines)
+    validator.engine.close()

@@ -1,4 +1,4 @@
-"""Every wait is interruptible: a worker waiting for its first weights stops on SIGTERM at
+"""Every wait is interruptible: a worker or validator waiting for its first weights stops on SIGTERM at
 once, and launch.local's cleanup survives a second signal (it kills instead of giving up)."""
 import json
 import os
@@ -7,6 +7,8 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+
+import pytest
 
 from conftest import subprocess_env
 from rollout import builtin_task
@@ -39,11 +41,16 @@ def _processes_under(root: Path) -> list[int]:
     return pids
 
 
-def test_worker_waiting_for_first_weights_stops_on_sigterm(tmp_path):
-    builtin_task.write_parquet(tmp_path / "t.parquet", builtin_task.make_rows(10, 3))
-    proc = subprocess.Popen([sys.executable, "-m", "rollout.worker", f"root={tmp_path / 'run'}",
-                             f"data.train_files=[{tmp_path / 't.parquet'}]", "worker.id=w0",
-                             "worker.weights_timeout_s=300"],
+@pytest.mark.parametrize("role", ["worker", "validator"])
+def test_waiting_for_first_weights_stops_on_sigterm(tmp_path, role):
+    data = tmp_path / "t.parquet"
+    builtin_task.write_parquet(data, builtin_task.make_rows(10, 3))
+    args, beat = {
+        "worker": (["rollout.worker", f"data.train_files=[{data}]", "worker.id=w0",
+                    "worker.weights_timeout_s=300"], Path("workers", "w0.json")),
+        "validator": (["rollout.validate", f"data.val_files=[{data}]",
+                       "validator.weights_timeout_s=300"], Path("validation", "validator.json"))}[role]
+    proc = subprocess.Popen([sys.executable, "-m", *args, f"root={tmp_path / 'run'}"],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             env=subprocess_env())
     try:
@@ -59,8 +66,8 @@ def test_worker_waiting_for_first_weights_stops_on_sigterm(tmp_path):
     assert proc.returncode == 0, out[-3000:]
     assert took < 30, took  # polls every 0.5 s; 30 s leaves room for a loaded machine's exit
     assert "stopped before the first weight version" in out
-    beat = json.loads((tmp_path / "run" / "workers" / "w0.json").read_text())
-    assert beat["state"] == "stopped" and beat["samples_written"] == 0
+    state = json.loads((tmp_path / "run" / beat).read_text())
+    assert state["state"] == "stopped" and state.get("samples_written", 0) == 0
 
 
 def test_launch_local_cleanup_survives_a_second_signal(tmp_path):
