@@ -6,9 +6,10 @@
 
 Without inputs given, it builds the built-in tiny model and task into the run folder, with a
 fifth of the task's distinct questions held out: a validator (`rollout.validate`) measures them
-every --test-freq steps. A --config file (verl's shape) goes to both roles; its model path, train
-files and step count are used unless --model, --data, --steps say otherwise, and its settings win
-over the built-in recipe. Every
+every --test-freq steps. A --config file (verl's shape) goes to every role; its model path, train
+files, step count and validation (data.val_files, trainer.test_freq) are used unless --model,
+--data, --steps, --val-data, --test-freq say otherwise, and its settings win over the built-in
+recipe. Every
 child is its own process group, owned here: on success, on Ctrl-C, or when any child fails, all
 are stopped (SIGTERM, then SIGKILL after a grace period) and the exit code says what happened.
 """
@@ -43,7 +44,8 @@ BUILTIN_SFT = ["data.train_batch_size=64", "optim.lr=3e-3", "optim.weight_decay=
 BUILTIN_WORKER = ["actor_rollout_ref.rollout.n=16", "actor_rollout_ref.rollout.prompts_per_batch=16",
                   "buffer.flush_samples=128", "buffer.flush_interval=5", "buffer.max_backlog_samples=256"]
 MODEL, TRAIN_FILES, STEPS = "actor_rollout_ref.model.path", "data.train_files", "trainer.total_training_steps"
-DEFAULT_STEPS = 200
+VAL_FILES, TEST_FREQ = "data.val_files", "trainer.test_freq"
+DEFAULT_STEPS, DEFAULT_TEST_FREQ = 200, 10
 
 
 def parse_args(argv):
@@ -59,9 +61,10 @@ def parse_args(argv):
     p.add_argument("--model", help="HF model folder (default: build the built-in tiny model)")
     p.add_argument("--data", help="verl-format parquet (default: write the built-in task)")
     p.add_argument("--val-data", help="verl-format parquet of held-out prompts (default: the "
-                   "built-in task's validation split when --data is not given; else none)")
-    p.add_argument("--test-freq", type=int, default=10,
-                   help="validate every this many steps when there is --val-data (0: never)")
+                   f"config's {VAL_FILES}, else the built-in task's validation split when the "
+                   "built-in task is trained on)")
+    p.add_argument("--test-freq", type=int, help="validate every this many steps (default: the "
+                   f"config's {TEST_FREQ}, else {DEFAULT_TEST_FREQ}; 0: never)")
     p.add_argument("--digits", type=int, default=3, help="built-in task: digits per prompt")
     p.add_argument("--sft-steps", type=int, default=0,
                    help="first warm-start the model with this many SFT steps (python -m trainer.sft) "
@@ -82,7 +85,7 @@ def parse_args(argv):
     args = p.parse_args(argv)
     if (args.steps is not None and args.steps < 1) or args.workers < 1 or args.nproc < 1:
         p.error("--steps, --workers and --nproc must be at least 1")
-    if args.sft_steps < 0 or args.test_freq < 0:
+    if args.sft_steps < 0 or (args.test_freq is not None and args.test_freq < 0):
         p.error("--sft-steps and --test-freq must be at least 0")
     return args
 
@@ -98,15 +101,18 @@ def from_config(args, layout: RunLayout) -> dict:
         return {}
     recipe_keys = [a.split("=", 1)[0] for part in builtin_recipe(args.digits) for a in part]
     try:
-        return file_values(args.config, [MODEL, TRAIN_FILES, STEPS, *recipe_keys], {"root": layout.root})
+        # --data replaces the file's train files for its interpolations too (val_files may be
+        # ${data.train_files}, as in tests/data/verl_grpo.yaml)
+        return file_values(args.config, [MODEL, TRAIN_FILES, STEPS, VAL_FILES, TEST_FREQ, *recipe_keys],
+                           {"root": layout.root, **({TRAIN_FILES: [args.data]} if args.data else {})})
     except ConfigError as e:
         raise SystemExit(f"launch.local: {e}") from None
 
 
-def prepare(layout: RunLayout, args, config: dict) -> tuple[str, str | None, str | None]:
-    """Model folder, dataset and validation dataset for the run (flags, else the config, else the
+def prepare(layout: RunLayout, args, config: dict) -> tuple[str, str | None, list[str] | None]:
+    """Model folder, dataset and validation datasets for the run (flags, else the config, else the
     built-in ones, built when missing). The dataset is None when the config names the train
-    files; the validation dataset is None when there is no validation."""
+    files; the validation datasets are None when there is no validation. Sets args.test_freq."""
     if os.path.exists(layout.weights_dir) or os.path.exists(layout.metrics):
         raise SystemExit(f"launch.local: {layout.root} already holds a run; choose a new --root")
     model = os.path.expanduser(args.model or config.get(MODEL) or layout.init_model)
@@ -124,8 +130,11 @@ def prepare(layout: RunLayout, args, config: dict) -> tuple[str, str | None, str
                                        for k in ("sft", "rl") for s in ("train", "val")},
                                       digits=args.digits)
     data = args.data or (layout.prepared_parquet("rl", "train") if builtin else None)
-    val = args.val_data or (layout.prepared_parquet("rl", "val") if builtin else None)
-    return model, data, (val if args.test_freq else None)
+    val = ([args.val_data] if args.val_data else config.get(VAL_FILES)
+           or ([layout.prepared_parquet("rl", "val")] if builtin else None))
+    if args.test_freq is None:
+        args.test_freq = int(config.get(TEST_FREQ, DEFAULT_TEST_FREQ))
+    return model, data, (val if args.test_freq > 0 else None)
 
 
 def recipe(config: dict, args) -> tuple[list[str], list[str]]:
@@ -218,25 +227,30 @@ def run_sft(layout: RunLayout, args, model: str, signals: "Signals") -> str:
 
 
 def role_args(layout: RunLayout, args, model: str, data: str | None, config: dict,
-              val: str | None) -> tuple[list[str], list[str]]:
-    """The trainer's and the workers' config arguments (each worker adds its id and seed)."""
+              val: list[str] | None) -> tuple[list[str], list[str], list[str] | None]:
+    """The trainer's, the workers' (each adds its id and seed) and the validator's config
+    arguments; no validator without `val`, and then the trainer requests no validation."""
     common = ["--config", os.path.abspath(args.config)] if args.config else []
     common.append(f"root={layout.root}")
     trainer_recipe, worker_recipe = recipe(config, args)
-    validation = [f"trainer.test_freq={args.test_freq}"] if val else []
     trainer = [*common, f"{MODEL}={model}", f"{STEPS}={args.steps}", *trainer_recipe,
-               *validation, *args.trainer]
+               f"{TEST_FREQ}={args.test_freq if val else -1}", *args.trainer]
     data_arg = [f"{TRAIN_FILES}=[{data}]"] if data else []
-    return trainer, [*common, *data_arg, *worker_recipe, *args.worker]
+    validator = [*common, f"{VAL_FILES}=[{','.join(val)}]",
+                 *[a for a in worker_recipe if a.startswith("data.max_response_length=")],
+                 "validator.poll_interval_s=0.5", *args.validator] if val else None
+    return trainer, [*common, *data_arg, *worker_recipe, *args.worker], validator
 
 
-def check_config(trainer_args: list[str], worker_args: list[str]) -> None:
-    """Build both roles' configs now, so that a bad key stops the run before any process starts;
+def check_config(trainer_args: list[str], worker_args: list[str],
+                 validator_args: list[str] | None) -> None:
+    """Build the roles' configs now, so that a bad key stops the run before any process starts;
     print each line about verl keys that do not apply once (the roles' logs have them too)."""
-    from rollout.config import WorkerConfig
+    from rollout.config import ValidatorConfig, WorkerConfig
     from trainer.config import TrainerConfig
     lines: list[str] = []
-    for cls, argv in ((TrainerConfig, trainer_args), (WorkerConfig, worker_args)):
+    roles = [(TrainerConfig, trainer_args), (WorkerConfig, worker_args)]
+    for cls, argv in roles + ([(ValidatorConfig, validator_args)] if validator_args else []):
         try:
             overrides, yaml_file, _ = split_argv(argv)
             lines += [w for w in load(cls, overrides, yaml_file)[1] if w not in lines]
@@ -248,8 +262,8 @@ def check_config(trainer_args: list[str], worker_args: list[str]) -> None:
 
 
 def start_children(layout: RunLayout, args, trainer_args: list[str], worker_args: list[str],
-                   val: str | None) -> tuple[Child, list[Child]]:
-    """The trainer, and the other children: the workers, then the validator when there is `val`."""
+                   validator_args: list[str] | None) -> tuple[Child, list[Child]]:
+    """The trainer, and the other children: the workers, then the validator if it has args."""
     py = sys.executable
     trainer = Child("trainer", [py, "-m", "torch.distributed.run", "--standalone",
                                 f"--nproc_per_node={args.nproc}", "-m", "trainer.main", *trainer_args],
@@ -259,11 +273,8 @@ def start_children(layout: RunLayout, args, trainer_args: list[str], worker_args
                                       *worker_args], layout.log(f"worker-w{i}"),
                      worker_gpus[i % len(worker_gpus)] if worker_gpus else None)
                for i in range(args.workers)]
-    if val:
-        workers.append(Child("validator", [py, "-m", "rollout.validate", f"root={layout.root}",
-                                           f"data.val_files=[{val}]",
-                                           f"data.max_response_length={args.digits}",
-                                           "validator.poll_interval_s=0.5", *args.validator],
+    if validator_args is not None:
+        workers.append(Child("validator", [py, "-m", "rollout.validate", *validator_args],
                              layout.log("validator"), args.validator_gpu))
     return trainer, workers
 
@@ -383,8 +394,7 @@ def main(argv: list[str] | None = None) -> int:
         except (KeyboardInterrupt, TimeoutError, ChildFailed) as e:
             print(f"launch.local: SFT stopped: {e or 'interrupted'}", file=sys.stderr)
             return 130 if isinstance(e, KeyboardInterrupt) else 1
-    trainer, workers = start_children(layout, args, *role_args(layout, args, model, data, config, val),
-                                      val)
+    trainer, workers = start_children(layout, args, *role_args(layout, args, model, data, config, val))
     failed, code = None, 0
     try:
         failed = supervise(trainer, workers, layout, args)

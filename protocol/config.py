@@ -8,8 +8,8 @@ with OmegaConf `${...}` interpolation), then dotted overrides as in verl (`train
 given by its last part (`--flush_interval=30`) when exactly one key of the schema ends with it.
 `null` for a field that is not Optional means its default, as in verl's configs.
 
-The role schemas (protocol/verl_keys.ROLES: trainer, rollout worker) share one file: each reads its
-own keys, accepts the other roles' keys silently, and treats verl's keys as protocol/verl_keys.py
+The role schemas (protocol/verl_keys.ROLES: trainer, rollout worker, validator) share one file:
+each reads its own keys, accepts the other roles' keys silently, and treats verl's keys as protocol/verl_keys.py
 classifies them (one warning line, an alias, or a refusal with the reason). A bad type or bound, a
 required key left unset, and a key in no schema stop the process at start, naming the field.
 """

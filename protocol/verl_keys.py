@@ -24,7 +24,8 @@ from collections import Counter
 from typing import Any, Callable
 
 # The role schemas that share one config file; each accepts the others' keys silently.
-ROLES = ("trainer.config:TrainerConfig", "rollout.config:WorkerConfig")
+ROLES = ("trainer.config:TrainerConfig", "rollout.config:WorkerConfig",
+         "rollout.config:ValidatorConfig")
 
 ALIAS, WARN, SAME = "alias", "warn", "same"
 
@@ -231,7 +232,7 @@ RULES: list[Rule] = [
     *warn("validation reads all of data.val_files", "data.val_max_samples"),
     *same("rewards are chosen by each row's data_source", one_of("data_source"), "data.reward_fn_key"),
     *warn("workers generate actor_rollout_ref.rollout.prompts_per_batch prompts at a time",
-          "data.gen_batch_size", "data.val_batch_size"),
+          "data.gen_batch_size"),
     *same("tool calling is not supported yet", unset, "data.tool_config_path", "data.function_tool_path"),
     *warn("the format of verl's dataloader output; workers tokenize the chat prompt themselves",
           "data.return_raw_input_ids", "data.return_raw_chat", "data.return_full_prompt",

@@ -8,8 +8,22 @@ from pathlib import Path
 from buffer.layout import RunLayout
 from protocol.experience import decode, from_table
 from conftest import STEPS, final_weights as _final_weights, run_folder as _run_folder, trainer_proc as _trainer
-from conftest import REORDER_REL_BOUND, uninterrupted_run, weight_distances
+from conftest import REORDER_REL_BOUND, kill_tree, uninterrupted_run, weight_distances
 from trainer.checkpoint import latest_complete
+
+
+def _processes_of(run: Path) -> list[int]:
+    """Live processes started for this run folder: torchrun and its ranks carry root=<run>."""
+    arg = f"root={run}".encode() + b"\0"
+    pids = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                if arg in f.read():
+                    pids.append(int(pid))
+        except OSError:  # ended meanwhile
+            pass
+    return pids
 
 
 def _ids_by_step(root: Path) -> dict[int, list[str]]:
@@ -37,13 +51,18 @@ def test_sigkill_and_resume_on_one_rank_matches_uninterrupted_run(experience):
             assert p.poll() is None, p.stdout.read()[-3000:]
             assert time.monotonic() < deadline, "no checkpoint at step 3 within 240 s"
             time.sleep(0.05)
-        os.killpg(p.pid, signal.SIGKILL)  # torchrun and both ranks, mid-run
+        kill_tree(p.pid)  # torchrun and both ranks (each in a session of its own), mid-run
     finally:
         p.wait(timeout=60)
     # The kill landed on a live run that had not finished: torchrun died of SIGKILL (a run that
-    # had already exited returns 0), no DONE marker, and fewer than STEPS steps were logged.
-    layout = RunLayout(str(run))
+    # had already exited returns 0), none of its ranks is left to write on, no DONE marker, and
+    # fewer than STEPS steps were logged.
     assert p.returncode == -signal.SIGKILL, p.returncode
+    deadline = time.monotonic() + 60
+    while left := _processes_of(run):
+        assert time.monotonic() < deadline, f"processes of the killed run still alive: {left}"
+        time.sleep(0.05)
+    layout = RunLayout(str(run))
     assert not os.path.exists(layout.done_marker)
     assert 3 <= len((run / "metrics.jsonl").read_text().splitlines()) < STEPS
     resumed_from = latest_complete(layout)

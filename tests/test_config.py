@@ -15,7 +15,7 @@ from conftest import REPO_ROOT, subprocess_env
 from protocol import verl_keys
 from protocol.config import (ConfigError, F, build, leaves, load, parse_cli, split_argv, to_dict,
                              usage, yaml_leaves)
-from rollout.config import WorkerConfig
+from rollout.config import ValidatorConfig, WorkerConfig
 from trainer.config import TrainerConfig
 
 
@@ -295,7 +295,7 @@ def test_usage_lists_every_leaf_with_bounds():
 # --- verl configs: one file for both roles ------------------------------------------------------
 
 VERL_YAML = REPO_ROOT / "tests" / "data" / "verl_grpo.yaml"
-ROLES = [TrainerConfig, WorkerConfig]
+ROLES = [TrainerConfig, WorkerConfig, ValidatorConfig]
 # The fixture's keys that do not apply to a decoupled run: each gets exactly one warning line.
 FIXTURE_WARNED = {
     "data.return_raw_chat", "data.filter_overlong_prompts", "data.truncation",
@@ -323,13 +323,14 @@ def warned_keys(lines) -> collections.Counter:
     return keys
 
 
-def test_verl_fixture_builds_both_roles_with_one_warning_per_key():
+def test_verl_fixture_builds_every_role_with_one_warning_per_key():
     for cls in ROLES:
         cfg, warnings = load(cls, {"root": "/run"}, VERL_YAML)
         keys = warned_keys(warnings)
         assert set(keys) == FIXTURE_WARNED, set(keys) ^ FIXTURE_WARNED
         assert set(keys.values()) == {1}
-        assert cfg.buffer.flush_samples == 16  # tandem's own section in the same file
+        if cls is not ValidatorConfig:  # tandem's own section in the same file
+            assert cfg.buffer.flush_samples == 16
 
 
 def test_verl_fixture_values_reach_each_role():
@@ -344,6 +345,9 @@ def test_verl_fixture_values_reach_each_role():
     assert w.data.train_files == ["~/data/gsm8k/train.parquet"]  # verl's single path: a list
     assert (w.actor_rollout_ref.rollout.n, w.data.max_response_length) == (4, 3)
     assert w.actor_rollout_ref.rollout.name == "hf"
+    v, _ = load(ValidatorConfig, {"root": "/run"}, VERL_YAML)
+    assert v.data.val_files == w.data.train_files  # ${data.train_files}
+    assert (v.actor_rollout_ref.rollout.val_kwargs.do_sample, v.actor_rollout_ref.rollout.val_kwargs.n) == (False, 1)
 
 
 def test_command_line_override_is_seen_by_interpolations():
@@ -513,7 +517,7 @@ def test_pool_validates_the_workers_config_and_passes_it_on():
 
 def local_args(**kw):
     base = dict(config=str(VERL_YAML), model=None, data=None, steps=None, digits=3, trainer=[],
-                worker=[])
+                worker=[], val_data=None, test_freq=None, validator=[])
     return argparse.Namespace(**{**base, **kw})
 
 

@@ -8,6 +8,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from buffer.layout import RunLayout
+from launch.local import rl_metrics
 from conftest import REORDER_REL_BOUND, final_weights, run_folder, trainer_proc, weight_distances
 
 
@@ -127,7 +129,7 @@ def test_gae_with_a_critic_learns_the_builtin_task(tmp_path):
                            "--timeout", "1200", "--trainer", "algorithm.adv_estimator=gae"],
                           capture_output=True, text=True, timeout=1500)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    rows = _rows(root)
+    rows, _ = rl_metrics(RunLayout(str(root)))  # the trainer's rows, not the validator's
     first = sum(r["reward/mean"] for r in rows[:10]) / 10
     last = sum(r["reward/mean"] for r in rows[-10:]) / 10
     assert last >= 0.5 and last >= 3 * first, (first, last)

@@ -39,13 +39,35 @@ def _questions(path) -> list[str]:
 def test_launch_local_holds_out_questions_for_validation(tmp_path):
     layout = RunLayout(str(tmp_path / "run"))
     model, data, val = prepare(layout, parse_args(["--root", layout.root]), {})
-    assert (data, val) == (layout.prepared_parquet("rl", "train"), layout.prepared_parquet("rl", "val"))
-    train, held = set(_questions(data)), set(_questions(val))
+    assert (data, val) == (layout.prepared_parquet("rl", "train"), [layout.prepared_parquet("rl", "val")])
+    train, held = set(_questions(data)), set(_questions(val[0]))
     assert len(held) == 25 and not train & held  # a fifth of the 125 strings, never trained on
     assert prepare(RunLayout(str(tmp_path / "b")), parse_args(
         ["--root", str(tmp_path / "b"), "--model", model, "--test-freq", "0"]), {})[2] is None
     assert prepare(RunLayout(str(tmp_path / "c")), parse_args(
         ["--root", str(tmp_path / "c"), "--model", model, "--data", data]), {})[2] is None
+
+
+def test_launch_local_validates_as_a_verl_config_says(tmp_path):
+    from launch import local
+    model = tmp_path / "m"
+    builtin_task.write_model(model)
+    file = tmp_path / "grpo.yaml"
+    file.write_text("data:\n  train_files: [/d/train.parquet]\n  val_files: [/d/test.parquet]\n"
+                    "trainer:\n  test_freq: 5\n")
+
+    def plan(root, *flags):
+        layout = RunLayout(str(tmp_path / root))
+        args = parse_args(["--root", layout.root, "--config", str(file), "--model", str(model), *flags])
+        config = local.from_config(args, layout)
+        _, data, val = prepare(layout, args, config)
+        return val, local.role_args(layout, args, str(model), data, config, val)
+
+    val, (trainer, _, validator) = plan("a")
+    assert val == ["/d/test.parquet"] and "trainer.test_freq=5" in trainer
+    assert validator[:2] == ["--config", str(file)] and "data.val_files=[/d/test.parquet]" in validator
+    val, (trainer, _, validator) = plan("b", "--test-freq", "0")  # off: the trainer asks for none
+    assert val is None and validator is None and "trainer.test_freq=-1" in trainer
 
 
 def test_val_metrics_use_verls_names_and_core_variable():
