@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 import logging
 import time
-from typing import Callable
+from typing import Callable, Iterator
 
 from buffer.layout import RunLayout
 from buffer.storage import read_json
@@ -17,9 +17,8 @@ from buffer.storage import read_json
 log = logging.getLogger(__name__)
 
 
-def heartbeats(fs, layout: RunLayout) -> list[dict]:
-    """The workers' heartbeats (workers/<id>.json) that can be read now."""
-    beats = []
+def heartbeats(fs, layout: RunLayout) -> Iterator[dict]:
+    """Every worker's last heartbeat (workers/<id>.json, one small file each) that can be read now."""
     if fs.exists(layout.workers_dir):
         for path in sorted(fs.ls(layout.workers_dir, detail=False)):
             if path.endswith(".json"):
@@ -28,8 +27,7 @@ def heartbeats(fs, layout: RunLayout) -> list[dict]:
                 except (FileNotFoundError, ValueError):
                     continue  # a heartbeat being replaced or removed; the next look sees it
                 if isinstance(beat, dict):
-                    beats.append(beat)
-    return beats
+                    yield beat
 
 
 def describe_workers(fs, layout: RunLayout, now: float | None = None) -> str:

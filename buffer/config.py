@@ -26,7 +26,8 @@ class BufferConfig:
                              "leftovers of dead writers and are removed", gt=0)
     max_backlog_samples: int = F(1024, "workers pause while more samples than this are written "
                                  "but not yet trained on or dropped by the trainer", ge=1)
-    backlog_timeout_s: float = F(1800.0, "seconds a worker waits for the backlog to drain before "
+    backlog_timeout_s: float = F(1800.0, "seconds a worker waits for the backlog to drain (with "
+                                 "trainer.max_staleness=0: for the next weight version) before "
                                  "failing (the trainer is presumed dead)", gt=0)
     transport: str = F("fs", "how shards reach the trainer: 'fs' (a shared folder) or 'grpc' "
                        "(pushed to the trainer, which spools them on its disk)", choices=("fs", "grpc"))

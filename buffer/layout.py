@@ -13,6 +13,9 @@
                                    'archive' (buckets: no folder ever holds more than 10,000)
       weights/v<version>/          published actor versions (HF safetensors + manifest.json)
       weights/LATEST               the newest complete version number, replaced atomically
+                                   (with trainer.max_staleness=0 also the groups it trains on)
+      sync/v<version>/<slot>       synchronous mode: the worker that claimed each of the
+                                   version's group slots (buffer/sync.py)
       workers/<worker>.json        heartbeats
       validation/requests/v<version>.json  a version the trainer asked rollout.validate to
                                    evaluate; the version stays on disk while this exists
@@ -167,6 +170,17 @@ class RunLayout:
 
     def manifest(self, version: int) -> str:
         return self._p("weights", f"v{version:06d}", "manifest.json")
+
+    # synchronous rollouts: per version, one file per claimed group slot
+    @property
+    def sync_dir(self) -> str:
+        return self._p("sync")
+
+    def sync_version_dir(self, version: int) -> str:
+        return self._p("sync", f"v{version:06d}")
+
+    def sync_claim(self, version: int, slot: int) -> str:
+        return self._p("sync", f"v{version:06d}", f"{slot:06d}")
 
     # validation: requests from the trainer, results from rollout.validate
     @property

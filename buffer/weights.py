@@ -124,9 +124,11 @@ class WeightStore:
         return FileEntry(name, len(pieces[0]) + offset, sha.hexdigest()), entries
 
     def publish(self, staged: str, version: int, step: int, keep: int,
-                described: tuple[list[FileEntry], dict[str, TensorEntry]] | None = None) -> WeightManifest:
+                described: tuple[list[FileEntry], dict[str, TensorEntry]] | None = None,
+                announce: dict | None = None) -> WeightManifest:
         """Write the manifest for the files in `staged` (those not `described` already are
-        described here), rename into place, announce, prune."""
+        described here), rename into place, announce (`announce`: extra fields of LATEST, e.g.
+        protocol.weights.SYNC_GROUPS), prune."""
         files, tensors = described or ([], {})
         known = {f.name for f in files}
         more_files, more_tensors = self.describe(
@@ -144,7 +146,8 @@ class WeightStore:
         # Taken before LATEST names the version: no worker can have loaded it earlier (the
         # weight-sync latency in launch.report is never negative on one clock).
         self.announced_at = time.time()
-        atomic_write_json(self.fs, self.layout.latest_pointer, {"version": version, "step": step})
+        atomic_write_json(self.fs, self.layout.latest_pointer,
+                          {**(announce or {}), "version": version, "step": step})
         self.prune(keep)
         return manifest
 
@@ -208,8 +211,12 @@ class WeightStore:
             shutil.rmtree(self.layout.version_dir(v), ignore_errors=True)
 
     # --- worker side --------------------------------------------------------------------
+    def pointer(self) -> dict | None:
+        """weights/LATEST: {"version", "step", and what the trainer announced with it}."""
+        return read_json(self.fs, self.layout.latest_pointer)
+
     def latest(self) -> int | None:
-        pointer = read_json(self.fs, self.layout.latest_pointer)
+        pointer = self.pointer()
         return None if pointer is None else int(pointer["version"])
 
     def wait_latest(self, timeout_s: float, poll_s: float = 0.5, should_stop=lambda: False,

@@ -3,10 +3,11 @@
     python -m launch.local --root runs/demo --steps 150
     python -m launch.local --root runs/warm --sft-steps 100    # SFT warm start, then RL
     python -m launch.local --root runs/grpo --config my_verl_grpo.yaml
+    python -m launch.local --root runs/arith --task arith --sft-steps 200   # GSM8K-format task
 
-Without inputs given, it builds the built-in tiny model and task into the run folder, with a
-fifth of the task's distinct questions held out: a validator (`rollout.validate`) measures them
-every --test-freq steps. A --config file (verl's shape) goes to every role; its model path, train
+Without inputs given, it builds the built-in tiny model and task (--task) into the run folder,
+with some of the task's distinct questions held out (copy: a fifth; arith: 100 of 2000): a
+validator (`rollout.validate`) measures them every --test-freq steps. A --config file (verl's shape) goes to every role; its model path, train
 files, step count and validation (data.val_files, trainer.test_freq) are used unless --model,
 --data, --steps, --val-data, --test-freq say otherwise, and its settings win over the built-in
 recipe. Every
@@ -30,6 +31,7 @@ from protocol.config import ConfigError, file_values, load, split_argv
 from launch import status
 from buffer.weights import hf_folder_problem
 from rollout import builtin_task
+from rollout.tasks import arith
 
 # The built-in task's recipe (tuned so a random-init model learns it by RL in a few minutes;
 # see rollout/builtin_task.py). User overrides (--trainer/--worker) come after and win.
@@ -65,7 +67,11 @@ def parse_args(argv):
                    "built-in task is trained on)")
     p.add_argument("--test-freq", type=int, help="validate every this many steps (default: the "
                    f"config's {TEST_FREQ}, else {DEFAULT_TEST_FREQ}; 0: never)")
-    p.add_argument("--digits", type=int, default=3, help="built-in task: digits per prompt")
+    p.add_argument("--task", default="copy", choices=("copy", "arith"),
+                   help="built-in task: copy (copy 3 digits) or arith (rollout/tasks/arith.py: "
+                        "GSM8K-format word problems scored by verl's gsm8k reward, with its own "
+                        "BPE tokenizer and tiny model)")
+    p.add_argument("--digits", type=int, default=3, help="copy task: digits per prompt")
     p.add_argument("--sft-steps", type=int, default=0,
                    help="first warm-start the model with this many SFT steps (python -m trainer.sft) "
                         "on the built-in task's (question, answer) pairs; RL then starts from "
@@ -90,16 +96,26 @@ def parse_args(argv):
     return args
 
 
-def builtin_recipe(digits: int) -> tuple[list[str], list[str]]:
+def builtin_recipe(args) -> tuple[list[str], list[str]]:
     """The built-in task's trainer and worker overrides."""
-    return BUILTIN_TRAINER, [*BUILTIN_WORKER, f"data.max_response_length={digits}"]
+    if args.task == "arith":
+        return BUILTIN_TRAINER, [*BUILTIN_WORKER, f"data.max_prompt_length={arith.MAX_PROMPT_LENGTH}",
+                                 f"data.max_response_length={arith.MAX_RESPONSE_LENGTH}"]
+    return BUILTIN_TRAINER, [*BUILTIN_WORKER, f"data.max_response_length={args.digits}"]
+
+
+def sft_max_length(args) -> int:
+    """Tokens of the longest SFT sequence of the built-in task."""
+    if args.task == "arith":
+        return arith.MAX_PROMPT_LENGTH + arith.MAX_RESPONSE_LENGTH
+    return 2 * args.digits + 2  # digits '=' digits eos
 
 
 def from_config(args, layout: RunLayout) -> dict:
     """The values the --config file sets for the inputs and recipe keys launch.local chooses."""
     if not args.config:
         return {}
-    recipe_keys = [a.split("=", 1)[0] for part in builtin_recipe(args.digits) for a in part]
+    recipe_keys = [a.split("=", 1)[0] for part in builtin_recipe(args) for a in part]
     try:
         # --data replaces the file's train files for its interpolations too (val_files may be
         # ${data.train_files}, as in tests/data/verl_grpo.yaml)
@@ -117,7 +133,10 @@ def prepare(layout: RunLayout, args, config: dict) -> tuple[str, str | None, lis
         raise SystemExit(f"launch.local: {layout.root} already holds a run; choose a new --root")
     model = os.path.expanduser(args.model or config.get(MODEL) or layout.init_model)
     if model == layout.init_model and not os.path.exists(model):
-        builtin_task.write_model(model)
+        if args.task == "arith":
+            arith.write_model(model, "tiny")
+        else:
+            builtin_task.write_model(model)
     elif problem := hf_folder_problem(model):  # before starting anything
         where = "--model" if args.model else f"{MODEL} in --config {args.config}"
         raise SystemExit(f"launch.local: {where}: {problem}")
@@ -125,10 +144,12 @@ def prepare(layout: RunLayout, args, config: dict) -> tuple[str, str | None, lis
         raise SystemExit(f"launch.local: --data {args.data} not found (a verl-format parquet file)")
     builtin = not args.data and TRAIN_FILES not in config
     if builtin and not os.path.exists(layout.prepared_parquet("rl", "train")):
-        # rollout.preprocess's files: the validation split holds out a fifth of the questions
-        builtin_task.write_sft_and_rl({(k, s): layout.prepared_parquet(k, s)
-                                       for k in ("sft", "rl") for s in ("train", "val")},
-                                      digits=args.digits)
+        # rollout.preprocess's files: the validation split holds out whole questions
+        paths = {(k, s): layout.prepared_parquet(k, s) for k in ("sft", "rl") for s in ("train", "val")}
+        if args.task == "arith":
+            arith.write_task(paths, num=2000)  # 100 held out: a CPU validator answers in seconds
+        else:
+            builtin_task.write_sft_and_rl(paths, digits=args.digits)
     data = args.data or (layout.prepared_parquet("rl", "train") if builtin else None)
     val = ([args.val_data] if args.val_data else config.get(VAL_FILES)
            or ([layout.prepared_parquet("rl", "val")] if builtin else None))
@@ -140,7 +161,7 @@ def prepare(layout: RunLayout, args, config: dict) -> tuple[str, str | None, lis
 def recipe(config: dict, args) -> tuple[list[str], list[str]]:
     """The built-in recipe's trainer and worker overrides, less the keys the config sets."""
     trainer, worker = ([a for a in part if a.split("=", 1)[0] not in config]
-                       for part in builtin_recipe(args.digits))
+                       for part in builtin_recipe(args))
     return trainer, worker
 
 
@@ -202,7 +223,7 @@ def run_sft(layout: RunLayout, args, model: str, signals: "Signals") -> str:
                           f"data.val_files=[{layout.prepared_parquet('sft', 'val')}]",
                           f"model.partial_pretrain={model}", f"trainer.default_local_dir={out.root}",
                           f"trainer.total_training_steps={args.sft_steps}",
-                          f"data.max_length={2 * args.digits + 2}",  # digits '=' digits eos
+                          f"data.max_length={sft_max_length(args)}",
                           *BUILTIN_SFT, *args.sft],
                   layout.log("sft"), args.trainer_gpus)
     deadline = time.monotonic() + args.timeout

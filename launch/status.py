@@ -2,10 +2,12 @@
 
 A live terminal view refreshed every `--interval` seconds (Ctrl-C leaves it):
 - trainer: state, step of total, weight version, reward, last step's time split into wait for
-  experience / compute / publish (seconds), ETA from the wall-clock pace of the last 10 steps;
-- each worker (its heartbeat): state, weight version loaded, tokens/s, samples written, age of
-  the last heartbeat; SILENT when older than `--silent-after` seconds and not stopped (a worker
-  beats after every batch and every 5 s while backpressure holds it back);
+  experience / compute / publish (seconds), the run's idle fraction (waiting for experience),
+  ETA from the wall-clock pace of the last 10 steps;
+- each worker (its heartbeat): state, weight version loaded, tokens/s, samples written, reload
+  time as a fraction of generating time, age of the last heartbeat; SILENT when older than
+  `--silent-after` seconds and not stopped (a worker beats after every batch and every 5 s while
+  it waits for the trainer);
 - buffer: backlog (samples written minus retired, as the workers' backpressure sees it),
   staleness of the last step and over the run, samples dropped as stale, quarantined shards,
   bytes in experience/, weights/, checkpoints/, and the filesystem's free space;
@@ -91,12 +93,15 @@ def _trainer(fs, layout: RunLayout, rows: list[dict], now: float) -> dict:
     out = {"state": "done" if done is not None else ("running" if rows or progress else "not started"),
            "step": None, "total_steps": total, "version": None,
            "latest_published": latest.get("version"), "reward": None, "samples_consumed": None,
-           "last_step": None, "last_step_age_s": None, "step_pace_s": None, "eta_s": None}
+           "last_step": None, "last_step_age_s": None, "step_pace_s": None, "eta_s": None,
+           "idle_fraction": None}
     if not rows:
         return out
     last = rows[-1]
     out.update(step=last["step"], version=last["weights/version"], reward=last["reward/mean"],
-               samples_consumed=last.get("samples/consumed"), last_step=step_split(last))
+               samples_consumed=last.get("samples/consumed"), last_step=step_split(last),
+               idle_fraction=sum(r.get("time/wait_s", 0.0) for r in rows)
+               / max(sum(r["time/step_s"] for r in rows), 1e-9))
     if "time/unix" in last:
         out["last_step_age_s"] = now - last["time/unix"]
         recent = [r for r in rows[-(PACE_STEPS + 1):] if "time/unix" in r]
@@ -116,6 +121,7 @@ def _worker(worker: str, beat: dict, now: float, silent_after: float) -> dict:
     return {"worker_id": worker, "state": state, "host": beat.get("host"), "pid": beat.get("pid"),
             "version": beat.get("weight_version"), "tokens_per_s": beat.get("tokens_per_s"),
             "samples_written": beat.get("samples_written"), "batches": beat.get("batches"),
+            **{k: beat.get(k) for k in ("generate_s", "reload_s", "wait_s", "reload_fraction")},
             "last_beat_age_s": age,
             "silent": state != "stopped" and (age is None or age > silent_after)}
 
@@ -214,6 +220,7 @@ def trainer_lines(t: dict) -> list[tuple[str, str]]:
         ("last step", "-" if split is None else
          f"wait {split['wait_s']:.2f} s | compute {split['compute_s']:.2f} s | "
          f"publish {split['publish_s']:.2f} s"),
+        ("idle", f"{_num(t['idle_fraction'], '{:.1%}')} of the run's step time waiting for experience"),
         ("pace", f"{_num(t['step_pace_s'], '{:.2f}')} s/step, last step {_dur(t['last_step_age_s'])} ago"),
         ("ETA", _dur(t["eta_s"]) if t["state"] != "done" else "finished"),
     ]
@@ -234,13 +241,15 @@ def buffer_lines(b: dict) -> list[tuple[str, str]]:
     ]
 
 
-WORKER_COLUMNS = ("worker", "state", "version", "tokens/s", "samples", "batches", "last beat", "flag")
+WORKER_COLUMNS = ("worker", "state", "version", "tokens/s", "samples", "batches", "reload/gen",
+                  "last beat", "flag")
 
 
 def worker_cells(w: dict) -> tuple[str, ...]:
     return (w["worker_id"], w["state"], _v(w["version"]),
             _num(w["tokens_per_s"], "{:,.0f}"), _num(w["samples_written"], "{:,}"),
-            _num(w["batches"], "{:,}"), f"{_dur(w['last_beat_age_s'])} ago",
+            _num(w["batches"], "{:,}"), _num(w["reload_fraction"], "{:.1%}"),
+            f"{_dur(w['last_beat_age_s'])} ago",
             "SILENT" if w["silent"] else "")
 
 
@@ -260,7 +269,8 @@ def render(snap: dict):
     workers = Table(title=f"workers (SILENT: no heartbeat for {snap['silent_after_s']:.0f} s)",
                     title_justify="left")
     for c in WORKER_COLUMNS:
-        workers.add_column(c, justify="right" if c in ("version", "tokens/s", "samples", "batches") else "left")
+        workers.add_column(c, justify="right" if c in ("version", "tokens/s", "samples", "batches",
+                                                      "reload/gen") else "left")
     for w in snap["workers"]:
         workers.add_row(*worker_cells(w), style="bold red" if w["silent"] else None)
     parts = [f"[bold]{snap['root']}[/bold]  {time.strftime('%Y-%m-%d %H:%M:%S', time.localtime(snap['time']))}",

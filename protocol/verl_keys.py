@@ -286,7 +286,8 @@ RULES: list[Rule] = [
     *same("validation-only runs are not supported yet", off, "trainer.val_only"),
     *warn(NO_RAY, "trainer.ray_wait_register_center_timeout", "ray_kwargs"),
     *warn("verl's trainer modes; tandem is itself decoupled and asynchronous, with "
-          "trainer.max_staleness bounding off-policy samples", "trainer.use_v1", "trainer.v1"),
+          "trainer.max_staleness bounding off-policy samples (0: synchronous)", "trainer.use_v1",
+          "trainer.v1"),
     # features of verl tandem does not have (refused when switched on)
     *same("distillation is not supported yet", off, "distillation.enabled"),
     *warn("distillation settings; it is off", "distillation"),

@@ -12,6 +12,9 @@ import json
 from pathlib import Path
 
 MANIFEST_FORMAT = 1
+# weights/LATEST is {"version": N, "step": S} plus, in synchronous mode (trainer.max_staleness=0),
+# this key: the prompt groups the trainer will train on with version N (buffer/sync.py).
+SYNC_GROUPS = "sync_groups"
 
 
 class ManifestError(ValueError):

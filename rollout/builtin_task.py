@@ -71,21 +71,28 @@ def build_tokenizer():
     return tok
 
 
-def build_model(vocab_size: int, seed: int = 0, hidden: int = 64, layers: int = 2):
+def build_model(vocab_size: int, seed: int = 0, hidden: int = 64, layers: int = 2, *,
+                heads: int = 4, kv_heads: int = 2, intermediate: int | None = None,
+                max_positions: int = 128, eos_id: int = 1, pad_id: int = 0):
+    """A random-init Qwen2 (tied embeddings, no bos); `intermediate` defaults to 4 x hidden."""
     import torch
     from transformers import Qwen2Config, Qwen2ForCausalLM
     torch.manual_seed(seed)
-    config = Qwen2Config(vocab_size=vocab_size, hidden_size=hidden, intermediate_size=hidden * 4,
-                         num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2,
-                         max_position_embeddings=128, tie_word_embeddings=True,
-                         bos_token_id=None, eos_token_id=1, pad_token_id=0)
+    config = Qwen2Config(vocab_size=vocab_size, hidden_size=hidden,
+                         intermediate_size=intermediate or hidden * 4, num_hidden_layers=layers,
+                         num_attention_heads=heads, num_key_value_heads=kv_heads,
+                         max_position_embeddings=max_positions, tie_word_embeddings=True,
+                         bos_token_id=None, eos_token_id=eos_id, pad_token_id=pad_id)
     return Qwen2ForCausalLM(config)
 
 
-def write_model(out_dir: str | Path, seed: int = 0, hidden: int = 64, layers: int = 2) -> None:
-    """An HF model folder (config, safetensors, tokenizer) with random initial weights."""
-    tok = build_tokenizer()
-    model = build_model(len(tok), seed, hidden, layers)
+def write_model(out_dir: str | Path, seed: int = 0, hidden: int = 64, layers: int = 2, *,
+                tokenizer=None, **shape) -> None:
+    """An HF model folder (config, generation config, safetensors, tokenizer) with random
+    initial weights: the built-in tokenizer unless one is given; `shape`: build_model's."""
+    tok = tokenizer or build_tokenizer()
+    model = build_model(len(tok), seed, hidden, layers, eos_id=tok.eos_token_id,
+                        pad_id=tok.pad_token_id, **shape)
     model.generation_config.top_k = None  # the sampler must not truncate what logprobs describe
     tmp = Path(f"{out_dir}.tmp")
     model.save_pretrained(tmp)

@@ -54,7 +54,9 @@ class RolloutSamplingConfig:
     n: int = F(8, "responses sampled per prompt (the GRPO group size)", ge=1)
     temperature: float = F(1.0, "sampling temperature; the trainer recomputes logprobs at it", gt=0)
     top_p: float = F(1.0, "nucleus sampling mass", gt=0, le=1)
-    prompts_per_batch: int = F(16, "prompts submitted to the engine at once", ge=1)
+    prompts_per_batch: int = F(16, "prompts submitted to the engine at once (synchronous "
+                               "trainer, max_staleness=0: at most, of a version's groups claimed "
+                               "at a time, an equal share among the live workers)", ge=1)
     interruptible: bool = F(False, "generate in segments of segment_tokens; between segments "
                             "load new weights and resume unfinished responses on them (as AReaL "
                             "does); off: weights switch only between batches")

@@ -9,7 +9,8 @@ Writes, in --out-dir:
                                        data.prompt_key / data.response_key), extra_info
   rl_train.parquet, rl_val.parquet     verl's RL format: data_source, prompt [{role: user,
                                        content}], ability, reward_model {style: rule,
-                                       ground_truth}, extra_info {split, index}
+                                       ground_truth}, extra_info {split, index,
+                                       question, answer} (as verl's gsm8k.py)
 The validation split holds out whole questions: none of its questions appears in a train file,
 so a score on it measures what was learned, not what was memorised. Every file is written to a
 temporary name and renamed.
@@ -86,7 +87,7 @@ def rl_rows(pairs: list[tuple[str, str]], data_source: str, ability: str, split:
              "prompt": [{"role": "user", "content": q + instruction}],
              "ability": ability,
              "reward_model": {"style": "rule", "ground_truth": ground_truth(a, ground_truth_after)},
-             "extra_info": {"split": split, "index": i}}
+             "extra_info": {"split": split, "index": i, "question": q, "answer": a}}
             for i, (q, a) in enumerate(pairs)]
 
 

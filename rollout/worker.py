@@ -5,8 +5,11 @@
 Loop: between batches, load the newest weight version in place if there is one; draw
 `prompts_per_batch` prompts; sample `n` responses each; then, while the engine generates the next
 batch, score and append each group to the shard writer (which publishes atomically by count or
-age). With `interruptible`, weights also switch between segments of a batch. SIGTERM/SIGINT (what
-SLURM sends first) finish the current batch, flush, and exit 0.
+age). With `interruptible`, weights also switch between segments of a batch. When the trainer
+runs synchronously (trainer.max_staleness=0, announced in weights/LATEST) a worker draws only
+the groups it claimed of the version it holds, flushes them, and waits for the next version
+(buffer/sync.py). SIGTERM/SIGINT (what SLURM sends first) finish the current batch, flush, and
+exit 0.
 """
 from __future__ import annotations
 
@@ -21,6 +24,7 @@ import sys
 import time
 import zlib
 
+from buffer import sync
 from buffer.backpressure import wait_for_room
 from buffer.layout import RunLayout
 from buffer.storage import atomic_write_json, filesystem, read_json
@@ -28,6 +32,7 @@ from buffer.weights import WeightStore
 from buffer.writer import ShardWriter
 from protocol.config import parse_cli
 from protocol.experience import Sample
+from protocol.weights import SYNC_GROUPS
 from rollout import reward
 from rollout.config import WorkerConfig
 from rollout.dataset import DatasetError, Prompt, PromptStream, data_sources, load_prompts
@@ -102,7 +107,15 @@ class RolloutWorker:
         self._last_beat = -math.inf
         self.batches = 0
         self.tokens = 0
+        # Seconds generating, loading new weights in place (checksums included; the first
+        # engine start is not a reload) and waiting for the trainer (backpressure, sync mode).
         self.gen_seconds = 0.0
+        self.reload_seconds = 0.0
+        self.reloads = 0
+        self.wait_seconds = 0.0
+        # Synchronous mode: the groups the trainer announced for the loaded version (None:
+        # the trainer runs asynchronously, generate freely).
+        self.sync_groups: int | None = None
         self.resumed_on_new_weights = 0  # responses continued on newer weights (interruptible)
         self.rewards_dropped = 0  # samples whose reward was not a finite float32
         self.seed = cfg.worker.seed * 1_000_003 + zlib.crc32(self.id.encode())
@@ -123,17 +136,25 @@ class RolloutWorker:
             return False
         self.versions_loaded.append(self.version)
         self.loads = _bounded(self.loads, [self.version, time.time()])
+        pointer = self.store.pointer() or {}
+        # a newer version already named: claim nothing of the one loaded, the loop reloads first
+        self._announced(pointer, pointer.get(SYNC_GROUPS) if pointer.get("version") == self.version else 0)
         self.prompts = PromptStream(
             load_prompts(self.cfg.data.train_files, self.engine.tokenizer, self.cfg.data.prompt_key,
                          self.cfg.data.max_prompt_length),
             self.cfg.data.shuffle, self.seed)
         return True
 
+    def _announced(self, pointer: dict, groups: int | None) -> None:
+        """Synchronous mode is on exactly when the trainer's LATEST pointer says so."""
+        self.sync_groups = groups if SYNC_GROUPS in pointer else None
+
     def maybe_reload(self) -> bool:
         """Load the newest published version in place, if it is newer; True when loaded."""
-        latest = self.store.latest()
-        if latest is None or latest == self.version:
+        pointer = self.store.pointer()
+        if pointer is None or pointer["version"] == self.version:
             return False
+        latest = pointer["version"]
         t0 = time.monotonic()
         try:
             files = self.store.verified_files(latest)
@@ -143,9 +164,12 @@ class RolloutWorker:
             log.warning("weight version %d vanished while loading (%s); retrying later", latest, e)
             return False
         self.version = latest
+        self._announced(pointer, pointer.get(SYNC_GROUPS))
         self.versions_loaded.append(latest)
         self.loads = _bounded(self.loads, [latest, time.time()])
         t2 = time.monotonic()
+        self.reload_seconds += t2 - t0
+        self.reloads += 1
         log.info("loaded weights v%d in place: %d tensors in %.3f s (checksums %.3f s, load %.3f s)",
                  latest, count, t2 - t0, t1 - t0, t2 - t1)
         return True
@@ -172,21 +196,23 @@ class RolloutWorker:
                 data_source=prompt.data_source, created_at=started, finished_at=time.time()))
         return out
 
-    def generate_batch(self) -> GeneratedBatch:
+    def generate_batch(self, count: int | None = None) -> GeneratedBatch:
+        """`count` prompts (default: prompts_per_batch), n responses each."""
         rc = self.cfg.actor_rollout_ref.rollout
-        prompts = self.prompts.take(rc.prompts_per_batch)
+        prompts = self.prompts.take(count or rc.prompts_per_batch)
         params = SamplingSettings(n=rc.n, temperature=rc.temperature, top_p=rc.top_p,
                                   max_tokens=self.cfg.data.max_response_length,
                                   seed=self.seed + self.batches)
         started = time.time()
         t0 = time.monotonic()
+        reloading = self.reload_seconds  # interruptible: loads between segments are not generating
         version = self.version
         if rc.interruptible:
             groups, versions = self._generate_interruptible(prompts, params, rc.segment_tokens)
         else:
             groups = self.engine.generate([p.token_ids for p in prompts], params)
             versions = [[self.version] * len(g) for g in groups]
-        seconds = time.monotonic() - t0
+        seconds = time.monotonic() - t0 - (self.reload_seconds - reloading)
         tokens = sum(len(c.token_ids) for g in groups for c in g)
         self.gen_seconds += seconds
         self.tokens += tokens
@@ -226,8 +252,10 @@ class RolloutWorker:
         for prompt, group, versions in zip(batch.prompts, batch.groups, batch.versions):
             samples = self._samples(prompt, group, versions, batch.started)
             rewards += [s.reward for s in samples]
-            if samples:
+            if samples:  # every reward of the group dropped: nothing to write
                 self.writer.add_group(samples)
+        if self.sync_groups is not None:
+            self.writer.flush()  # the trainer waits for exactly these groups
         return sum(rewards) / len(rewards) if rewards else float("nan")
 
     def run_batch(self) -> float:
@@ -239,6 +267,18 @@ class RolloutWorker:
                  self.batches, self.version, mean_reward, self.writer.samples_written,
                  self.tokens / max(self.gen_seconds, 1e-9))
 
+    def claim(self) -> int:
+        """Synchronous mode: claim this worker's share of the loaded version's groups."""
+        want = sync.share(self.fs, self.layout, self.sync_groups,
+                          self.cfg.actor_rollout_ref.rollout.prompts_per_batch)
+        return sync.claim(self.layout, self.version, self.sync_groups, want, self.id)
+
+    def wait_for_next_version(self) -> None:
+        self.heartbeat("waiting")
+        self.wait_seconds += sync.wait_newer(self.store.latest, self.version,
+                                             self.cfg.buffer.backlog_timeout_s,
+                                             self._stop_while_waiting, f"worker {self.id}")
+
     def heartbeat(self, state: str) -> None:
         atomic_write_json(self.fs, self.layout.heartbeat(self.id), {
             "worker_id": self.id, "host": socket.gethostname(), "pid": os.getpid(),
@@ -247,6 +287,10 @@ class RolloutWorker:
             "samples_written": self.writer.samples_written,
             "shards_written": self.writer.shards_written, "next_seq": self.writer.seq,
             "tokens_per_s": self.tokens / self.gen_seconds if self.gen_seconds else 0.0,
+            "generate_s": self.gen_seconds, "reload_s": self.reload_seconds,
+            "reloads": self.reloads, "wait_s": self.wait_seconds,
+            "reload_fraction": self.reload_seconds / self.gen_seconds if self.gen_seconds else 0.0,
+            "synchronous": self.sync_groups is not None,
             "resumed_on_new_weights": self.resumed_on_new_weights,
             "rewards_dropped": self.rewards_dropped,
             "loads": self.loads, "history": self.history, "last_beat": time.time()})
@@ -278,13 +322,22 @@ class RolloutWorker:
         pending = None
         try:
             while not self.should_stop():
-                if self.cfg.buffer.transport == "fs":  # over gRPC, unacknowledged pushes bound it
-                    wait_for_room(self.fs, self.layout, self.cfg.buffer.max_backlog_samples,
-                                  self.cfg.buffer.backlog_timeout_s, self._stop_while_waiting)
+                # over gRPC, unacknowledged pushes bound it; in sync mode, the claims
+                if self.cfg.buffer.transport == "fs" and self.sync_groups is None:
+                    self.wait_seconds += wait_for_room(
+                        self.fs, self.layout, self.cfg.buffer.max_backlog_samples,
+                        self.cfg.buffer.backlog_timeout_s, self._stop_while_waiting)
                 if self.should_stop():
                     break
                 self.maybe_reload()
-                batch = self.generate_batch()
+                count = self.claim() if self.sync_groups is not None else None
+                if count == 0:  # this version's groups are all claimed: publish ours, then wait
+                    if pending is not None:
+                        self._log_batch(pending.result())
+                        pending = None
+                    self.wait_for_next_version()
+                    continue
+                batch = self.generate_batch(count)
                 if pending is not None:
                     self._log_batch(pending.result())
                 pending = finisher.submit(self.finish_batch, batch)

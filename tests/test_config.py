@@ -516,8 +516,8 @@ def test_pool_validates_the_workers_config_and_passes_it_on():
 # --- launch.local with a config ----------------------------------------------------------------
 
 def local_args(**kw):
-    base = dict(config=str(VERL_YAML), model=None, data=None, steps=None, digits=3, trainer=[],
-                worker=[], val_data=None, test_freq=None, validator=[])
+    base = dict(config=str(VERL_YAML), model=None, data=None, steps=None, task="copy", digits=3,
+                trainer=[], worker=[], val_data=None, test_freq=None, validator=[])
     return argparse.Namespace(**{**base, **kw})
 
 

@@ -57,9 +57,13 @@ def _pid_alive(pid: int) -> bool:
 
 def test_ctrl_c_stops_every_process(tmp_path):
     root = tmp_path / "run"
+    # A shell starts background jobs with SIGINT ignored, and Python keeps an ignored SIGINT: a
+    # suite run as `... &` would then send a Ctrl-C the launcher never sees. A terminal's Ctrl-C
+    # reaches a process whose SIGINT is at its default, so start it that way.
     proc = subprocess.Popen([sys.executable, "-m", "launch.local", "--root", str(root),
                              "--steps", "500", "--timeout", "300"],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     try:
         deadline = time.monotonic() + 240
         while not (root / "metrics.jsonl").exists() or not (root / "metrics.jsonl").read_text():

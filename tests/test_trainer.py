@@ -11,6 +11,7 @@ from safetensors.torch import load_file
 from buffer.layout import RunLayout
 from launch.local import rl_metrics
 from conftest import REORDER_REL_BOUND, final_weights, run_folder, trainer_proc, weight_distances
+from test_sync import FP32_MISMATCH_BOUND
 
 
 def _run(experience, name, nproc, *extra, steps=2, groups=4):
@@ -47,6 +48,11 @@ def test_uneven_shares_kl_entropy_and_cosine_warmup(experience):
     assert rows[0]["actor/kl_loss"] == pytest.approx(0.0, abs=1e-6)  # the actor starts at the ref
     assert rows[-1]["actor/kl_loss"] > 1e-6
     assert all(r["actor/entropy"] > 0.1 for r in rows)
+    # The shared samples are version 0: fresh at step 1 only (summed over both ranks), then
+    # stale, and left out of the mismatch.
+    assert rows[0]["rollout/mismatch_tokens"] == rows[0]["tokens/step"]
+    assert 0 <= rows[0]["rollout/mismatch_kl"] < FP32_MISMATCH_BOUND
+    assert all("rollout/mismatch_kl" not in r and r["rollout/mismatch_tokens"] == 0 for r in rows[1:])
 
 
 def test_tensorboard_logger_through_verl_tracking(experience):

@@ -21,12 +21,13 @@ import time
 import torch
 import torch.distributed as dist
 
-from buffer import retention
+from buffer import retention, sync
 from buffer.ledger import Ledger
 from buffer.reader import ExperienceReader, Group
-from buffer.storage import atomic_write_json, filesystem
+from buffer.storage import atomic_write_json, filesystem, is_local
 from buffer.weights import WeightStore, hf_folder_problem
 from protocol.config import parse_cli, to_dict
+from protocol.weights import SYNC_GROUPS
 from trainer import algo, checkpoint, update
 from trainer.batch import collate
 from trainer.config import TrainerConfig
@@ -61,6 +62,20 @@ def init_distributed(device_pref: str, timeout_s: float) -> torch.device:
     return device
 
 
+def publishes_at(tc, step: int) -> bool:
+    """Whether a version is published after `step` (`tc`: the trainer section)."""
+    return (step % tc.publish_freq == 0 or step == tc.total_training_steps
+            or validation_due(tc, step, first=False))
+
+
+def sync_groups(tc, train_batch_size: int, step: int) -> int:
+    """Synchronous mode: the groups the trainer takes with the version published after `step`,
+    one batch per step until the next publish (0 after the last step)."""
+    last = tc.total_training_steps
+    until = next((t for t in range(step + 1, last + 1) if publishes_at(tc, t)), step)
+    return train_batch_size * (until - step)
+
+
 class Trainer:
     def __init__(self, cfg: TrainerConfig, device: torch.device):
         self.cfg = cfg
@@ -84,6 +99,14 @@ class Trainer:
         self.pad_id = self.model.config.pad_token_id or 0
         self.store = WeightStore(cfg.root)
         self.fs, _ = filesystem(cfg.root)
+        # trainer.max_staleness=0: synchronous rollouts (buffer/sync.py), whose claims need
+        # exclusive file creation in the run folder.
+        self.synchronous = cfg.trainer.max_staleness == 0
+        if self.synchronous and not is_local(self.fs):
+            raise ValueError(f"trainer.max_staleness=0 (synchronous rollouts) needs root={cfg.root} "
+                             "on a mounted filesystem (local, NFS, Lustre): workers claim each "
+                             "version's groups by exclusive file creation there")
+        self.at_published = True  # the model holds exactly the weights of `self.version`
         self.version = 0
         self.step = 0
         self.skipped_steps = self.nonfinite_in_row = 0  # steps skipped for non-finite values
@@ -173,6 +196,11 @@ class Trainer:
             groups: list[Group] = self.reader.next_batch(
                 self.cfg.data.train_batch_size, self.version, self.cfg.trainer.data_timeout_s)
         except TimeoutError as e:
+            if self.synchronous:
+                claimed = sync.claims(self.store.layout, self.version)
+                e = f"{e}. Synchronous mode: {len(claimed)} of the groups of v{self.version} " \
+                    f"were claimed, by {sorted(set(claimed.values())) or 'no worker'} " \
+                    f"({self.store.layout.sync_version_dir(self.version)})"
             return [{"error": f"rank 0: {e}"}] * self.world
         stats = self.reader.stats
         atomic_write_json(self.fs, self.store.layout.progress, {
@@ -215,9 +243,15 @@ class Trainer:
         ref = (update.infer(lambda c: algo.response_logprobs(self.ref_model, c)[0], batch, passes)
                if self.ref_model is not None else None)
         values = self.critic.values(batch) if self.critic is not None else None
+        # Engine/trainer mismatch on the samples of the version pi_old holds; truncated IS share.
+        fresh = torch.tensor([self.at_published and s.weight_version == self.version for s in samples])
+        sums = algo.mismatch_sums(old, batch.behaviour_logprobs, batch.response_mask,
+                                  fresh.to(self.device), self.cfg.algorithm.rollout_is_threshold)
+        rollout = algo.mismatch_metrics(update.all_sum(sums, self.device).tolist())
 
         # 2. Rewards (optionally KL-penalised) and advantages over the whole batch of all ranks.
         adv, returns, metrics = self.advantages(batch, groups, old, ref, values)
+        metrics |= rollout
 
         # 3. The critic, then (after trainer.critic_warmup) the actor, as verl's fit loop.
         seed = [self.cfg.trainer.seed, self.step, self.rank]
@@ -343,8 +377,17 @@ class Trainer:
                                f"{step}: {int(bad.item())} weights are not finite")
         dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}.get(
             self.cfg.trainer.publish_dtype, torch.bfloat16 if self.device.type == "cuda" else torch.float32)
-        return publish_version(self.model, self.store, self.model_path, self.version, step,
-                               self.cfg.trainer.keep_versions, dtype)
+        announce = None
+        if self.synchronous:
+            announce = {SYNC_GROUPS: sync_groups(self.cfg.trainer, self.cfg.data.train_batch_size, step)}
+            if self.rank == 0:
+                sync.open_version(self.store.layout, self.version)
+        out = publish_version(self.model, self.store, self.model_path, self.version, step,
+                              self.cfg.trainer.keep_versions, dtype, announce)
+        if self.synchronous and self.rank == 0:
+            sync.retire_before(self.store.layout, self.version)
+        self.at_published = True
+        return out
 
     def request_validation(self, step: int, due: bool) -> None:
         """Ask rollout.validate for the version just published (rank 0; never waits)."""
@@ -363,8 +406,9 @@ class Trainer:
             metrics = {"step": step, "weights/version": self.version}
             metrics.update(self.train_step(samples, groups))
             self.count_nonfinite(step, metrics)
+            self.at_published = False
             validate = validation_due(tc, step, first=False)
-            if step % tc.publish_freq == 0 or step == tc.total_training_steps or validate:
+            if publishes_at(tc, step):
                 self.version += 1
                 metrics.update(self.publish(step))
                 self.request_validation(step, validate)
@@ -372,10 +416,12 @@ class Trainer:
                 metrics.update({k: v for k, v in info.items() if k not in ("wait_s", "seqs", "tokens")})
                 if "sample_ids" in metrics:
                     metrics["samples/ids"] = metrics.pop("sample_ids")
+                step_s = time.monotonic() - t0
                 metrics.update({"samples/consumed": self.reader.stats["consumed_samples"],
                                 "samples/step": info["seqs"],
                                 "tokens/step": info["tokens"], "time/wait_s": info["wait_s"],
-                                "time/step_s": time.monotonic() - t0, "time/unix": time.time(),
+                                "time/step_s": step_s, "time/wait_fraction": info["wait_s"] / step_s,
+                                "time/unix": time.time(),
                                 "buffer/dropped_stale_samples": self.reader.stats["dropped_stale_samples"],
                                 "buffer/bad_shards": self.reader.stats["bad_shards"]})
                 self.metrics.write(metrics)

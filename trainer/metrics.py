@@ -15,6 +15,7 @@ def rl_line(m: dict) -> str:
                f"grad norm {m['actor/grad_norm']:.3f} | " if "actor/pg_loss" in m
                else "actor: critic warmup | ")
             + (f"vf_loss {m['critic/vf_loss']:.4f} | " if "critic/vf_loss" in m else "")
+            + (f"mismatch KL {m['rollout/mismatch_kl']:.1e} | " if "rollout/mismatch_kl" in m else "")
             + f"{m['samples/step']} samples, {m['tokens/step']} tokens | "
             f"step {m['time/step_s']:.2f} s (wait {m['time/wait_s']:.2f} s)")
 

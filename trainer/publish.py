@@ -58,8 +58,9 @@ def _unflatten(flat: torch.Tensor, like: dict[str, torch.Tensor]) -> dict[str, t
 
 
 def publish_version(model, store: WeightStore, model_path: str, version: int, step: int,
-                    keep: int, dtype: torch.dtype = torch.float32) -> dict:
-    """Collective: every rank calls it. Returns timing and size metrics."""
+                    keep: int, dtype: torch.dtype = torch.float32, announce: dict | None = None) -> dict:
+    """Collective: every rank calls it. Returns timing and size metrics. `announce`: extra
+    fields of weights/LATEST (`WeightStore.publish`)."""
     t0 = time.monotonic()
     rank, world = dist.get_rank(), dist.get_world_size()
     items = [(k, v) for k, v in model.state_dict().items()
@@ -106,7 +107,8 @@ def publish_version(model, store: WeightStore, model_path: str, version: int, st
         with open(os.path.join(staged, "model.safetensors.index.json"), "w") as f:
             json.dump(index, f, indent=1)
         copy_model_metadata(model_path, staged)
-        store.publish(staged, version, step, keep, described=(all_files, all_tensors))
+        store.publish(staged, version, step, keep, described=(all_files, all_tensors),
+                      announce=announce)
     dist.barrier()
     return {"weights/published": version, "weights/published_at": store.announced_at,
             "weights/publish_s": time.monotonic() - t0,
