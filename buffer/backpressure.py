@@ -40,14 +40,24 @@ def write_progress(fs, layout: RunLayout, stats, version: int, batch_groups: int
 
 
 def heartbeats(fs, layout: RunLayout) -> Iterator[dict]:
-    """Every worker's last heartbeat (one small file each)."""
+    """Every worker's last heartbeat (workers/<id>.json, one small file each) that can be read now."""
     if fs.exists(layout.workers_dir):
-        for path in fs.ls(layout.workers_dir, detail=False):
+        for path in sorted(fs.ls(layout.workers_dir, detail=False)):
             if path.endswith(".json"):
                 try:
-                    yield json.loads(fs.cat_file(path))
+                    beat = json.loads(fs.cat_file(path))
                 except (FileNotFoundError, ValueError):
                     continue  # a heartbeat being replaced or removed; the next look sees it
+                if isinstance(beat, dict):
+                    yield beat
+
+
+def describe_workers(fs, layout: RunLayout, now: float | None = None) -> str:
+    """One phrase per worker for wait messages: id, state, age of its last heartbeat."""
+    now = time.time() if now is None else now
+    parts = [f"{b.get('worker_id', '?')} {b.get('state', '?')} (heartbeat "
+             f"{now - float(b.get('last_beat', 0)):.0f} s ago)" for b in heartbeats(fs, layout)]
+    return ", ".join(parts) if parts else f"no heartbeats in {layout.workers_dir}"
 
 
 def _written(fs, layout: RunLayout) -> int:

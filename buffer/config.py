@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from protocol.config import F
+from protocol.config import ConfigError, F
 
 
 @dataclasses.dataclass
@@ -32,7 +32,10 @@ class BufferConfig:
     transport: str = F("fs", "how shards reach the trainer: 'fs' (a shared folder) or 'grpc' "
                        "(pushed to the trainer, which spools them on its disk)", choices=("fs", "grpc"))
     grpc_address: str = F("localhost:50051", "worker: the trainer's gRPC address host:port")
-    grpc_bind: str = F("[::]:50051", "trainer: the address the gRPC server listens on")
+    grpc_bind: str = F(":50051", "trainer: host:port the gRPC server listens on; ':PORT' (the "
+                       "default) is this node's address (its hostname's) plus loopback, never "
+                       "every interface. Off this host without TLS it warns: the token would "
+                       "cross the network in clear")
     grpc_token_file: str | None = F(None, "file holding the shared token (else $TANDEM_GRPC_TOKEN)")
     grpc_tls_cert: str | None = F(None, "trainer: TLS certificate (PEM); with grpc_tls_key enables TLS")
     grpc_tls_key: str | None = F(None, "trainer: TLS private key (PEM)")
@@ -45,3 +48,18 @@ class BufferConfig:
                                  "wait in the gRPC queue", ge=1)
     grpc_max_inflight: int = F(8, "shards a worker may have unacknowledged before it blocks", ge=1)
     grpc_timeout_s: float = F(60.0, "seconds one push may take before it is retried", gt=0)
+    grpc_idle_timeout_s: float = F(30.0, "trainer: a push that sends nothing for this many seconds "
+                                   "is cancelled, so stalled clients cannot hold the server's "
+                                   "threads (the worker resends it)", gt=0)
+    grpc_max_pushes_per_worker: int = F(8, "trainer: pushes of one worker id handled at once; "
+                                        "more are refused (RESOURCE_EXHAUSTED) and resent later",
+                                        ge=1)
+    grpc_claim_ttl_s: float = F(60.0, "trainer: a worker id belongs to the writer that pushed it "
+                                "last until this many seconds after its last push; another "
+                                "writer using the id meanwhile is refused (ABORTED, resent: a "
+                                "restarted worker takes over after this)", gt=0)
+
+    def check(self) -> None:
+        if bool(self.grpc_tls_cert) != bool(self.grpc_tls_key):
+            raise ConfigError("buffer.grpc_tls_cert and buffer.grpc_tls_key go together: set both "
+                              "(TLS) or neither")

@@ -18,12 +18,17 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import dataclasses
+import hmac
+import ipaddress
 import itertools
 import logging
 import math
 import os
+import socket
 import threading
 import time
+import uuid
 from concurrent import futures
 
 import grpc
@@ -35,10 +40,13 @@ from buffer.storage import atomic_writer, filesystem, is_disk_full
 from buffer.writer import ShardWriter
 from protocol import experience_pb2 as pb
 from protocol.experience import SCHEMA_VERSION, IntegrityError, StreamVerifier
-from protocol.shard_stream import PUSH_METHOD, SERVICE, chunk_data, decode_chunk, encode_chunk
+from protocol.shard_stream import (PUSH_METHOD, SERVICE, Undecodable, chunk_data, decode_chunk,
+                                   encode_chunk)
 
 log = logging.getLogger(__name__)
 TOKEN_ENV = "TANDEM_GRPC_TOKEN"
+WRITER_KEY = "x-tandem-writer"  # metadata: one random id per writer, its claim on a worker id
+MAX_CLAIMS = 4096  # worker-id claims kept before the expired ones are dropped
 # One chunk (buffer.grpc_chunk_kb <= 4 MiB) plus protobuf framing; shards themselves are bounded
 # by buffer.grpc_max_shard_mb, checked against the header before any byte is written.
 MAX_MESSAGE_BYTES = (4 << 20) + (64 << 10)
@@ -90,13 +98,35 @@ class _KeyLocks:
                     del self._locks[key]
 
 
+class _Refused(Exception):
+    """A push that breaks the protocol (INVALID_ARGUMENT)."""
+
+
+@dataclasses.dataclass(eq=False)  # kept in a set by identity
+class _Stream:
+    """One push in progress: whether it waits for the client's next message, since when."""
+    context: object
+    last: float
+    waiting: bool = False
+    idled: bool = False
+
+
+@dataclasses.dataclass
+class _Claim:
+    """Which writer (WRITER_KEY metadata) uses a worker id, its pushes now, its last push."""
+    writer: str
+    active: int = 0
+    last: float = 0.0
+
+
 class _Servicer:
-    def __init__(self, root: str, secret: str, max_shard_bytes: int, consumed, retired=None,
+    def __init__(self, root: str, secret: str, cfg: BufferConfig, consumed, retired=None,
                  cap=lambda: 0):
         self.fs, root_path = filesystem(root)
         self.layout = RunLayout(root_path)
-        self.secret = secret
-        self.max_shard_bytes = max_shard_bytes
+        self.expected = f"Bearer {secret}".encode()
+        self.max_shard_bytes = cfg.grpc_max_shard_mb << 20
+        self.cfg = cfg
         self.consumed = consumed  # callable -> the reader's ledger, for idempotence after pruning
         # Backpressure: samples spooled here minus samples the trainer retired (None: off). The
         # spool found at start is not counted, as if retired: the count starts at zero.
@@ -104,20 +134,112 @@ class _Servicer:
         self.spooled_samples = retired() if retired is not None else 0
         self.key_locks = _KeyLocks()
         self._push_ids = itertools.count()
+        self.lock = threading.Lock()  # guards claims, streams
+        self.claims: dict[str, _Claim] = {}
+        self.streams: set[_Stream] = set()
         self.stats = collections.Counter()
 
     def Push(self, request_iterator, context):
-        meta = dict(context.invocation_metadata())
-        if meta.get("authorization") != f"Bearer {self.secret}":
+        given = dict(context.invocation_metadata()).get("authorization", "")
+        if not hmac.compare_digest(given.encode(), self.expected):  # constant time
             self.stats["refused"] += 1
             context.abort(grpc.StatusCode.UNAUTHENTICATED, "missing or wrong token")
-        head = self._header(next(request_iterator, None), context)
+        stream = _Stream(context, time.monotonic(), waiting=True)
+        with self.lock:
+            self.streams.add(stream)
+        try:
+            chunks = self._timed(stream, request_iterator)
+            head = self._header(next(chunks, None), context)
+            release = self._admit(head.worker_id, context)
+            try:
+                duplicate = self._locked_spool(head, chunks, context)
+            finally:
+                release()
+            return pb.Ack(worker_id=head.worker_id, seq=head.seq, duplicate=duplicate)
+        finally:
+            with self.lock:
+                self.streams.discard(stream)
+
+    def _timed(self, stream: _Stream, request_iterator):
+        """The request's messages, noting when each arrived; a cancelled stream (by the idle
+        watch, or the client) ends the handler here, whichever way grpc reports it."""
+        messages = iter(request_iterator)
+        try:
+            while True:
+                stream.last, stream.waiting = time.monotonic(), True  # only the client's time counts
+                try:
+                    chunk = next(messages)
+                except StopIteration:
+                    break
+                finally:
+                    stream.waiting = False
+                yield chunk
+        except grpc.RpcError:
+            self.stats["idle_timeouts" if stream.idled else "cancelled"] += 1
+            raise
+        if stream.idled:  # a cancelled stream may also just end
+            self.stats["idle_timeouts"] += 1
+            stream.context.abort(grpc.StatusCode.CANCELLED, "no data for buffer.grpc_idle_timeout_s")
+
+    def watch_idle(self, stop: threading.Event) -> None:
+        """Cancel every push silent for grpc_idle_timeout_s: a stalled client must not hold one
+        of the server's threads. The handler's blocked read then raises; the temporary file of
+        a partial shard is removed on the way out."""
+        idle = self.cfg.grpc_idle_timeout_s
+        while not stop.wait(min(1.0, idle / 4)):
+            now = time.monotonic()
+            with self.lock:
+                stalled = [s for s in self.streams
+                           if s.waiting and not s.idled and now - s.last > idle]
+            for s in stalled:
+                s.idled = True
+                log.warning("cancelled a push silent for %.0f s (buffer.grpc_idle_timeout_s)", now - s.last)
+                s.context.cancel()
+
+    def _admit(self, worker_id: str, context):
+        """Refuse a second live writer of one worker id, and more than grpc_max_pushes_per_worker
+        pushes of one id at once (both retried by an honest writer); returns the release."""
+        writer = dict(context.invocation_metadata()).get(WRITER_KEY, "")
+        now = time.monotonic()
+        with self.lock:
+            claim = self.claims.get(worker_id)
+            if claim is not None and claim.writer != writer:
+                age = now - claim.last
+                if claim.active or age < self.cfg.grpc_claim_ttl_s:
+                    self.stats["claim_refused"] += 1
+                    context.abort(grpc.StatusCode.ABORTED,
+                                  f"worker id {worker_id} is in use by another writer (its last "
+                                  f"push {age:.0f} s ago): give every worker its own worker.id; "
+                                  f"a restarted worker takes the id over "
+                                  f"{self.cfg.grpc_claim_ttl_s:.0f} s after the last push "
+                                  "(buffer.grpc_claim_ttl_s)")
+                claim = None
+            if claim is None:
+                if len(self.claims) >= MAX_CLAIMS:  # ids invented by a client must not pile up
+                    self.claims = {w: c for w, c in self.claims.items()
+                                   if c.active or now - c.last < self.cfg.grpc_claim_ttl_s}
+                claim = self.claims[worker_id] = _Claim(writer)
+            if claim.active >= self.cfg.grpc_max_pushes_per_worker:
+                self.stats["over_cap"] += 1
+                context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                              f"worker {worker_id} already has {claim.active} pushes in progress "
+                              "(buffer.grpc_max_pushes_per_worker)")
+            claim.active += 1
+
+        def release() -> None:
+            with self.lock:
+                claim.active -= 1
+                claim.last = time.monotonic()
+        return release
+
+    def _locked_spool(self, head: pb.ShardHeader, chunks, context) -> bool:
         key = RunLayout.shard_key(head.worker_id, head.seq)
         with self.key_locks.hold(key):  # one push per (worker, seq) at a time; others in parallel
-            duplicate = self._spool(head, key, request_iterator, context)
-        return pb.Ack(worker_id=head.worker_id, seq=head.seq, duplicate=duplicate)
+            return self._spool(head, key, chunks, context)
 
     def _header(self, first, context) -> pb.ShardHeader:
+        if isinstance(first, Undecodable):
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, first.reason)
         if first is None or isinstance(first, memoryview) or first.WhichOneof("part") != "header":
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, "a push must start with a ShardHeader")
         head = first.header
@@ -141,14 +263,15 @@ class _Servicer:
         if key in self.consumed() or self.fs.exists(path):
             self.stats["duplicates"] += 1
             return True
-        self._admit(key, context)
+        self._backpressure(key, context)
         verifier = StreamVerifier()
-        try:
-            # A temporary name of this push alone: a stray writer can never truncate it.
-            tmp = self.layout.shard_tmp(head.worker_id, head.seq,
-                                        f"{os.getpid()}.{next(self._push_ids)}")
+        try:  # spooled beside experience/<worker>/ (that folder appears with the first good
+            # shard), under a temporary name of this push alone: a stray writer never truncates it
+            tmp = self.layout.spool_tmp(head.worker_id, head.seq, f"{os.getpid()}.{next(self._push_ids)}")
             with atomic_writer(self.fs, path, tmp) as f:
                 for chunk in chunks:
+                    if isinstance(chunk, Undecodable):
+                        raise _Refused(chunk.reason)
                     data = chunk_data(chunk)
                     if data is None:
                         raise IntegrityError("a second ShardHeader inside one push")
@@ -169,11 +292,14 @@ class _Servicer:
             log.warning("disk full at %s: refusing shards until there is space", path)
             context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, f"{key}: disk full at {path} on "
                                                               "the trainer: retry later")
+        except _Refused as e:  # not our protocol: resending the same bytes cannot help
+            self.stats["rejected"] += 1
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"{key}: {e}")
         self.stats["spooled"] += 1
         self.spooled_samples += _declared_samples(path)
         return False
 
-    def _admit(self, key: str, context) -> None:
+    def _backpressure(self, key: str, context) -> None:
         """Refuse a new shard (RESOURCE_EXHAUSTED: the worker retries later) while the trainer
         has more samples spooled and not yet retired than the cap, as workers writing to a
         shared folder wait (buffer/backpressure.py): a trainer that stops consuming must stop
@@ -205,7 +331,7 @@ class ShardServer:
 
     def __init__(self, root: str, cfg: BufferConfig, consumed=lambda: (), retired=None,
                  step_samples=lambda: 0):
-        self.servicer = _Servicer(root, token(cfg), cfg.grpc_max_shard_mb << 20, consumed, retired,
+        self.servicer = _Servicer(root, token(cfg), cfg, consumed, retired,
                                   lambda: max(cfg.max_backlog_samples, step_samples()))
         self.server = grpc.server(futures.ThreadPoolExecutor(max_workers=cfg.grpc_server_threads,
                                                              thread_name_prefix="grpc-spool"),
@@ -213,18 +339,58 @@ class ShardServer:
         push = grpc.stream_unary_rpc_method_handler(self.servicer.Push, request_deserializer=decode_chunk,
                                                     response_serializer=pb.Ack.SerializeToString)
         self.server.add_generic_rpc_handlers([grpc.method_handlers_generic_handler(SERVICE, {"Push": push})])
-        if cfg.grpc_tls_cert:
-            creds = grpc.ssl_server_credentials([(_read(cfg.grpc_tls_key), _read(cfg.grpc_tls_cert))])
-            self.port = self.server.add_secure_port(cfg.grpc_bind, creds)
-        else:
-            self.port = self.server.add_insecure_port(cfg.grpc_bind)
-        if not self.port:
-            raise OSError(f"buffer.grpc_bind: cannot listen on {cfg.grpc_bind}")
+        creds = (grpc.ssl_server_credentials([(_read(cfg.grpc_tls_key), _read(cfg.grpc_tls_cert))])
+                 if cfg.grpc_tls_cert else None)
+        self.port = 0
+        for host in bind_hosts(cfg.grpc_bind):
+            port = cfg.grpc_bind.rpartition(":")[2] if not self.port else str(self.port)
+            address = f"{host}:{port}"
+            bound = (self.server.add_secure_port(address, creds) if creds else
+                     self.server.add_insecure_port(address))
+            if not bound:
+                raise OSError(f"buffer.grpc_bind: cannot listen on {address} (from {cfg.grpc_bind!r})")
+            self.port = bound
+            if creds is None and not _is_loopback(host):
+                log.warning("WARNING: the experience gRPC server listens on %s WITHOUT TLS: the "
+                            "token and every shard cross the network in clear. Set "
+                            "buffer.grpc_tls_cert and buffer.grpc_tls_key (workers: "
+                            "buffer.grpc_tls_ca)", address)
         self.server.start()
-        log.info("experience gRPC server listening on %s (port %d)", cfg.grpc_bind, self.port)
+        self._stop_watch = threading.Event()
+        threading.Thread(target=self.servicer.watch_idle, args=(self._stop_watch,), daemon=True,
+                         name="grpc-idle-watch").start()
+        log.info("experience gRPC server listening on %s (port %d)",
+                 ", ".join(bind_hosts(cfg.grpc_bind)), self.port)
 
     def stop(self, grace_s: float = 5.0) -> None:
+        self._stop_watch.set()
         self.server.stop(grace_s).wait(timeout=grace_s + 5)
+
+
+def bind_hosts(bind: str) -> list[str]:
+    """Hosts to listen on for `buffer.grpc_bind`: its host, or for ':PORT' this node's address
+    (what its hostname resolves to, how other nodes reach it) and loopback."""
+    host = bind.rpartition(":")[0]
+    if host:
+        return [host]
+    try:
+        node = socket.gethostbyname(socket.gethostname())
+    except OSError:
+        log.warning("cannot resolve this node's hostname %s: listening on loopback only",
+                    socket.gethostname())
+        return ["127.0.0.1"]
+    return list(dict.fromkeys([node, "127.0.0.1"]))
+
+
+def _is_loopback(host: str) -> bool:
+    host = host.strip("[]")
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:  # a name
+        try:
+            return ipaddress.ip_address(socket.gethostbyname(host)).is_loopback
+        except OSError:
+            return False
 
 
 class GrpcShardWriter(ShardWriter):
@@ -233,6 +399,7 @@ class GrpcShardWriter(ShardWriter):
     def __init__(self, root: str, worker_id: str, cfg: BufferConfig, resume: dict | None = None):
         super().__init__(root, worker_id, cfg, resume)
         self.secret = token(cfg)
+        self.writer_key = uuid.uuid4().hex  # this writer's claim on its worker id
         self.unacked: collections.OrderedDict[int, bytes] = collections.OrderedDict()
         self.cond = threading.Condition()
         self.fatal = False  # the trainer refused a shard: retrying cannot help
@@ -296,7 +463,8 @@ class GrpcShardWriter(ShardWriter):
         while not self.stopping:
             try:
                 self.push(self._chunks(seq, data), timeout=self.cfg.grpc_timeout_s,
-                          metadata=[("authorization", f"Bearer {self.secret}")])
+                          metadata=[("authorization", f"Bearer {self.secret}"),
+                                    (WRITER_KEY, self.writer_key)])
             except grpc.RpcError as e:
                 code = e.code()
                 self.last_error = f"{code.name}: {e.details()}"

@@ -190,6 +190,10 @@ def main(argv: list[str] | None = None) -> int:
                     help="token ids must be below this (default: init_model/config.json)")
     ap.add_argument("--json", action="store_true", help="print the report as JSON")
     args = ap.parse_args(argv)
+    fs, root_path = filesystem(args.root)
+    if not fs.isdir(root_path):
+        print(f"python -m buffer.inspect: run folder {args.root} not found", file=sys.stderr)
+        return 2
     r = report(args.root, verify=args.verify, vocab_size=args.vocab_size)
     if args.json:
         print(json.dumps(r, indent=1, sort_keys=True))

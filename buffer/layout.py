@@ -6,7 +6,8 @@
       data/{sft,rl}_{train,val}.parquet   the built-in task through rollout.preprocess, as
                                    launch.local writes it (rl_val: validation, --sft-steps: sft_*)
       sft/                         launch.local --sft-steps: the SFT output folder (below)
-      experience/<worker>/<seq>.arrow     published shards (temporaries: .<seq>.arrow.tmp-<pid>)
+      experience/<worker>/<seq>.arrow     published shards (temporaries: .<seq>.arrow.tmp-<pid>;
+                                   the gRPC server's: experience/.<worker>.<seq>.arrow.tmp-<pid>)
       quarantine/<worker>/<seq>.arrow     shards the trainer rejected, with <seq>.arrow.reason.txt
       archive/<worker>/<seq // 10000>/<seq>.arrow   consumed shards kept by retention mode
                                    'archive' (buckets: no folder ever holds more than 10,000)
@@ -51,13 +52,13 @@ import re
 ARCHIVE_BUCKET = 10_000  # shards per archive folder
 SHARD_SUFFIX = ".arrow"
 TMP_MARK = ".tmp-"
-_VERSION_DIR = re.compile(r"^v(\d{6,})$")
-_CHECKPOINT_DIR = re.compile(r"^step_(\d{8,})$")
-_WORKER_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,127}$")
+_VERSION_DIR = re.compile(r"^v(\d{6,})\Z")
+_CHECKPOINT_DIR = re.compile(r"^step_(\d{8,})\Z")
+_WORKER_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,127}")
 
 
 def check_worker_id(worker_id: str) -> str:
-    if not _WORKER_ID.match(worker_id):
+    if not isinstance(worker_id, str) or not _WORKER_ID.fullmatch(worker_id):  # "w0\n" too
         raise ValueError(f"worker id {worker_id!r}: use letters, digits, '_', '.', '-' (max 128)")
     return worker_id
 
@@ -105,6 +106,11 @@ class RunLayout:
     def shard_tmp(self, worker_id: str, seq: int, pid: int | str) -> str:
         return self._p("experience", check_worker_id(worker_id),
                        f".{seq:09d}{SHARD_SUFFIX}{TMP_MARK}{pid}")
+
+    def spool_tmp(self, worker_id: str, seq: int, pid: int | str) -> str:
+        """Where the gRPC server receives a shard: beside the worker folders, so a refused push
+        never creates experience/<worker>/."""
+        return self._p("experience", f".{check_worker_id(worker_id)}.{seq:09d}{SHARD_SUFFIX}{TMP_MARK}{pid}")
 
     @staticmethod
     def shard_seq(name: str) -> int | None:

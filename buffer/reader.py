@@ -34,11 +34,11 @@ from typing import Callable
 
 import pyarrow as pa
 
-from buffer.backpressure import NOTE_EVERY_S, backlog
+from buffer.backpressure import NOTE_EVERY_S, backlog, describe_workers
 from buffer.config import BufferConfig
 from buffer.layout import SHARD_SUFFIX, RunLayout, check_worker_id
 from buffer.ledger import Ledger, as_ledger
-from buffer.storage import atomic_write, filesystem, is_local
+from buffer.storage import atomic_write, filesystem, is_local, stop_watch, watch
 from protocol.experience import RUN_ID_KEY, Sample, SchemaError, from_table, load_shard
 
 log = logging.getLogger(__name__)
@@ -53,17 +53,6 @@ class Group:
     group_id: str
     weight_version: int
     samples: list[Sample]
-
-
-class _Wake:
-    """watchdog handler: any created/moved file under experience/ wakes the reader."""
-
-    def __init__(self, event: threading.Event):
-        self.event = event
-
-    def dispatch(self, event) -> None:
-        if event.event_type in ("created", "moved"):
-            self.event.set()
 
 
 class ExperienceReader:
@@ -105,17 +94,14 @@ class ExperienceReader:
         self._pending = {}
 
     def _start_watch(self) -> None:
-        from watchdog.observers import Observer
-        observer = Observer()
-        observer.schedule(_Wake(self._wake), self.layout.experience_dir, recursive=True)
-        observer.daemon = True
-        observer.start()
-        self._observer = observer
+        def wake(event) -> None:  # a shard renamed into place (or a new worker folder)
+            if event.event_type in ("created", "moved"):
+                self._wake.set()
+        self._observer = watch(self.layout.experience_dir, wake, recursive=True)
 
     def close(self) -> None:
         if self._observer is not None:
-            self._observer.stop()
-            self._observer.join(timeout=5)
+            stop_watch(self._observer)
             self._observer = None
 
     # --- discovery ---------------------------------------------------------------------------
@@ -289,9 +275,11 @@ class ExperienceReader:
         self.pool = keep
 
     def next_batch(self, num_groups: int, current_version: int, timeout_s: float,
-                   on_wait: Callable[[], object] = lambda: None) -> list[Group]:
+                   on_wait: Callable[[], object] = lambda: None,
+                   note_every_s: float = NOTE_EVERY_S) -> list[Group]:
         """The oldest `num_groups` groups within the staleness bound; waits up to `timeout_s`,
-        calling `on_wait` after every poll (the trainer reports its progress from there)."""
+        calling `on_wait` after every poll (the trainer reports its progress from there), with a
+        log line every `note_every_s` saying what it has, needs, and who produces."""
         start = time.monotonic()
         last_note = start
         before = collections.Counter(self.stats)
@@ -310,10 +298,15 @@ class ExperienceReader:
             now = time.monotonic()
             if now - start >= timeout_s:
                 raise TimeoutError(f"waited {timeout_s:.0f} s (trainer.data_timeout_s) for "
-                                   + self._why_waiting(num_groups, before))
-            if now - last_note >= NOTE_EVERY_S:
-                log.info("waiting for experience %.0f s: %s", now - start,
-                         self._why_waiting(num_groups, before))
+                                   + self._why_waiting(num_groups, before)
+                                   + f" Workers: {describe_workers(self.fs, self.layout)}")
+            if now - last_note >= note_every_s:
+                log.info("waiting for experience: have %d/%d groups (%d samples; %d shards read, "
+                         "%d stale samples dropped, %d bad shards) after %.0f s of %.0f; workers: %s",
+                         len(self.pool), num_groups, sum(len(g.samples) for g in self.pool),
+                         self.stats["shards_read"], self.stats["dropped_stale_samples"],
+                         self.stats["bad_shards"], now - start, timeout_s,
+                         describe_workers(self.fs, self.layout))
                 last_note = now
             self._wake.wait(min(self.cfg.poll_interval, timeout_s - (now - start)))
             self._wake.clear()

@@ -105,12 +105,14 @@ def prune_consumed(root: str, consumed_keys: Ledger | Iterable[str],
 
 def clean_stale_temps(root: str, older_than_s: float, now: float | None = None) -> int:
     """Remove temporary files (names containing layout.TMP_MARK) of dead writers under
-    `experience/<worker>/` and `workers/` (heartbeats) whose mtime is more than `older_than_s`
-    seconds before `now` (default: time.time()). Returns how many were removed."""
+    `experience/<worker>/`, `experience/` (the gRPC spool) and `workers/` (heartbeats) whose
+    mtime is more than `older_than_s` seconds before `now` (default: time.time()). Returns how
+    many were removed."""
     fs, root_path = filesystem(root)
     layout = RunLayout(root_path)
     cutoff = (time.time() if now is None else now) - older_than_s
-    folders = [layout.worker_shard_dir(w) for w in _worker_ids(fs, layout)] + [layout.workers_dir]
+    folders = [layout.worker_shard_dir(w) for w in _worker_ids(fs, layout)] + [
+        layout.workers_dir, layout.experience_dir]  # the last: the gRPC server's spool temporaries
     removed = 0
     for folder in folders:
         for name in _names(fs, folder):
@@ -118,6 +120,8 @@ def clean_stale_temps(root: str, older_than_s: float, now: float | None = None) 
                 continue
             path = f"{folder}/{name}"
             try:
+                if fs.isdir(path):  # a worker folder whose id happens to hold the mark
+                    continue
                 mtime = _mtime(fs, path)
                 if mtime is None or mtime > cutoff:
                     continue

@@ -81,7 +81,7 @@ def atomic_writer(fs: fsspec.AbstractFileSystem, path: str, tmp: str | None = No
     only if the block ends without an exception; otherwise the temporary file is removed."""
     tmp = tmp or f"{path}.tmp-{os.getpid()}"
     parent = path.rsplit("/", 1)[0]
-    fs.makedirs(parent, exist_ok=True)
+    fs.makedirs(tmp.rsplit("/", 1)[0], exist_ok=True)  # `path`'s folder only once it is whole
     local = is_local(fs)
     try:
         with (open(tmp, "wb") if local else fs.open(tmp, "wb")) as f:
@@ -93,6 +93,7 @@ def atomic_writer(fs: fsspec.AbstractFileSystem, path: str, tmp: str | None = No
         with contextlib.suppress(OSError):
             fs.rm_file(tmp)
         raise
+    fs.makedirs(parent, exist_ok=True)
     if local:
         os.replace(tmp, path)
         _fsync_dir(parent)
@@ -142,6 +143,31 @@ def read_json(fs: fsspec.AbstractFileSystem, path: str):
         return None
 
 
+def umask() -> int:
+    """The process's file mode creation mask (read without changing it where Linux allows)."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("Umask:"):
+                    return int(line.split()[1], 8)
+    except OSError:
+        pass
+    mask = os.umask(0o022)  # elsewhere: set and restore (not thread-safe, hence the above)
+    os.umask(mask)
+    return mask
+
+
+def respect_umask(path: str) -> None:
+    """Give the files and folders under a local `path` the modes a plain `open`/`mkdir` would
+    (0666/0777 less the umask). safetensors writes 0600, unreadable for the other users of a
+    shared cluster whatever their umask says."""
+    mask = umask()
+    for dirpath, dirs, files in os.walk(path):
+        os.chmod(dirpath, 0o777 & ~mask)
+        for name in files:
+            os.chmod(os.path.join(dirpath, name), 0o666 & ~mask)
+
+
 def fsync_tree(path: str) -> None:
     """fsync every file and folder under a local path (before renaming the folder into place)."""
     for dirpath, _, files in os.walk(path):
@@ -149,3 +175,36 @@ def fsync_tree(path: str) -> None:
             with open(os.path.join(dirpath, name), "rb+") as f:
                 os.fsync(f.fileno())
         _fsync_dir(dirpath)
+
+
+class _StopRace(logging.Filter):
+    """watchdog's inotify emitter logs an ERROR ("queue_events() called when the thread is
+    inactive") when an event arrives while its observer stops: a race inside watchdog, harmless
+    when we stop the observer on purpose, and otherwise the last line of a clean run."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "called when the thread is inactive" not in record.getMessage()
+
+
+_STOP_RACE = _StopRace()
+
+
+def watch(path: str, on_event, recursive: bool):
+    """A started watchdog observer (daemon) calling `on_event(event)` for each event under the
+    local folder `path`; end it with `stop_watch`. Events only cut latency: callers also poll."""
+    from watchdog.observers import Observer
+    logging.getLogger("watchdog.observers.inotify").addFilter(_STOP_RACE)  # once: same object
+
+    class Handler:
+        dispatch = staticmethod(on_event)
+
+    observer = Observer()
+    observer.schedule(Handler(), path, recursive=recursive)
+    observer.daemon = True
+    observer.start()
+    return observer
+
+
+def stop_watch(observer) -> None:
+    observer.stop()
+    observer.join(timeout=5)

@@ -41,6 +41,15 @@ def copy_model_metadata(model_path: str, dest: str) -> None:
             shutil.copy2(src, os.path.join(dest, name))
 
 
+def hf_folder_problem(folder: str) -> str | None:
+    """Why `folder` cannot be an HF model folder, or None; cheap, checked before any loading."""
+    if not os.path.isdir(folder):
+        return f"{folder} not found (an HF model folder: config.json, weights, tokenizer)"
+    if not os.path.isfile(os.path.join(folder, "config.json")):
+        return f"{folder} is not an HF model folder (no config.json)"
+    return None
+
+
 _SAFETENSORS_DTYPES = {
     torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
     torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8",
@@ -232,12 +241,23 @@ class WeightStore:
         pointer = self.pointer()
         return None if pointer is None else int(pointer["version"])
 
-    def wait_latest(self, timeout_s: float, poll_s: float = 0.5) -> int:
-        start = time.monotonic()
+    def wait_latest(self, timeout_s: float, poll_s: float = 0.5, should_stop=lambda: False,
+                    note_every_s: float = 30.0) -> int | None:
+        """The newest published version, waiting up to `timeout_s` for the first one; None as
+        soon as `should_stop()` says so (a signal). A log line when it starts waiting and then
+        every `note_every_s`."""
+        start, last_note = time.monotonic(), None
         while (v := self.latest()) is None:
-            if time.monotonic() - start > timeout_s:
+            if should_stop():
+                return None
+            waited = time.monotonic() - start
+            if waited > timeout_s:
                 raise TimeoutError(f"no weight version appeared in {self.layout.latest_pointer} "
                                    f"within {timeout_s:.0f} s: has the trainer started?")
+            if last_note is None or time.monotonic() - last_note >= note_every_s:
+                log.info("waiting for the first weight version in %s (%.0f s of %.0f)",
+                         self.layout.latest_pointer, waited, timeout_s)
+                last_note = time.monotonic()
             time.sleep(poll_s)
         return v
 

@@ -96,7 +96,12 @@ def check_other_nodes(rep: Report, layout: RunLayout, node: str, vers: dict) -> 
 
 
 def check_folder(rep: Report, layout: RunLayout, max_skew_s: float) -> bool:
-    """Writable, atomic rename, clock skew; returns whether the folder is writable."""
+    """Exists, writable, atomic rename, clock skew; returns whether the folder is writable."""
+    if not os.path.isdir(layout.root):  # never created here: that would hide a missing mount
+        rep.add("FAIL", "run folder writable", f"{layout.root} does not exist on this node: is the "
+                "shared filesystem mounted here? (create the run folder once, e.g. mkdir -p, "
+                "on a node that has it)")
+        return False
     scratch = os.path.join(layout.check_scratch, f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:8]}")
     try:
         os.makedirs(scratch, exist_ok=True)

@@ -13,12 +13,14 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import pickle
 import re
 import shutil
 import sys
 
 import torch
 
+from buffer.storage import respect_umask
 from buffer.weights import copy_model_metadata
 
 _VERL_SHARD = re.compile(r"^model_world_size_(\d+)_rank_(\d+)\.pt$")
@@ -47,6 +49,18 @@ def tandem_state(checkpoint: str) -> tuple[dict, str]:
     return state["model"], model_path
 
 
+def _load(path: str) -> dict:
+    """A verl shard with torch's safe unpickler: tensors, DTensors and their placements only
+    (torch allowlists those once torch.distributed.tensor is imported), never code named in
+    the file."""
+    import torch.distributed.tensor  # noqa: F401 - registers DTensor for weights_only loads
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as e:
+        raise ExportError(f"{path}: refused to load (not plain tensors; weights_only=True): "
+                          f"{str(e).splitlines()[0]}") from None
+
+
 def verl_state(actor_dir: str) -> tuple[dict, str]:
     """Merge verl's per-rank FSDP shards (DTensor local shards, or plain tensors) into full ones."""
     shards = {}
@@ -57,7 +71,7 @@ def verl_state(actor_dir: str) -> tuple[dict, str]:
     if len(world) != 1 or sorted(shards) != list(range(next(iter(world)))):
         raise ExportError(f"{actor_dir}: expected model_world_size_W_rank_0..W-1.pt, found ranks "
                           f"{sorted(shards)} of sizes {sorted(world)}")
-    parts = [torch.load(shards[r][1], map_location="cpu", weights_only=False) for r in sorted(shards)]
+    parts = [_load(shards[r][1]) for r in sorted(shards)]
     full = {}
     for key in parts[0]:
         pieces = [p[key] for p in parts]
@@ -93,6 +107,7 @@ def export(checkpoint: str, out: str) -> str:
     shutil.rmtree(tmp, ignore_errors=True)
     model.save_pretrained(tmp)
     copy_model_metadata(config_dir, tmp)  # tokenizer and generation config; never old weights
+    respect_umask(tmp)
     os.replace(tmp, out)
     return out
 

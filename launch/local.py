@@ -22,12 +22,14 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
 from buffer.layout import RunLayout
 from protocol.config import ConfigError, file_values, load, split_argv
 from launch import status
+from buffer.weights import hf_folder_problem
 from rollout import builtin_task
 from rollout.tasks import arith
 
@@ -135,9 +137,11 @@ def prepare(layout: RunLayout, args, config: dict) -> tuple[str, str | None, lis
             arith.write_model(model, "tiny")
         else:
             builtin_task.write_model(model)
-    elif not os.path.isdir(model):
+    elif problem := hf_folder_problem(model):  # before starting anything
         where = "--model" if args.model else f"{MODEL} in --config {args.config}"
-        raise SystemExit(f"launch.local: {where}: {model} is not a model folder")
+        raise SystemExit(f"launch.local: {where}: {problem}")
+    if args.data and not os.path.isfile(args.data):
+        raise SystemExit(f"launch.local: --data {args.data} not found (a verl-format parquet file)")
     builtin = not args.data and TRAIN_FILES not in config
     if builtin and not os.path.exists(layout.prepared_parquet("rl", "train")):
         # rollout.preprocess's files: the validation split holds out whole questions
@@ -175,21 +179,12 @@ class Child:
     def poll(self):
         return self.proc.poll()
 
-    def stop(self, grace_s: float) -> int:
-        """SIGTERM the child's process group, SIGKILL it after `grace_s`; returns the exit code."""
+    def signal_group(self, sig: int) -> None:
         if self.proc.poll() is None:
             try:
-                os.killpg(self.proc.pid, signal.SIGTERM)
+                os.killpg(self.proc.pid, sig)
             except ProcessLookupError:
                 pass
-            try:
-                self.proc.wait(timeout=grace_s)
-            except subprocess.TimeoutExpired:
-                print(f"launch.local: {self.name} ignored SIGTERM for {grace_s:.0f} s; killing it", file=sys.stderr)
-                os.killpg(self.proc.pid, signal.SIGKILL)
-                self.proc.wait(timeout=30)
-        self.log.close()
-        return self.proc.returncode
 
     def tail(self, lines: int = 15) -> str:
         """The log's last lines, preceded by its error lines (torchrun prints its own summary
@@ -219,7 +214,7 @@ def _advance(bar, rows: list[dict], postfix) -> None:
         bar.update(rows[-1]["step"] - bar.n)  # redraws at most every `mininterval`
 
 
-def run_sft(layout: RunLayout, args, model: str) -> str:
+def run_sft(layout: RunLayout, args, model: str, signals: "Signals") -> str:
     """Run trainer.sft to completion (a bar from its metrics); returns its final HF folder."""
     out = RunLayout(layout.sft_dir)
     child = Child("sft", [sys.executable, "-m", "torch.distributed.run", "--standalone",
@@ -241,7 +236,8 @@ def run_sft(layout: RunLayout, args, model: str) -> str:
             time.sleep(0.5)
     finally:
         bar.close()
-        code = child.stop(grace_s=60)
+        stop_all([child], 60, signals)
+    code = child.proc.returncode
     if code != 0:
         raise ChildFailed(f"sft exited with code {code}; see {child.log_path}. Last lines:\n{child.tail()}")
     rows = read_metrics(out.metrics)
@@ -341,6 +337,50 @@ def supervise(trainer: Child, workers: list[Child], layout: RunLayout, args) -> 
         bar.close()
 
 
+class Signals:
+    """SIGTERM (e.g. from a batch system) is handled like Ctrl-C: the first one interrupts the
+    supervision (KeyboardInterrupt); once cleanup has begun, another one only cuts its grace
+    period short, so cleanup itself is never interrupted."""
+
+    def __init__(self):
+        self.cleaning = False
+        self.hurry = threading.Event()
+        signal.signal(signal.SIGTERM, self)
+        signal.signal(signal.SIGINT, self)
+
+    def __call__(self, signum, _frame):
+        if not self.cleaning:
+            self.cleaning = True
+            raise KeyboardInterrupt
+        print(f"launch.local: {signal.Signals(signum).name} again: killing what is left now",
+              file=sys.stderr)
+        self.hurry.set()
+
+
+def stop_all(children: list[Child], grace_s: float, signals: Signals) -> None:
+    """SIGTERM every child's process group at once, wait (up to `grace_s` in all), SIGKILL the
+    rest; a second signal kills at once. Signals interrupt again afterwards unless one came
+    before (SFT, then RL)."""
+    was, signals.cleaning = signals.cleaning, True
+    hurry = signals.hurry
+    for child in children:
+        child.signal_group(signal.SIGTERM)
+    deadline = time.monotonic() + grace_s
+    while any(c.poll() is None for c in children) and time.monotonic() < deadline:
+        if hurry.wait(0.2):
+            break
+    for child in children:
+        if child.poll() is None:
+            if not hurry.is_set():
+                print(f"launch.local: {child.name} ignored SIGTERM for {grace_s:.0f} s; killing it",
+                      file=sys.stderr)
+            child.signal_group(signal.SIGKILL)
+            child.proc.wait(timeout=30)
+        child.log.close()
+    signals.cleaning = was
+    hurry.clear()
+
+
 def summarize(layout: RunLayout) -> None:
     rows, vals = rl_metrics(layout)
     if not rows:
@@ -368,11 +408,10 @@ def main(argv: list[str] | None = None) -> int:
     model, data, val = prepare(layout, args, config)
     check_config(*role_args(layout, args, model, data, config, val))  # before SFT: fail fast
     print(f"launch.local: run folder {layout.root}; logs in {os.path.dirname(layout.log('x'))}")
-    # SIGTERM (e.g. from a batch system) is handled like Ctrl-C: stop every child, then exit.
-    signal.signal(signal.SIGTERM, signal.default_int_handler)
+    signals = Signals()
     if args.sft_steps:
         try:
-            model = run_sft(layout, args, model)
+            model = run_sft(layout, args, model, signals)
         except (KeyboardInterrupt, TimeoutError, ChildFailed) as e:
             print(f"launch.local: SFT stopped: {e or 'interrupted'}", file=sys.stderr)
             return 130 if isinstance(e, KeyboardInterrupt) else 1
@@ -386,8 +425,8 @@ def main(argv: list[str] | None = None) -> int:
     except TimeoutError as e:
         print(e, file=sys.stderr)
         code = 1
-    for child in [*workers, trainer]:
-        child.stop(grace_s=60)
+    finally:
+        stop_all([*workers, trainer], grace_s=60, signals=signals)
     if failed is not None:
         print(f"launch.local: {failed.name} exited with code {failed.proc.returncode}; "
               f"see {failed.log_path}. Last lines:\n{failed.tail()}", file=sys.stderr)

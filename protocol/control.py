@@ -55,11 +55,12 @@ def _command(obj, where: str) -> Command:
     return Command(str(cid), action, count)
 
 
-def parse(text: str, where: str = "control file") -> list[Command]:
+def parse(text: str | bytes, where: str = "control file") -> list[Command]:
+    """The commands in a control file's text or raw bytes; ControlError for anything else."""
     try:
         obj = json.loads(text)
-    except json.JSONDecodeError as e:
-        raise ControlError(f"{where}: not JSON ({e})") from None
+    except (ValueError, RecursionError) as e:  # not UTF-8, not JSON, or nested beyond reason
+        raise ControlError(f"{where}: not JSON ({type(e).__name__}: {str(e)[:120]})") from None
     if isinstance(obj, dict) and "commands" in obj:
         if not isinstance(obj["commands"], list):
             raise ControlError(f"{where}: 'commands' must be a list")
@@ -84,7 +85,7 @@ def new_command(cid: str, action: str, count: int) -> tuple[str, Command]:
     return json.dumps(dataclasses.asdict(cmd)) + "\n", cmd
 
 
-def parse_command_file(text: str, cid: str, where: str) -> Command:
+def parse_command_file(text: str | bytes, cid: str, where: str) -> Command:
     """The one command of `control.d/<cid>.json`; its id must be the file's name."""
     cmds = parse(text, where)
     if len(cmds) != 1 or cmds[0].id != cid:

@@ -11,6 +11,8 @@ encoding from another client) with protobuf, so any client generated from the .p
 """
 from __future__ import annotations
 
+from google.protobuf.message import DecodeError
+
 from protocol import experience_pb2 as pb
 
 SERVICE = pb.DESCRIPTOR.services_by_name["Experience"].full_name
@@ -34,8 +36,17 @@ def encode_chunk(msg) -> bytes:
     return b"".join((bytes((_DATA_KEY,)), _varint(len(msg)), msg))
 
 
+class Undecodable:
+    """A message that is not a ShardChunk: the server refuses the push (INVALID_ARGUMENT)
+    instead of failing inside gRPC's deserializer."""
+
+    def __init__(self, reason: str):
+        self.reason = reason
+
+
 def decode_chunk(raw: bytes):
-    """A memoryview of the data of a canonical data chunk, else the parsed `pb.ShardChunk`."""
+    """A memoryview of the data of a canonical data chunk, else the parsed `pb.ShardChunk`,
+    else `Undecodable`."""
     if raw[:1] == b"\x12":
         length, shift, i = 0, 0, 1
         while i < len(raw) and i <= 10:
@@ -47,11 +58,16 @@ def decode_chunk(raw: bytes):
                     return memoryview(raw)[i:]
                 break
             shift += 7
-    return pb.ShardChunk.FromString(raw)
+    try:
+        return pb.ShardChunk.FromString(raw)
+    except DecodeError as e:
+        return Undecodable(f"a message that is not a ShardChunk ({len(raw)} bytes): {e}")
 
 
 def chunk_data(chunk) -> memoryview | bytes | None:
-    """The data of a decoded chunk (None for a header)."""
+    """The data of a decoded chunk (None for a header); ValueError for an undecodable one."""
     if isinstance(chunk, memoryview):
         return chunk
+    if isinstance(chunk, Undecodable):
+        raise ValueError(chunk.reason)
     return chunk.data if chunk.WhichOneof("part") == "data" else None

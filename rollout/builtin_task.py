@@ -14,6 +14,7 @@ from __future__ import annotations
 import random
 from pathlib import Path
 
+from buffer.storage import respect_umask
 from rollout import preprocess
 from rollout.preprocess import write_parquet  # noqa: F401  (the task's files are written with it)
 
@@ -96,6 +97,7 @@ def write_model(out_dir: str | Path, seed: int = 0, hidden: int = 64, layers: in
     tmp = Path(f"{out_dir}.tmp")
     model.save_pretrained(tmp)
     tok.save_pretrained(tmp)
+    respect_umask(str(tmp))  # safetensors writes 0600
     tmp.replace(out_dir)
 
 

@@ -2,8 +2,10 @@
 from __future__ import annotations
 
 import dataclasses
+import re
 
 from buffer.config import BufferConfig
+from buffer.layout import check_worker_id
 from protocol.config import F, ConfigError
 
 
@@ -98,13 +100,27 @@ class EngineProcessSection:
     seed: int = F(0, "sampling seed (a worker's also orders its prompts; mixed with its id)")
     weights_timeout_s: float = F(900.0, "seconds to wait for the trainer's first weight version",
                                  gt=0)
-    device: str = F("auto", "torch device for the hf engine: auto|cpu|cuda")
+    device: str = F("auto", "torch device for the hf engine: auto|cpu|cuda|cuda:N")
+    SECTION = "worker"  # the section's name, for messages (not a field)
+
+    def check(self) -> None:
+        if not re.fullmatch(r"auto|cpu|cuda(:\d+)?", self.device):
+            raise ConfigError(f"{self.SECTION}.device: {self.device!r} is not one of auto, cpu, "
+                              "cuda, cuda:N")
 
 
 @dataclasses.dataclass
 class WorkerSection(EngineProcessSection):
     id: str = F("", "worker id (letters, digits, _ . -); default: <hostname>-<pid>")
     max_batches: int = F(0, "stop after this many batches (0: run until stopped)", ge=0)
+
+    def check(self) -> None:
+        super().check()
+        if self.id:
+            try:
+                check_worker_id(self.id)
+            except ValueError as e:
+                raise ConfigError(f"worker.id: {e}") from None
 
 
 @dataclasses.dataclass
@@ -120,6 +136,7 @@ class WorkerConfig:
 @dataclasses.dataclass
 class ValidatorSection(EngineProcessSection):
     poll_interval_s: float = F(1.0, "seconds between looks for new validation requests", gt=0)
+    SECTION = "validator"
 
 
 @dataclasses.dataclass

@@ -39,25 +39,47 @@ def _row_field(row: dict, field: str, where: str):
     return value
 
 
+def _read(file: str, field: str, columns: list[str] | None = None):
+    if not Path(file).exists():
+        raise DatasetError(f"{field}: {file} does not exist")
+    try:
+        return pq.read_table(file, columns=columns)
+    except Exception as e:  # pyarrow raises several types for a non-parquet file
+        what = f" with column(s) {', '.join(columns)}" if columns else ""
+        raise DatasetError(f"{field}: {file} is not a readable parquet file{what}: {e}") from None
+
+
+def data_sources(files: list[str], field: str = "data.train_files") -> dict[str, str]:
+    """Each distinct `data_source` and the first file naming it; reads only that column, so
+    the reward functions can be checked before an engine loads."""
+    out: dict[str, str] = {}
+    for file in map(os.path.expanduser, files):
+        for value in _read(file, field, ["data_source"]).column("data_source").unique().to_pylist():
+            out.setdefault(str(value), file)
+    return out
+
+
 def load_prompts(files: list[str], tokenizer, prompt_key: str, max_prompt_length: int,
                  field: str = "data.train_files") -> list[Prompt]:
     """Every usable row of `files`; `field` is the setting they came from, for errors."""
     prompts, skipped = [], 0
     for file in map(os.path.expanduser, files):  # verl's configs write ~/data/...
-        if not Path(file).exists():
-            raise DatasetError(f"{field}: {file} does not exist")
-        try:
-            rows = pq.read_table(file).to_pylist()
-        except Exception as e:  # pyarrow raises several types for a non-parquet file
-            raise DatasetError(f"{field}: {file} is not a readable parquet file: {e}") from None
+        rows = _read(file, field).to_pylist()
         for i, row in enumerate(rows):
             where = f"{file} row {i}"
             messages = _row_field(row, prompt_key, where)
-            if not isinstance(messages, list) or not all(
+            if not isinstance(messages, list) or not messages or not all(
                     isinstance(m, dict) and "role" in m and "content" in m for m in messages):
-                raise DatasetError(f"{where}: field {prompt_key!r} must be a list of {{role, content}}")
+                raise DatasetError(f"{where}: field {prompt_key!r} must be a non-empty list of "
+                                   f"{{role, content}}, got {str(messages)[:80]}")
             extra = row.get("extra_info") or {}
-            ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+            if not isinstance(extra, dict):
+                raise DatasetError(f"{where}: field 'extra_info' must be a mapping, got {str(extra)[:80]}")
+            try:
+                ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+            except Exception as e:  # noqa: BLE001 - jinja/tokenizer errors: name the row
+                raise DatasetError(f"{where}: the tokenizer's chat template failed on field "
+                                   f"{prompt_key!r}: {type(e).__name__}: {e}") from None
             if hasattr(ids, "keys"):  # transformers 5 returns a BatchEncoding
                 ids = ids["input_ids"]
             if len(ids) > max_prompt_length:

@@ -33,8 +33,8 @@ import sys
 import threading
 import time
 
-from buffer.layout import RunLayout
-from buffer.storage import atomic_write_json, filesystem, is_local, read_json
+from buffer.layout import RunLayout, check_worker_id
+from buffer.storage import atomic_write_json, filesystem, is_local, read_json, stop_watch, watch
 from protocol import control
 from protocol.config import F, ConfigError, build, split_argv, usage
 from rollout.config import WorkerConfig
@@ -66,6 +66,12 @@ class PoolSection:
     drain_timeout_s: float = F(300.0, "seconds a draining worker may take before SIGKILL", gt=0)
     max_restarts: int = F(3, "restarts of crashed workers before the supervisor gives up", ge=0)
     slurm: SlurmPoolSection = F(factory=SlurmPoolSection)
+
+    def check(self) -> None:
+        try:
+            check_worker_id(self.id)  # names files and its workers' ids
+        except ValueError as e:
+            raise ConfigError(f"pool.id: {e}") from None
 
 
 @dataclasses.dataclass
@@ -122,7 +128,7 @@ class Pool:
 
     def _read(self, path: str, parse) -> list[control.Command]:
         try:
-            return parse(self.fs.cat_file(path).decode())
+            return parse(self.fs.cat_file(path))  # bytes: control.parse judges the encoding
         except FileNotFoundError:
             return []
         except control.ControlError as e:
@@ -209,19 +215,8 @@ class Pool:
     # --- lifecycle ---------------------------------------------------------------------------
     def _watch(self) -> None:
         """Filesystem events wake the loop early on this node; polling covers other nodes."""
-        if not is_local(self.fs):
-            return
-        from watchdog.events import FileSystemEventHandler
-        from watchdog.observers import Observer
-        wake = self._wake
-
-        class Handler(FileSystemEventHandler):
-            def on_any_event(self, event):
-                wake.set()
-        self._observer = Observer()
-        self._observer.schedule(Handler(), self.layout.root, recursive=False)
-        self._observer.daemon = True
-        self._observer.start()
+        if is_local(self.fs):
+            self._observer = watch(self.layout.root, lambda _event: self._wake.set(), recursive=False)
 
     def run(self) -> None:
         signal.signal(signal.SIGTERM, self._on_signal)
@@ -256,8 +251,7 @@ class Pool:
         self.members = []
         self.save()
         if self._observer is not None:
-            self._observer.stop()
-            self._observer.join(timeout=5)
+            stop_watch(self._observer)
 
 
 @dataclasses.dataclass
@@ -390,8 +384,7 @@ class SlurmPool(Pool):
             log.warning("jobs still in SLURM at exit: %s", [j.job_id for j in self.jobs])
         self.save()
         if self._observer is not None:
-            self._observer.stop()
-            self._observer.join(timeout=5)
+            stop_watch(self._observer)
 
 
 def parse(argv: list[str]) -> tuple[PoolConfig, list[str]]:

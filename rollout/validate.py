@@ -10,7 +10,10 @@ engine in place, generates for every prompt of `data.val_files` with
 function, and writes verl's metrics (`val-core/<data_source>/reward/mean@1`, `val-aux/...`,
 computed by `verl.trainer.ppo.metric_utils.process_validation_metrics`) as the version's result.
 A version no longer on disk is answered as skipped, with the reason. The process exits when the
-trainer has finished (DONE) and no request is open; SIGTERM finishes the current version first.
+trainer has finished (DONE) and no request is open; SIGTERM finishes the current version first
+(and ends the wait for the first weights at once). A data_source without a reward function is
+refused at start; a reward that is not a finite float32 drops its sample (counted as
+`val-aux/rewards_dropped`), as in the workers.
 """
 from __future__ import annotations
 
@@ -27,7 +30,7 @@ from protocol.validation import ValidationRequest, ValidationResult
 from protocol.weights import ManifestError
 from rollout import reward
 from rollout.config import ValidatorConfig
-from rollout.dataset import Prompt, load_prompts
+from rollout.dataset import Prompt, data_sources, load_prompts
 from rollout.engine import SamplingSettings
 from rollout.worker import run_role, start_engine
 
@@ -61,6 +64,9 @@ class Validator:
         self.fs, self.layout = self.store.fs, self.store.layout
         self.score = reward.resolve_details(cfg.custom_reward_function.path,
                                             cfg.custom_reward_function.name)
+        # Before waiting for weights or loading an engine: every row can be scored.
+        reward.check_data_sources(data_sources(cfg.data.val_files, "data.val_files"),
+                                  cfg.custom_reward_function.path)
         self.stopping = False
         self.version: int | None = None  # the weights in the engine
         self.answered: list[int] = []
@@ -70,18 +76,22 @@ class Validator:
                  signal.Signals(signum).name)
         self.stopping = True
 
-    def start(self) -> None:
+    def start(self) -> bool:
+        """Wait for weights, load the engine and the prompts; False when a signal came first."""
         signal.signal(signal.SIGTERM, self._on_signal)
         signal.signal(signal.SIGINT, self._on_signal)
         self.heartbeat("starting")
         self.engine, self.version = start_engine(
             self.store, self.cfg.actor_rollout_ref.rollout, self.cfg.validator.device,
-            self.cfg.validator.weights_timeout_s, "validator")
+            self.cfg.validator.weights_timeout_s, "validator", should_stop=lambda: self.stopping)
+        if self.engine is None:
+            return False
         data = self.cfg.data
         self.prompts: list[Prompt] = load_prompts(data.val_files, self.engine.tokenizer,
                                                   data.prompt_key, data.max_prompt_length,
                                                   field="data.val_files")
         log.info("validator: %d prompts from %s", len(self.prompts), data.val_files)
+        return True
 
     def sampling(self) -> SamplingSettings:
         vk = self.cfg.actor_rollout_ref.rollout.val_kwargs
@@ -112,19 +122,26 @@ class Validator:
         t0 = time.monotonic()
         params = self.sampling()
         size = self.cfg.data.val_batch_size or len(self.prompts)
-        sources, uids, rows = [], [], []
+        sources, uids, rows, dropped = [], [], [], 0
         for start in range(0, len(self.prompts), size):
             chunk = self.prompts[start:start + size]
             for i, (p, group) in enumerate(zip(chunk, self.engine.generate(
                     [p.token_ids for p in chunk], params)), start):
                 for c in group:
                     text = self.engine.tokenizer.decode(c.token_ids, skip_special_tokens=True)
-                    value, extra = self.score(p.data_source, text, p.ground_truth, p.extra_info)
+                    try:
+                        value, extra = self.score(p.data_source, text, p.ground_truth, p.extra_info)
+                    except reward.RewardError as e:  # one bad value costs one sample, not the run
+                        dropped += 1
+                        log.warning("weights v%d: dropped a sample of prompt %s: %s", req.version,
+                                    p.prompt_id, e)
+                        continue
                     sources.append(p.data_source)
                     uids.append(str(i))  # a prompt's n responses share its uid
                     rows.append({"reward": value, **extra})
         infos = {k: [r.get(k) for r in rows] for k in dict.fromkeys(k for r in rows for k in r)}
-        return ValidationResult(req.version, req.step, val_metrics(sources, uids, infos),
+        metrics = val_metrics(sources, uids, infos) | {"val-aux/rewards_dropped": float(dropped)}
+        return ValidationResult(req.version, req.step, metrics,
                                 prompts=len(self.prompts), samples=len(rows),
                                 generate_s=time.monotonic() - t0, finished_at=time.time())
 
@@ -159,7 +176,9 @@ class Validator:
 
     def run(self) -> None:
         try:
-            self.start()
+            if not self.start():
+                log.info("validator stopped before the first weight version appeared")
+                return
             self.heartbeat("running")
             last_note = time.monotonic()
             while not self.stopping:

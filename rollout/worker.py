@@ -36,7 +36,7 @@ from protocol.experience import Sample
 from protocol.weights import SYNC_GROUPS, ManifestError
 from rollout import reward
 from rollout.config import WorkerConfig
-from rollout.dataset import Prompt, PromptStream, load_prompts
+from rollout.dataset import DatasetError, Prompt, PromptStream, data_sources, load_prompts
 from rollout.engine import Completion, SamplingSettings, build_engine
 
 log = logging.getLogger("rollout.worker")
@@ -53,11 +53,14 @@ def _bounded(rows: list, row: list) -> list:
     return rows[::2] + rows[-1:] if len(rows) >= HISTORY_ROWS else rows
 
 
-def start_engine(store: WeightStore, rollout_cfg, device: str, timeout_s: float, who: str):
+def start_engine(store: WeightStore, rollout_cfg, device: str, timeout_s: float, who: str,
+                 should_stop=lambda: False):
     """(engine, version): an engine built from the newest published version, waiting up to
-    `timeout_s` for the trainer's first one."""
+    `timeout_s` for the trainer's first one; (None, None) when `should_stop()` says so first."""
     for attempt in range(5):
-        version = store.wait_latest(timeout_s)
+        version = store.wait_latest(timeout_s, should_stop=should_stop)
+        if version is None:
+            return None, None
         model_dir = store.layout.version_dir(version)
         log.info("%s starting engine %s from %s", who, rollout_cfg.name, model_dir)
         try:
@@ -85,6 +88,9 @@ class RolloutWorker:
         self.fs, root_path = filesystem(cfg.root)
         self.layout = RunLayout(root_path)
         self.layout.heartbeat(self.id)  # validates the id before any work
+        self.score = reward.resolve(cfg.custom_reward_function.path, cfg.custom_reward_function.name)
+        # Before writing anything, waiting for weights or loading an engine: every row can be scored.
+        reward.check_data_sources(data_sources(cfg.data.train_files), cfg.custom_reward_function.path)
         self.store = WeightStore(cfg.root)
         if cfg.buffer.transport == "grpc":
             from buffer.grpc_transport import GrpcShardWriter as writer_cls
@@ -92,7 +98,6 @@ class RolloutWorker:
             writer_cls = ShardWriter
         self.writer = writer_cls(cfg.root, self.id, cfg.buffer,
                                   resume=read_json(self.fs, self.layout.heartbeat(self.id)))
-        self.score = reward.resolve(cfg.custom_reward_function.path, cfg.custom_reward_function.name)
         self.stopping = False
         self.version: int | None = None
         self.versions_loaded: list[int] = []
@@ -113,18 +118,23 @@ class RolloutWorker:
         # the trainer runs asynchronously, generate freely).
         self.sync_groups: int | None = None
         self.resumed_on_new_weights = 0  # responses continued on newer weights (interruptible)
+        self.rewards_dropped = 0  # samples whose reward was not a finite float32
         self.seed = cfg.worker.seed * 1_000_003 + zlib.crc32(self.id.encode())
 
     def _on_signal(self, signum, _frame) -> None:
         log.info("%s received: finishing the current batch, then flushing", signal.Signals(signum).name)
         self.stopping = True
 
-    def start(self) -> None:
+    def start(self) -> bool:
+        """Wait for weights, load the engine and the prompts; False when a signal came first."""
         signal.signal(signal.SIGTERM, self._on_signal)
         signal.signal(signal.SIGINT, self._on_signal)
         self.engine, self.version = start_engine(self.store, self.cfg.actor_rollout_ref.rollout,
                                                  self.cfg.worker.device,
-                                                 self.cfg.worker.weights_timeout_s, f"worker {self.id}")
+                                                 self.cfg.worker.weights_timeout_s, f"worker {self.id}",
+                                                 should_stop=lambda: self.stopping)
+        if self.engine is None:
+            return False
         self.versions_loaded.append(self.version)
         self.loads = _bounded(self.loads, [self.version, time.time()])
         self.writer.run_id = read_run_id(self.fs, self.layout)  # written before the first version
@@ -139,6 +149,7 @@ class RolloutWorker:
             load_prompts(self.cfg.data.train_files, self.engine.tokenizer, self.cfg.data.prompt_key,
                          self.cfg.data.max_prompt_length),
             self.cfg.data.shuffle, self.seed)
+        return True
 
     def _announced(self, pointer: dict, groups: int | None) -> None:
         """Synchronous mode is on exactly when the trainer's LATEST pointer says so."""
@@ -179,7 +190,13 @@ class RolloutWorker:
         out = []
         for c, version in zip(group, versions):
             text = self.engine.tokenizer.decode(c.token_ids, skip_special_tokens=True)
-            r = self.score(prompt.data_source, text, prompt.ground_truth, prompt.extra_info)
+            try:
+                r = self.score(prompt.data_source, text, prompt.ground_truth, prompt.extra_info)
+            except reward.RewardError as e:  # one bad value costs one sample, not the run
+                self.rewards_dropped += 1
+                log.warning("dropped a sample of prompt %s: %s (%d dropped so far)",
+                            prompt.prompt_id, e, self.rewards_dropped)
+                continue
             out.append(Sample(
                 sample_id="", group_id="", prompt_id=prompt.prompt_id,
                 worker_id=self.id, weight_version=version, prompt_ids=prompt.token_ids,
@@ -245,10 +262,11 @@ class RolloutWorker:
         for prompt, group, versions in zip(batch.prompts, batch.groups, batch.versions):
             samples = self._samples(prompt, group, versions, batch.started)
             rewards += [s.reward for s in samples]
-            self.writer.add_group(samples)
+            if samples:  # every reward of the group dropped: nothing to write
+                self.writer.add_group(samples)
         if self.sync_groups is not None:
             self.writer.flush()  # the trainer waits for exactly these groups
-        return sum(rewards) / len(rewards)
+        return sum(rewards) / len(rewards) if rewards else float("nan")
 
     def run_batch(self) -> float:
         return self.finish_batch(self.generate_batch())
@@ -294,6 +312,7 @@ class RolloutWorker:
             "reload_fraction": self.reload_seconds / self.gen_seconds if self.gen_seconds else 0.0,
             "synchronous": self.sync_groups is not None,
             "resumed_on_new_weights": self.resumed_on_new_weights,
+            "rewards_dropped": self.rewards_dropped,
             "loads": self.loads, "history": self.history, "last_beat": time.time()})
         self._last_beat = time.monotonic()
 
@@ -318,7 +337,11 @@ class RolloutWorker:
         return self.fs.exists(self.layout.done_marker)
 
     def run(self) -> None:
-        self.start()
+        if not self.start():
+            self.writer.close()
+            self.heartbeat("stopped")
+            log.info("worker %s stopped before the first weight version appeared", self.id)
+            return
         self.heartbeat("running")
         # The engine generates batch k+1 while one owned thread scores and publishes batch k.
         finisher = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="finish")
@@ -367,7 +390,11 @@ def run_role(role, config_cls, argv: list[str] | None, prog: str, description: s
                         format=f"%(asctime)s %(levelname)s {tag}[%(process)d] %(message)s")
     import torch
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
-    role(cfg).run()
+    try:
+        role(cfg).run()
+    except (DatasetError, reward.RewardError) as e:  # the dataset or the reward set-up
+        print(f"{prog}: {e}", file=sys.stderr)
+        return 2
     return 0
 
 

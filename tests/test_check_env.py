@@ -59,7 +59,7 @@ def test_read_only_run_folder_fails_with_the_folder_named(tmp_path):
 
 def test_unreachable_port_fails_with_the_port_named(tmp_path):
     port = closed_port()
-    out = check_env("--root", str(tmp_path / "run"), "--port", f"127.0.0.1:{port}")
+    out = check_env("--root", str(tmp_path), "--port", f"127.0.0.1:{port}")
     assert out.returncode == 1, out.stdout
     fails = lines(out.stdout, "FAIL")
     assert [line for line in fails if line.startswith("FAIL check_env")] and len(fails) == 2, out.stdout
@@ -69,6 +69,7 @@ def test_unreachable_port_fails_with_the_port_named(tmp_path):
 
 def test_good_folder_and_open_port_pass_and_versions_are_recorded(tmp_path):
     root = tmp_path / "run"
+    root.mkdir()
     with socket.socket() as srv:
         srv.bind(("127.0.0.1", 0))
         srv.listen(4)
@@ -96,3 +97,12 @@ def test_good_folder_and_open_port_pass_and_versions_are_recorded(tmp_path):
 def test_proc_path_is_unwritable_even_for_root():
     out = check_env("--root", "/proc/self/tandem-run")
     assert out.returncode == 1 and "FAIL run folder writable" in out.stdout
+
+
+def test_missing_run_folder_fails_and_is_not_created(tmp_path):
+    """A node without the shared mount must not pass by creating the folder locally."""
+    root = tmp_path / "nonexistent" / "r1"
+    out = check_env("--root", str(root))
+    assert out.returncode == 1, out.stdout
+    assert f"FAIL run folder writable: {root} does not exist on this node" in out.stdout
+    assert not root.exists() and not root.parent.exists()

@@ -527,7 +527,7 @@ def test_launch_local_takes_inputs_from_the_config_and_the_recipe_yields_to_it(t
     layout = RunLayout(str(tmp_path / "run"))
     config = local.from_config(local_args(), layout)
     assert config[local.MODEL] == "~/models/Qwen2-7B-Instruct" and config[local.STEPS] == 3
-    with pytest.raises(SystemExit, match=r"actor_rollout_ref.model.path in --config .*is not a model folder"):
+    with pytest.raises(SystemExit, match=r"actor_rollout_ref.model.path in --config .*not found"):
         local.prepare(layout, local_args(), config)
     trainer_recipe, worker_recipe = local.recipe(config, local_args())
     assert "data.train_batch_size=16" not in trainer_recipe  # the config sets 4

@@ -122,6 +122,9 @@ class TrainerSection:
                            "rollouts, the on-policy baseline: workers sample each batch with the "
                            "newest version only, exactly the groups the trainer takes with it "
                            "(claimed among the workers), then wait for the next version", ge=0)
+    max_nonfinite_steps: int = F(3, "stop after this many steps in a row were skipped for a "
+                                 "non-finite loss or gradient (each one is skipped, counted in "
+                                 "actor/skipped_steps, and logged)", ge=1)
     data_timeout_s: float = F(900.0, "seconds to wait for a batch of experience before failing", gt=0)
     test_freq: int = F(-1, "validate the weights every this many steps and at the last step: "
                        "the trainer publishes such a version, keeps it until "

@@ -9,6 +9,8 @@ trainer's checkpoints; only the actor is ever published.
 """
 from __future__ import annotations
 
+import math
+
 import torch
 
 from trainer import algo, update
@@ -59,4 +61,5 @@ class Critic:
         # mini-batch's passes is world x its global loss.
         return {"critic/vf_loss": loss / (world * len(minibatches)),
                 "critic/vf_clipfrac": clipfrac / tokens, "critic/vpred_mean": vpred / tokens,
-                "critic/grad_norm": sum(norms) / len(norms), "critic/lr": lr}
+                "critic/grad_norm": sum(norms) / len(norms), "critic/lr": lr,
+                "critic/skipped_nonfinite": sum(not math.isfinite(n) for n in norms)}

@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import datetime
 import logging
+import math
 import os
 import socket
 import sys
@@ -27,7 +28,7 @@ from buffer.reader import ExperienceReader, Group
 from buffer.run_id import ensure_run_id, read_run_id
 from buffer.storage import (DISK_FULL_TIMEOUT_S, atomic_write_json, filesystem, is_disk_full, is_local,
                             when_space)
-from buffer.weights import WeightStore
+from buffer.weights import WeightStore, hf_folder_problem
 from protocol.config import parse_cli, to_dict
 from protocol.weights import SYNC_GROUPS
 from trainer import algo, checkpoint, update
@@ -117,6 +118,7 @@ class Trainer:
         self.at_published = True  # the model holds exactly the weights of `self.version`
         self.version = 0
         self.step = 0
+        self.skipped_steps = self.nonfinite_in_row = 0  # steps skipped for non-finite values
         self.reader = self.metrics = None
         self._reported = (-1, 0.0)  # samples retired and time at the last progress report
         resume = self._resume_path()
@@ -392,9 +394,50 @@ class Trainer:
                 "actor/pg_clipfrac": clipfrac / tokens, "actor/pg_clipfrac_lower": lower / tokens,
                 "actor/is_weight_mean": w / tokens, "actor/kl_loss": kl / steps,
                 "actor/entropy": ent / steps, "actor/lr": lr,
-                "actor/grad_norm": sum(norms) / len(norms), "actor/optimizer_steps": len(norms)}
+                "actor/grad_norm": sum(norms) / len(norms), "actor/optimizer_steps": len(norms),
+                # optimize() skipped these: a non-finite (global) gradient norm
+                "actor/skipped_nonfinite": sum(not math.isfinite(n) for n in norms)}
+
+    def count_nonfinite(self, step: int, metrics: dict) -> None:
+        """Count a step with skipped optimizer steps, actor's or critic's (actor/skipped_steps);
+        stop after max_nonfinite_steps in a row. Every rank sees the same all-reduced grad
+        norms, so every rank stops at the same step."""
+        skipped = metrics.get("actor/skipped_nonfinite", 0) + metrics.get("critic/skipped_nonfinite", 0)
+        if not skipped:
+            self.nonfinite_in_row = 0
+        else:
+            self.skipped_steps += 1
+            self.nonfinite_in_row += 1
+            if self.rank == 0:
+                log.warning("step %d skipped: non-finite loss or gradient (actor loss %s, grad "
+                            "norm %s; critic grad norm %s): %d optimizer steps left the weights as "
+                            "they were (%d such trainer steps in a row)", step,
+                            metrics.get("actor/pg_loss"), metrics.get("actor/grad_norm"),
+                            metrics.get("critic/grad_norm"), skipped, self.nonfinite_in_row)
+        metrics["actor/skipped_steps"] = self.skipped_steps
+
+    def check_nonfinite_limit(self, step: int, metrics: dict) -> None:
+        limit = self.cfg.trainer.max_nonfinite_steps
+        if self.nonfinite_in_row >= limit:
+            raise RuntimeError(
+                f"stopping at step {step}: {limit} steps in a row had a non-finite loss or gradient "
+                f"(last: actor loss {metrics.get('actor/pg_loss')}, grad norm "
+                f"{metrics.get('actor/grad_norm')}, lr {metrics.get('actor/lr')}; critic grad norm "
+                f"{metrics.get('critic/grad_norm')}); the published weights are finite. Lower "
+                "actor_rollout_ref.actor.optim.lr (critic.optim.lr with a critic) or check the experience "
+                "(trainer.max_nonfinite_steps)")
 
     def publish(self, step: int) -> dict:
+        # A finite loss and gradient can still overflow the weights (an absurd lr): never
+        # publish them. One pass over the local shards, one all-reduce.
+        bad = torch.zeros(1, device=self.device)
+        for p in self.model.parameters():
+            local = p.to_local() if hasattr(p, "to_local") else p
+            bad += (~torch.isfinite(local.detach())).sum()
+        dist.all_reduce(bad)
+        if bad.item():
+            raise RuntimeError(f"refusing to publish weight version {self.version} after step "
+                               f"{step}: {int(bad.item())} weights are not finite")
         dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}.get(
             self.cfg.trainer.publish_dtype, torch.bfloat16 if self.device.type == "cuda" else torch.float32)
         announce = None
@@ -430,6 +473,7 @@ class Trainer:
                 return
             metrics = {"step": step, "weights/version": self.version}
             metrics.update(self.train_step(samples, groups))
+            self.count_nonfinite(step, metrics)
             self.at_published = False
             validate = validation_due(tc, step, first=False)
             if publishes_at(tc, step):
@@ -451,6 +495,7 @@ class Trainer:
                 self.metrics.write(metrics)
                 if self.validation is not None:
                     self.validation.collect(step)
+            self.check_nonfinite_limit(step, metrics)
             if tc.save_freq > 0 and step % tc.save_freq == 0:
                 self.save_checkpoint()
         if self.validation is not None:
@@ -474,6 +519,9 @@ def main(argv: list[str] | None = None) -> int:
     cfg = parse_cli(TrainerConfig, argv, "python -m trainer.main",
                     "Trainer: consumes experience shards, runs GRPO/PPO steps on an FSDP2 actor, "
                     "and publishes weight versions for the rollout workers. Run under torchrun.")
+    if problem := hf_folder_problem(cfg.actor_rollout_ref.model.path):  # before loading anything
+        print(f"python -m trainer.main: actor_rollout_ref.model.path: {problem}", file=sys.stderr)
+        return 2
     # Collectives wait out the slowest rank: one waiting for experience or for disk space.
     device = init_distributed(cfg.trainer.device,
                               max(cfg.trainer.data_timeout_s, DISK_FULL_TIMEOUT_S) + 600)

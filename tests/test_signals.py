@@ -1,0 +1,102 @@
+"""Every wait is interruptible: a worker or validator waiting for its first weights stops on SIGTERM at
+once, and launch.local's cleanup survives a second signal (it kills instead of giving up)."""
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from conftest import subprocess_env
+from rollout import builtin_task
+
+
+def _read_until(stream, words: str, timeout_s: float) -> str:
+    """Lines of `stream` up to the first holding `words` (the process must be alive)."""
+    seen = []
+    deadline = time.monotonic() + timeout_s
+    for line in stream:  # ends at EOF: the process died first
+        seen.append(line)
+        if words in line:
+            return "".join(seen)
+        assert time.monotonic() < deadline, f"no {words!r} in {timeout_s} s:\n{''.join(seen)[-3000:]}"
+    raise AssertionError(f"stream ended before {words!r}:\n{''.join(seen)[-3000:]}")
+
+
+def _processes_under(root: Path) -> list[int]:
+    """Live processes whose command line names the run folder (ours: the run is unique)."""
+    pids = []
+    for d in Path("/proc").iterdir():
+        if d.name.isdigit():
+            try:
+                cmd = (d / "cmdline").read_bytes().decode(errors="replace")
+                state = (d / "stat").read_text().rsplit(")", 1)[1].split()[0]
+            except OSError:
+                continue
+            if str(root) in cmd and state != "Z":
+                pids.append(int(d.name))
+    return pids
+
+
+@pytest.mark.parametrize("role", ["worker", "validator"])
+def test_waiting_for_first_weights_stops_on_sigterm(tmp_path, role):
+    data = tmp_path / "t.parquet"
+    builtin_task.write_parquet(data, builtin_task.make_rows(10, 3))
+    args, beat = {
+        "worker": (["rollout.worker", f"data.train_files=[{data}]", "worker.id=w0",
+                    "worker.weights_timeout_s=300"], Path("workers", "w0.json")),
+        "validator": (["rollout.validate", f"data.val_files=[{data}]",
+                       "validator.weights_timeout_s=300"], Path("validation", "validator.json"))}[role]
+    proc = subprocess.Popen([sys.executable, "-m", *args, f"root={tmp_path / 'run'}"],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env=subprocess_env())
+    try:
+        _read_until(proc.stdout, "waiting for the first weight version", 120)
+        t0 = time.monotonic()
+        proc.send_signal(signal.SIGTERM)
+        out, _ = proc.communicate(timeout=60)
+        took = time.monotonic() - t0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(timeout=30)
+    assert proc.returncode == 0, out[-3000:]
+    assert took < 30, took  # polls every 0.5 s; 30 s leaves room for a loaded machine's exit
+    assert "stopped before the first weight version" in out
+    state = json.loads((tmp_path / "run" / beat).read_text())
+    assert state["state"] == "stopped" and state.get("samples_written", 0) == 0
+
+
+def test_launch_local_cleanup_survives_a_second_signal(tmp_path):
+    root = tmp_path / "run"
+    proc = subprocess.Popen([sys.executable, "-m", "launch.local", "--root", str(root),
+                             "--steps", "500", "--timeout", "400"],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                            env=subprocess_env())
+    try:
+        deadline = time.monotonic() + 300
+        while len([b for b in (root / "workers").glob("*.json")
+                   if json.loads(b.read_text() or "{}").get("state") == "running"]) < 2:
+            assert proc.poll() is None and time.monotonic() < deadline, "workers never ran"
+            time.sleep(0.5)
+        proc.send_signal(signal.SIGTERM)
+        _read_until(proc.stderr, "stopping all processes", 60)  # cleanup has begun
+        proc.send_signal(signal.SIGTERM)
+        err = proc.stderr.read()
+        proc.wait(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(timeout=30)
+        left = _processes_under(root)
+        for pid in left:  # started by this test; leave nothing behind whatever happened
+            try:
+                os.killpg(pid, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                pass
+    assert proc.returncode == 130, err[-3000:]
+    assert "Traceback" not in err and "KeyboardInterrupt" not in err, err[-3000:]
+    assert not left, f"processes of the run left alive: {left}"
