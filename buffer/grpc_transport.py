@@ -491,21 +491,24 @@ class GrpcShardWriter(ShardWriter):
             return
 
     def close(self, timeout_s: float = 60.0) -> None:
-        """Flush, wait until every shard is acknowledged (bounded), stop the senders."""
-        self.flush()
-        deadline = time.monotonic() + timeout_s
-        with self.cond:
-            while self.unacked and not self.fatal and time.monotonic() < deadline:
-                if self._run_done():
-                    log.warning("the run is finished (%s): %d shards not pushed",
-                                self.layout.done_marker, len(self.unacked))
-                    self.unacked.clear()
-                    break
-                self.cond.wait(timeout=min(1.0, max(0.0, deadline - time.monotonic())))
-            left = len(self.unacked)
-        self.stopping = True
-        self.senders.shutdown(wait=True)
-        self.channel.close()
+        """Flush, wait until every shard is acknowledged (bounded), stop the senders: always,
+        also when the flush fails (a sender left retrying would keep the process from exiting)."""
+        try:
+            self.flush()
+            deadline = time.monotonic() + timeout_s
+            with self.cond:
+                while self.unacked and not self.fatal and time.monotonic() < deadline:
+                    if self._run_done():
+                        log.warning("the run is finished (%s): %d shards not pushed",
+                                    self.layout.done_marker, len(self.unacked))
+                        self.unacked.clear()
+                        break
+                    self.cond.wait(timeout=min(1.0, max(0.0, deadline - time.monotonic())))
+                left = len(self.unacked)
+        finally:
+            self.stopping = True
+            self.senders.shutdown(wait=True)
+            self.channel.close()
         if self.fatal:
             raise RuntimeError(f"the trainer refused a shard ({left} unacknowledged): {self.last_error}")
         if left:

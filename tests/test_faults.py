@@ -2,6 +2,7 @@
 Real files, processes and gRPC servers; every wait has a timeout."""
 from __future__ import annotations
 
+import contextlib
 import os
 import time
 
@@ -84,8 +85,10 @@ def test_restarted_grpc_worker_is_not_acknowledged_as_a_duplicate(tmp_path, monk
     from buffer.grpc_transport import GrpcShardWriter, ShardServer
     port = free_port()
     monkeypatch.setenv("TANDEM_GRPC_TOKEN", "t0ken")
+    # The restarted writer takes worker id w0 over grpc_claim_ttl_s after the killed one's last
+    # push (refused and retried until then: test_grpc_security); 1 s instead of 60 keeps it short.
     cfg = _cfg(transport="grpc", grpc_bind=f"127.0.0.1:{port}", grpc_address=f"127.0.0.1:{port}",
-               grpc_timeout_s=10)
+               grpc_timeout_s=10, grpc_claim_ttl_s=1.0)
     spool, worker_root = str(tmp_path / "trainer"), str(tmp_path / "worker")
     readers = []  # the server asks the trainer's ledger, as trainer.main wires it
     server = ShardServer(spool, cfg, consumed=lambda: readers[0].consumed if readers else ())
@@ -104,9 +107,12 @@ def test_restarted_grpc_worker_is_not_acknowledged_as_a_duplicate(tmp_path, monk
     try:
         _restart_after_pruning(make, spool, settle, on_reader=readers.append)
     finally:
-        for w in writers:
-            w.close(timeout_s=10)
-        server.stop()
+        try:  # every writer closed (its senders stopped) even when an earlier close raises
+            with contextlib.ExitStack() as closing:
+                for w in writers:
+                    closing.callback(w.close, timeout_s=10)
+        finally:
+            server.stop()
 
 
 # --- 7. a version pruned while a worker loads it ----------------------------------------------
@@ -194,9 +200,11 @@ def test_concurrent_pushes_of_one_shard_never_publish_damaged_bytes(tmp_path, mo
     y = encode(to_table([s for g in range(5) for s in make_group("w0", 9, g, 0, N, response_len=500)]))
     half = len(x) // 2
 
+    def temporaries() -> list:  # spooled beside experience/w0/ (layout.spool_tmp)
+        return list(spool.parent.glob(".w0.*tmp-*")) if spool.parent.is_dir() else []
+
     def tmp_size() -> int:
-        sizes = [p.stat().st_size for p in spool.glob(".*tmp-*")] if spool.is_dir() else []
-        return max(sizes, default=0)
+        return max((p.stat().st_size for p in temporaries()), default=0)
 
     def stream(data: bytes, parts: list, gate: threading.Event | None = None):
         yield pb.ShardChunk(header=pb.ShardHeader(worker_id="w0", seq=0, size=len(data),
@@ -240,7 +248,7 @@ def test_concurrent_pushes_of_one_shard_never_publish_damaged_bytes(tmp_path, mo
     stored = [name for name, dup in acks.items() if dup is False]
     assert len(stored) == 1, acks  # one push stored it, the other was a duplicate
     assert published == {"B": x, "C": y}[stored[0]]
-    assert not list(spool.glob(".*tmp-*"))
+    assert not temporaries()
 
 
 # --- 3. one trainer per run folder --------------------------------------------------------------
@@ -612,6 +620,8 @@ def test_grpc_spool_stops_growing_while_the_trainer_does_not_consume(tmp_path, m
         produced.join(timeout=60)
         writer.close(timeout_s=60)
     finally:
+        writer.stopping = True  # no-op after a clean close; after a failure, no sender left retrying
+        writer.senders.shutdown(wait=True)
         server.stop()
         reader.close()
     assert sorted(g.samples[0].prompt_id for g in got) == sorted(f"w0/0/{g}" for g in range(shards))
