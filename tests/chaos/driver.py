@@ -332,7 +332,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--logs", required=True, help="folder for the processes' logs (not on --root's disk)")
     p.add_argument("--report", required=True, help="where to write the JSON report")
     p.add_argument("--seed", type=int, default=None, help="fault schedule seed (default: random)")
-    p.add_argument("--steps", type=int, default=100, help="trainer steps (default 100)")
+    p.add_argument("--steps", type=int, default=150,
+                   help="trainer steps (default 150: room for every fault when the trainer is fast)")
     p.add_argument("--min-faults", type=int, default=20)
     p.add_argument("--disk-full", action="store_true", help="fill --root's filesystem once")
     args = p.parse_args(argv)
