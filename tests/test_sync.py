@@ -154,8 +154,11 @@ def test_synchronous_pipeline_trains_every_sample_at_staleness_0(tmp_path, worke
     for b in beats:
         assert b["state"] == "stopped" and b["synchronous"] is True, b
         # reloads happen between batches: generating time excludes them
-        assert b["generate_s"] > 0 and b["reloads"] >= 1 and b["reload_s"] > 0 and b["wait_s"] > 0
-        assert math.isclose(b["reload_fraction"], b["reload_s"] / b["generate_s"])
+        assert b["reloads"] >= 1 and b["reload_s"] > 0 and b["wait_s"] > 0, b
+        # a worker that started late on a loaded box may find every group already claimed
+        assert (b["generate_s"] > 0) == (b["samples_written"] > 0), b
+        if b["generate_s"] > 0:
+            assert math.isclose(b["reload_fraction"], b["reload_s"] / b["generate_s"])
 
 
 def test_trainer_without_workers_names_the_claims_when_it_gives_up(tmp_path):
