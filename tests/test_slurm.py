@@ -387,6 +387,15 @@ def test_trainer_job_checkpoints_on_the_time_limit_signal_and_is_requeued(slurm,
     from conftest import STEPS, run_folder
     root = run_folder(experience, "requeued")
     layout = RunLayout(str(root))
+    # Experience for 3 of the STEPS steps (one shard a step): the trainer cannot finish before
+    # the signal (it did, on an idle box, and the job was never requeued); it waits for the
+    # rest, which is published once the job has been requeued.
+    held = root.parent / "requeued-held"
+    held.mkdir()
+    later = sorted((root / "experience" / "w0").glob("*.arrow"))[3:]
+    assert len(later) == STEPS - 3
+    for shard in later:
+        shutil.move(shard, held / shard.name)
     job = _submit("trainer", "--root", layout.root, "--partition", "trainer", "--nproc-per-node", "1",
                   "--time", "20:00", f"actor_rollout_ref.model.path={experience / 'model'}",
                   f"trainer.total_training_steps={STEPS}", "data.train_batch_size=4",
@@ -399,6 +408,10 @@ def test_trainer_job_checkpoints_on_the_time_limit_signal_and_is_requeued(slurm,
         _run(["scancel", "--batch", "--signal=USR1", job], check=True)
         _wait(lambda: int(_job(job).get("Restarts", "0")) >= 1, 300, "the job to be requeued",
               dump=dump)
+        for shard in sorted(held.iterdir()):  # published as a worker does: whole, by rename
+            tmp = root / "experience" / "w0" / f".{shard.name}.tmp-test"
+            shutil.copy(shard, tmp)
+            os.replace(tmp, root / "experience" / "w0" / shard.name)
         _wait(lambda: _squeue(job) is None, 600, "the requeued job to finish", interval=1.0,
               dump=dump)
         info = _job(job)
