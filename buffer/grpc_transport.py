@@ -134,7 +134,7 @@ class _Servicer:
         self.spooled_samples = retired() if retired is not None else 0
         self.key_locks = _KeyLocks()
         self._push_ids = itertools.count()
-        self.lock = threading.Lock()  # guards claims, streams
+        self.lock = threading.Lock()  # guards claims, streams, spooled_samples
         self.claims: dict[str, _Claim] = {}
         self.streams: set[_Stream] = set()
         self.stats = collections.Counter()
@@ -296,7 +296,9 @@ class _Servicer:
             self.stats["rejected"] += 1
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"{key}: {e}")
         self.stats["spooled"] += 1
-        self.spooled_samples += _declared_samples(path)
+        samples = _declared_samples(path)
+        with self.lock:  # handlers finish concurrently: an unlocked += loses counts (and the cap)
+            self.spooled_samples += samples
         return False
 
     def _backpressure(self, key: str, context) -> None:
