@@ -14,7 +14,6 @@ import math
 import os
 import string
 import tempfile
-import threading
 import time
 import typing
 
