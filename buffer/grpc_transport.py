@@ -53,6 +53,7 @@ MAX_MESSAGE_BYTES = (4 << 20) + (64 << 10)
 _REFUSALS = (grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.FAILED_PRECONDITION,
              grpc.StatusCode.INVALID_ARGUMENT)  # resending the same bytes cannot help
 DAMAGED_RESENDS = 3
+RECONNECT_MAX_MS = 2000
 
 
 def token(cfg: BufferConfig) -> str:
@@ -73,6 +74,25 @@ def _read(path: str | None) -> bytes | None:
         return None
     with open(path, "rb") as f:
         return f.read()
+
+
+def authorized(context, expected: bytes) -> bool:
+    """Whether a call carries `expected` (b"Bearer <token>") as its authorization, compared
+    in constant time."""
+    given = dict(context.invocation_metadata()).get("authorization", "")
+    return hmac.compare_digest(given.encode(), expected)
+
+
+def open_channel(cfg: BufferConfig, options: list | None = None) -> grpc.Channel:
+    """A channel to the trainer at buffer.grpc_address (TLS with buffer.grpc_tls_ca). It
+    reconnects by itself, at most RECONNECT_MAX_MS apart: a restarted trainer is found again
+    within seconds (gRPC's default backoff grows to two minutes)."""
+    options = [*(options or []), ("grpc.initial_reconnect_backoff_ms", 200),
+               ("grpc.min_reconnect_backoff_ms", 200), ("grpc.max_reconnect_backoff_ms", RECONNECT_MAX_MS)]
+    if cfg.grpc_tls_ca:
+        creds = grpc.ssl_channel_credentials(root_certificates=_read(cfg.grpc_tls_ca))
+        return grpc.secure_channel(cfg.grpc_address, creds, options)
+    return grpc.insecure_channel(cfg.grpc_address, options)
 
 
 class _KeyLocks:
@@ -140,8 +160,7 @@ class _Servicer:
         self.stats = collections.Counter()
 
     def Push(self, request_iterator, context):
-        given = dict(context.invocation_metadata()).get("authorization", "")
-        if not hmac.compare_digest(given.encode(), self.expected):  # constant time
+        if not authorized(context, self.expected):
             self.stats["refused"] += 1
             context.abort(grpc.StatusCode.UNAUTHENTICATED, "missing or wrong token")
         stream = _Stream(context, time.monotonic(), waiting=True)
@@ -412,12 +431,7 @@ class GrpcShardWriter(ShardWriter):
         self.senders = futures.ThreadPoolExecutor(cfg.grpc_max_inflight, thread_name_prefix="grpc-push")
 
     def _connect(self):
-        options = [("grpc.max_send_message_length", MAX_MESSAGE_BYTES)]
-        if self.cfg.grpc_tls_ca:
-            creds = grpc.ssl_channel_credentials(root_certificates=_read(self.cfg.grpc_tls_ca))
-            self.channel = grpc.secure_channel(self.cfg.grpc_address, creds, options)
-        else:
-            self.channel = grpc.insecure_channel(self.cfg.grpc_address, options)
+        self.channel = open_channel(self.cfg, [("grpc.max_send_message_length", MAX_MESSAGE_BYTES)])
         return self.channel.stream_unary(PUSH_METHOD, request_serializer=encode_chunk,
                                          response_deserializer=pb.Ack.FromString)
 
