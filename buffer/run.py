@@ -1,0 +1,71 @@
+"""`Run`: one object per process that owns the run's storage as this role sees it.
+
+    run = Run.open(cfg)            # a worker, the validator, a pool: cfg.root + cfg.buffer
+    run = Run.local(root)          # the trainer (and launch tools on its folder): the run folder
+
+Roles take their stores from it (`run.weights`, `run.heartbeats`, `run.sink(worker_id)`, ...)
+and never build a path or look at the transport: the choice of implementations is made here,
+once, from `buffer.transport`. Each transport names the module that provides its Run factory
+(`_PROVIDERS`); the module registers it with `register` when imported, so a filesystem run never
+imports grpc. With `grpc`, `cfg.root` is the process's own local folder (weights cache, shard
+claim, logs) and the rest goes to the trainer's run service.
+"""
+from __future__ import annotations
+
+import dataclasses
+import importlib
+from typing import TYPE_CHECKING, Callable
+
+from buffer.stores.base import (ControlStore, ExperienceSink, HeartbeatStore, ProgressStore,
+                                RunState, SyncClaims, ValidationStore, WeightSource)
+
+if TYPE_CHECKING:
+    from buffer.config import BufferConfig
+    from buffer.stores.fs import FsRun
+
+# transport -> the module whose import registers its factory (buffer.transport's choices)
+_PROVIDERS = {"fs": "buffer.stores.fs", "grpc": "buffer.stores.grpc_sink"}
+_FACTORIES: dict[str, Callable[[str, "BufferConfig"], "Run"]] = {}
+
+
+def register(transport: str, factory: Callable[[str, "BufferConfig"], "Run"]) -> None:
+    """Make `factory(root, buffer_cfg) -> Run` the implementation of `transport`."""
+    _FACTORIES[transport] = factory
+
+
+@dataclasses.dataclass
+class Run:
+    """The stores of one run as a worker-side process sees them (see buffer/stores/base.py)."""
+    root: str  # this process's own folder: the run folder (fs) or its local one (network)
+    transport: str
+    weights: WeightSource
+    heartbeats: HeartbeatStore
+    progress: ProgressStore
+    state: RunState
+    sync: SyncClaims
+    control: ControlStore
+    validation: ValidationStore
+    make_sink: Callable[[str], ExperienceSink]
+
+    def sink(self, worker_id: str) -> ExperienceSink:
+        """Where worker `worker_id`'s shards go (one per writer)."""
+        return self.make_sink(worker_id)
+
+    @staticmethod
+    def open(cfg) -> "Run":
+        """The Run of a role config: `cfg.root` and, if it has one, `cfg.buffer.transport`."""
+        from buffer.config import BufferConfig
+        buffer = getattr(cfg, "buffer", None) or BufferConfig()
+        transport = buffer.transport
+        if transport not in _FACTORIES:
+            if transport not in _PROVIDERS:
+                raise ValueError(f"buffer.transport={transport!r}: one of {sorted(_PROVIDERS)}")
+            importlib.import_module(_PROVIDERS[transport])
+        return _FACTORIES[transport](cfg.root, buffer)
+
+    @staticmethod
+    def local(root: str, buffer: "BufferConfig | None" = None) -> "FsRun":
+        """The run folder itself (fsspec URL or local path), with the trainer-only stores: what
+        the trainer, the trainer-side run service and launch tools on the run folder use."""
+        from buffer.stores.fs import FsRun
+        return FsRun.at(root, buffer)
