@@ -58,6 +58,19 @@ class BufferConfig:
                                 "last until this many seconds after its last push; another "
                                 "writer using the id meanwhile is refused (ABORTED, resent: a "
                                 "restarted worker takes over after this)", gt=0)
+    grpc_call_timeout_s: float = F(30.0, "deadline of one run-service call (a heartbeat, the "
+                                   "weights pointer, a claim, one stretch of a weight file); a "
+                                   "call past it is retried", gt=0)
+    grpc_trainer_wait_s: float = F(1800.0, "a worker, validator or pool without the run folder "
+                                   "(transport grpc) waits this long for an unreachable trainer "
+                                   "(not started yet, restarting), saying so every 30 s, before "
+                                   "it fails", gt=0)
+    grpc_linger_s: float = F(60.0, "trainer: after its last step it goes on serving the run "
+                             "service, at most this long, until every worker's heartbeat says "
+                             "stopped (so that workers without the run folder learn the run "
+                             "ended)", ge=0)
+    grpc_cache_versions: int = F(2, "worker (transport grpc): weight versions kept in the cache "
+                                 "in its own folder (ROOT/weights)", ge=1)
 
     def check(self) -> None:
         if bool(self.grpc_tls_cert) != bool(self.grpc_tls_key):

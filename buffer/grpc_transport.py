@@ -352,14 +352,19 @@ class ShardServer:
 
     def __init__(self, root: str, cfg: BufferConfig, consumed=lambda: (), retired=None,
                  step_samples=lambda: 0):
+        from buffer.run import Run
+        from buffer.run_service import RunService
+        self.cfg = cfg
         self.servicer = _Servicer(root, token(cfg), cfg, consumed, retired,
                                   lambda: max(cfg.max_backlog_samples, step_samples()))
+        self.run_service = RunService(Run.local(root, cfg), cfg, token(cfg))
         self.server = grpc.server(futures.ThreadPoolExecutor(max_workers=cfg.grpc_server_threads,
                                                              thread_name_prefix="grpc-spool"),
                                   options=[("grpc.max_receive_message_length", MAX_MESSAGE_BYTES)])
         push = grpc.stream_unary_rpc_method_handler(self.servicer.Push, request_deserializer=decode_chunk,
                                                     response_serializer=pb.Ack.SerializeToString)
-        self.server.add_generic_rpc_handlers([grpc.method_handlers_generic_handler(SERVICE, {"Push": push})])
+        self.server.add_generic_rpc_handlers([grpc.method_handlers_generic_handler(SERVICE, {"Push": push}),
+                                              self.run_service.handler()])
         creds = (grpc.ssl_server_credentials([(_read(cfg.grpc_tls_key), _read(cfg.grpc_tls_cert))])
                  if cfg.grpc_tls_cert else None)
         self.port = 0
@@ -380,10 +385,12 @@ class ShardServer:
         self._stop_watch = threading.Event()
         threading.Thread(target=self.servicer.watch_idle, args=(self._stop_watch,), daemon=True,
                          name="grpc-idle-watch").start()
-        log.info("experience gRPC server listening on %s (port %d)",
+        log.info("experience gRPC server listening on %s (port %d), with the run service",
                  ", ".join(bind_hosts(cfg.grpc_bind)), self.port)
 
     def stop(self, grace_s: float = 5.0) -> None:
+        """After the run's end, first serve workers until they stopped (buffer.grpc_linger_s)."""
+        self.run_service.linger(self.cfg.grpc_linger_s)
         self._stop_watch.set()
         self.server.stop(grace_s).wait(timeout=grace_s + 5)
 

@@ -24,7 +24,7 @@ if TYPE_CHECKING:
     from buffer.stores.fs import FsRun
 
 # transport -> the module whose import registers its factory (buffer.transport's choices)
-_PROVIDERS = {"fs": "buffer.stores.fs", "grpc": "buffer.stores.grpc_sink"}
+_PROVIDERS = {"fs": "buffer.stores.fs", "grpc": "buffer.stores.net"}
 _FACTORIES: dict[str, Callable[[str, "BufferConfig"], "Run"]] = {}
 
 

@@ -52,18 +52,17 @@ class Empty:
 class RunStateReply:
     run_id: str | None = None  # None until the trainer created the run (buffer/run_id.py)
     done: bool = False  # the trainer has finished its steps (ROOT/DONE)
-    done_info: dict | None = None  # what DONE holds: {"steps", "version"}
 
 
 @dataclasses.dataclass
 class HeartbeatWrite:
-    worker_id: str = ""  # a worker id (buffer.layout.check_worker_id)
+    worker_id: str = ""  # a worker id (buffer.layout.check_worker_id); "" for the validator's
     beat: dict = dataclasses.field(default_factory=dict)  # JSON-able, <= MAX_DOC_BYTES packed
 
 
 @dataclasses.dataclass
 class WorkerRef:
-    worker_id: str = ""
+    worker_id: str = ""  # or a pool supervisor's id
 
 
 @dataclasses.dataclass
@@ -132,9 +131,14 @@ class ValidationAnswer:
 
 
 @dataclasses.dataclass
+class Flag:
+    value: bool = False
+
+
+@dataclasses.dataclass
 class CommandsReply:
     commands: list = dataclasses.field(default_factory=list)  # protocol.control.Command fields
-    error: str = ""  # the control file does not parse (ControlError): the supervisor says so
+    errors: list = dataclasses.field(default_factory=list)  # why unreadable commands were skipped
 
 
 @dataclasses.dataclass
@@ -153,6 +157,9 @@ class NewCommand:
 @dataclasses.dataclass
 class CommandReply:
     id: str = ""
+    action: str = ""
+    count: int = 0
+    where: str = ""  # the command's file on the trainer's disk, for launch.control's line
 
 
 @dataclasses.dataclass(frozen=True)
@@ -165,24 +172,34 @@ class Rpc:
 
 # The whitelist: what a remote role may ask of the trainer's run; nothing else is served.
 RPCS: dict[str, Rpc] = {
+    # RunState
     "RunState": Rpc(Empty, RunStateReply),
+    # HeartbeatStore (a worker writes only the id its process claimed: PERMISSION_DENIED else)
     "WriteHeartbeat": Rpc(HeartbeatWrite, Empty),
     "ReadHeartbeat": Rpc(WorkerRef, DocReply),
     "Heartbeats": Rpc(Empty, DocsReply),
+    # ProgressStore (read only: the trainer writes it)
     "Progress": Rpc(Empty, DocReply),
+    # WeightSource: LATEST, a version's manifest, its files (only those the manifest lists)
     "WeightsPointer": Rpc(Empty, DocReply),
+    "VersionExists": Rpc(VersionRef, Flag),
     "Manifest": Rpc(VersionRef, ManifestReply),
     "FetchFile": Rpc(FileRequest, FileChunk, stream=True),
+    # SyncClaims (the trainer opens and retires versions)
     "SyncClaim": Rpc(ClaimRequest, Count, mutates=True),
     "SyncShare": Rpc(ShareRequest, Count),
     "SyncClaims": Rpc(VersionRef, ClaimsReply),
+    # ValidationStore, validator side (the trainer requests and reads results)
     "ValidationRequests": Rpc(Empty, DocsReply),
     "ValidationAnswer": Rpc(ValidationAnswer, Empty, mutates=True),
-    "ValidatorHeartbeat": Rpc(HeartbeatWrite, Empty),
+    "WriteValidatorBeat": Rpc(HeartbeatWrite, Empty),
+    "ValidatorBeat": Rpc(Empty, DocReply),
+    # ControlStore
     "ControlCommands": Rpc(Empty, CommandsReply),
+    "AddCommand": Rpc(NewCommand, CommandReply, mutates=True),
     "ReadPoolState": Rpc(WorkerRef, DocReply),
     "WritePoolState": Rpc(PoolStateWrite, Empty),
-    "AddCommand": Rpc(NewCommand, CommandReply, mutates=True),
+    "PoolStates": Rpc(Empty, DocReply),
 }
 
 

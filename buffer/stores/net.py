@@ -1,0 +1,407 @@
+"""Network implementations of the worker/validator/pool-side stores (`buffer.transport=grpc`).
+
+Each method is one call to the trainer's run service (protocol/run_service.py, served by
+buffer/run_service.py on the trainer's rank 0, beside the experience stream: same address,
+token, TLS). The process's own `root` is a local folder that holds only what is its own: the
+weight cache (ROOT/weights/v<N>/), its shard-number claim (workers/<id>.claim) and its logs;
+nothing of the trainer's run folder is read or written by path.
+
+Every call has a deadline (buffer.grpc_call_timeout_s). While the trainer cannot be reached
+(not started yet, restarting: UNAVAILABLE), or is busy (DEADLINE_EXCEEDED, RESOURCE_EXHAUSTED,
+ABORTED), a call is retried with backoff (0.2 s doubling to 5 s), saying every 30 s what it waits
+for, for at most buffer.grpc_trainer_wait_s; then TimeoutError. A refusal that retrying cannot
+change (a bad token, a malformed request) raises RunServiceError at once; NOT_FOUND (a weight
+version pruned) raises FileNotFoundError, as the filesystem stores do.
+
+Weights: `NetWeightSource.fetch(version)` streams each file of the version's manifest into a
+temporary folder of the cache (a broken stream resumes at the byte it reached), checks its size
+and sha256 against the manifest, and renames the folder to ROOT/weights/v<N>/ (atomic: a
+version in the cache is whole). The newest buffer.grpc_cache_versions versions are kept.
+"""
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import errno
+import functools
+import hashlib
+import logging
+import os
+import shutil
+import time
+import uuid
+from typing import Callable
+
+import grpc
+
+from buffer.config import BufferConfig
+from buffer.grpc_transport import MAX_MESSAGE_BYTES, WRITER_KEY, open_channel, token
+from buffer.layout import TMP_MARK, RunLayout
+from buffer.run import Run, register
+from buffer.storage import fsync_tree, is_local
+from buffer.stores.base import (ControlStore, HeartbeatStore, ProgressStore, RunState, SyncClaims,
+                                ValidationStore, WeightSource)
+from buffer.stores.fs import FsRun
+from protocol import run_service as rs
+from protocol.control import Command
+from protocol.validation import ValidationRequest, ValidationResult
+from protocol.weights import FileEntry, ManifestError, WeightManifest
+
+log = logging.getLogger(__name__)
+
+RETRIED = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED,
+           grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.ABORTED)
+NOTE_S = 30.0  # a waiting call says so at least this often
+MAX_BACKOFF_S = 5.0
+DISK_FULL = "disk full"  # how the service words RESOURCE_EXHAUSTED for a full disk: not retried
+
+
+class RunServiceError(RuntimeError):
+    """The trainer's run service refused a call; retrying the same call cannot help."""
+
+
+def _trainer_only(what: str):
+    raise RuntimeError(f"{what} is the trainer's: a process with buffer.transport=grpc only "
+                       "reads it through the run service")
+
+
+class RunClient:
+    """One channel to the run service at buffer.grpc_address; `call` and `stream` with
+    deadlines and retries. `writer` (sent with every call) is this process's claim on the
+    worker id whose heartbeat it writes."""
+
+    def __init__(self, cfg: BufferConfig):
+        self.cfg = cfg
+        self.address = cfg.grpc_address
+        self.channel = open_channel(cfg, [("grpc.max_receive_message_length", MAX_MESSAGE_BYTES)])
+        self.metadata = (("authorization", f"Bearer {token(cfg)}"),
+                         (rs.SCHEMA_KEY, str(rs.SCHEMA)), (WRITER_KEY, uuid.uuid4().hex))
+        self._stubs: dict[str, Callable] = {}
+
+    def _stub(self, name: str):
+        if name not in self._stubs:
+            rpc = rs.RPCS[name]
+            make = self.channel.unary_stream if rpc.stream else self.channel.unary_unary
+            self._stubs[name] = make(rs.method(name), request_serializer=rs.encode,
+                                     response_deserializer=functools.partial(rs.decode, rpc.reply))
+        return self._stubs[name]
+
+    def call(self, name: str, request=None):
+        """The reply to one unary call, retried while the trainer is unreachable or busy."""
+        request = rs.RPCS[name].request() if request is None else request
+        stub = self._stub(name)
+        return self.retrying(name, lambda: stub(request, timeout=self.cfg.grpc_call_timeout_s,
+                                                metadata=self.metadata))
+
+    def stream(self, name: str, request):
+        """The replies of one server-streaming call, lasting at most grpc_call_timeout_s
+        (the caller resumes from where it got to: `retrying`)."""
+        return self._stub(name)(request, timeout=self.cfg.grpc_call_timeout_s,
+                                metadata=self.metadata)
+
+    def retrying(self, what: str, attempt: Callable[[], object], progress: Callable[[], int] = lambda: 0):
+        """`attempt()`, again after each retryable failure (backoff, a line every NOTE_S s),
+        for at most buffer.grpc_trainer_wait_s without `progress()` growing."""
+        start = noted = None
+        backoff, seen = 0.2, progress()
+        while True:
+            try:
+                out = attempt()
+            except grpc.RpcError as e:
+                code, details = e.code(), e.details()
+                if code not in RETRIED or details.startswith(DISK_FULL):
+                    raise self._error(what, code, details) from None
+                now = time.monotonic()
+                if progress() != seen:  # a stream that got somewhere: the wait starts again
+                    start, seen, backoff = now, progress(), 0.2
+                start = now if start is None else start
+                waited = now - start
+                if waited > self.cfg.grpc_trainer_wait_s:
+                    raise TimeoutError(
+                        f"the trainer's run service at {self.address} did not answer {what} for "
+                        f"{waited:.0f} s ({code.name}: {details}; buffer.grpc_trainer_wait_s): "
+                        "is the trainer running?") from None
+                if noted is None or now - noted >= NOTE_S:
+                    log.warning("waiting for the trainer's run service at %s (%s: %s: %s): "
+                                "%.0f s of %.0f (buffer.grpc_trainer_wait_s)", self.address, what,
+                                code.name, details, waited, self.cfg.grpc_trainer_wait_s)
+                    noted = now
+                time.sleep(backoff)
+                backoff = min(backoff * 2, MAX_BACKOFF_S)
+                continue
+            if noted is not None:
+                log.info("the trainer's run service at %s answers again (%s, after %.0f s)",
+                         self.address, what, time.monotonic() - start)
+            return out
+
+    def _error(self, what: str, code, details: str) -> Exception:
+        text = f"the trainer's run service at {self.address} refused {what}: {code.name}: {details}"
+        if code == grpc.StatusCode.NOT_FOUND:
+            return FileNotFoundError(text)
+        if code == grpc.StatusCode.RESOURCE_EXHAUSTED:  # DISK_FULL: callers skip or wait
+            return OSError(errno.ENOSPC, text)
+        if code == grpc.StatusCode.UNIMPLEMENTED:
+            text += " (a trainer older than this worker: upgrade it, or use buffer.transport=fs)"
+        return RunServiceError(text)
+
+    def close(self) -> None:
+        self.channel.close()
+
+
+class NetHeartbeats(HeartbeatStore):
+    def __init__(self, client: RunClient):
+        self.client = client
+
+    def write(self, worker_id: str, beat: dict) -> None:
+        self.client.call("WriteHeartbeat", rs.HeartbeatWrite(worker_id, beat))
+
+    def read(self, worker_id: str) -> dict | None:
+        return self.client.call("ReadHeartbeat", rs.WorkerRef(worker_id)).doc
+
+    def all(self) -> list[dict]:
+        return self.client.call("Heartbeats").docs
+
+    def where(self, worker_id: str | None = None) -> str:
+        return f"heartbeat{' of ' + worker_id if worker_id else 's'} at {self.client.address}"
+
+
+class NetProgress(ProgressStore):
+    def __init__(self, client: RunClient):
+        self.client = client
+
+    def write(self, progress: dict) -> None:
+        _trainer_only("progress.json")
+
+    def read(self) -> dict | None:
+        return self.client.call("Progress").doc
+
+    def where(self) -> str:
+        return f"the trainer's progress at {self.client.address}"
+
+
+class NetRunState(RunState):
+    """The run id and DONE; both are kept once known (neither changes again), so a worker
+    that learned the run ended needs no trainer to stop."""
+
+    def __init__(self, client: RunClient):
+        self.client = client
+        self._run_id: str | None = None
+        self._done = False
+
+    def _ask(self) -> None:
+        reply = self.client.call("RunState")
+        self._run_id = self._run_id or reply.run_id
+        self._done = self._done or reply.done
+
+    def run_id(self) -> str | None:
+        if self._run_id is None:
+            self._ask()
+        return self._run_id
+
+    def done(self) -> bool:
+        if not self._done:
+            self._ask()
+        return self._done
+
+    def mark_done(self, info: dict) -> None:
+        _trainer_only("the end of the run (DONE)")
+
+    def where(self) -> str:
+        return f"the run state at {self.client.address}"
+
+
+class NetSyncClaims(SyncClaims):
+    def __init__(self, client: RunClient):
+        self.client = client
+
+    def claim(self, version: int, groups: int, want: int, worker_id: str) -> int:
+        # one request id for all retries: a claim whose reply was lost is not made twice
+        return self.client.call("SyncClaim", rs.ClaimRequest(version, groups, want, worker_id,
+                                                             rs.new_request_id())).n
+
+    def share(self, groups: int, per_batch: int) -> int:
+        return self.client.call("SyncShare", rs.ShareRequest(groups, per_batch)).n
+
+    def claims(self, version: int) -> dict[int, str]:
+        return {int(k): v for k, v in self.client.call("SyncClaims", rs.VersionRef(version)).claims.items()}
+
+    def open_version(self, version: int) -> None:
+        _trainer_only("opening a version for claims")
+
+    def retire_before(self, version: int) -> int:
+        _trainer_only("retiring claims")
+
+
+class NetControl(ControlStore):
+    def __init__(self, client: RunClient):
+        self.client = client
+
+    def commands(self) -> tuple[list[Command], list[str]]:
+        reply = self.client.call("ControlCommands")
+        return [Command(**c) for c in reply.commands], list(reply.errors)
+
+    def submit(self, action: str, count: int) -> tuple[Command, str]:
+        reply = self.client.call("AddCommand", rs.NewCommand(action, count, rs.new_request_id()))
+        return Command(reply.id, reply.action, reply.count), f"{reply.where} at {self.client.address}"
+
+    def pool_state(self, supervisor_id: str) -> dict | None:
+        return self.client.call("ReadPoolState", rs.WorkerRef(supervisor_id)).doc
+
+    def save_pool_state(self, supervisor_id: str, state: dict) -> None:
+        self.client.call("WritePoolState", rs.PoolStateWrite(supervisor_id, state))
+
+    def pool_states(self) -> dict[str, dict]:
+        return self.client.call("PoolStates").doc or {}
+
+    def where(self) -> str:
+        return f"pool commands at {self.client.address}"
+
+
+class NetValidation(ValidationStore):
+    def __init__(self, client: RunClient):
+        self.client = client
+
+    def request(self, version: int, step: int) -> None:
+        _trainer_only("requesting validation")
+
+    def result(self, version: int) -> ValidationResult | None:
+        _trainer_only("reading validation results")
+
+    def held(self) -> list[int]:
+        return [r.version for r in self.requests()]
+
+    def requests(self) -> list[ValidationRequest]:
+        return [ValidationRequest(**d) for d in self.client.call("ValidationRequests").docs]
+
+    def answer(self, result: ValidationResult) -> None:
+        self.client.call("ValidationAnswer", rs.ValidationAnswer(dataclasses.asdict(result),
+                                                                 rs.new_request_id()))
+
+    def write_beat(self, beat: dict) -> None:
+        self.client.call("WriteValidatorBeat", rs.HeartbeatWrite("", beat))
+
+    def beat(self) -> dict | None:
+        return self.client.call("ValidatorBeat").doc
+
+    def where(self) -> str:
+        return f"validation requests at {self.client.address}"
+
+
+class NetWeightSource(WeightSource):
+    """LATEST and manifests from the run service; files streamed into `local`'s weights/."""
+
+    def __init__(self, client: RunClient, local: FsRun, keep: int):
+        self.client, self.local, self.keep = client, local, keep
+        self.layout: RunLayout = local.layout
+        self._verified: set[int] = set()  # cache folders checked by this process
+
+    def pointer(self) -> dict | None:
+        return self.client.call("WeightsPointer").doc
+
+    def exists(self, version: int) -> bool:
+        return self.client.call("VersionExists", rs.VersionRef(version)).value
+
+    def where(self) -> str:
+        return f"the trainer's weights at {self.client.address} (cached in {self.layout.weights_dir})"
+
+    def fetch(self, version: int) -> str:
+        folder = self.layout.version_dir(version)
+        if os.path.isdir(folder):
+            if version in self._verified:
+                return folder
+            try:  # left by an earlier process: checked once
+                self.local.weights.fetch(version)
+                self._verified.add(version)
+                return folder
+            except (ManifestError, OSError) as e:
+                log.warning("cached weight version %d is damaged (%s): fetching it again", version, e)
+                shutil.rmtree(folder, ignore_errors=True)
+        text = self.client.call("Manifest", rs.VersionRef(version)).text
+        where = f"manifest of v{version} from {self.client.address}"
+        manifest = WeightManifest.from_json(text, where=where)
+        if manifest.version != version:
+            raise ManifestError(f"{where}: says version {manifest.version}")
+        t0 = time.monotonic()
+        self._remove_debris()
+        tmp = self.layout.version_tmp(version, os.getpid())
+        shutil.rmtree(tmp, ignore_errors=True)
+        os.makedirs(tmp)
+        try:
+            for entry in manifest.files:
+                self._download(version, entry, tmp)
+            with open(os.path.join(tmp, "manifest.json"), "w") as f:
+                f.write(text)
+            fsync_tree(tmp)
+            os.rename(tmp, folder)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+        self._verified.add(version)
+        size = sum(e.bytes for e in manifest.files)
+        log.info("fetched weight version %d: %d files, %.1f MB in %.2f s from %s", version,
+                 len(manifest.files), size / 1e6, time.monotonic() - t0, self.client.address)
+        self._prune(version)
+        return folder
+
+    def _download(self, version: int, entry: FileEntry, tmp: str) -> None:
+        """One file of the manifest, streamed (resumed at the byte reached after a break),
+        checked against its size and sha256."""
+        if os.path.basename(entry.name) != entry.name or entry.name in ("", ".", ".."):
+            raise ManifestError(f"v{version} manifest from {self.client.address}: file name "
+                                f"{entry.name!r} is not a plain name")
+        path, sha, got = os.path.join(tmp, entry.name), hashlib.sha256(), [0]
+
+        def attempt() -> None:
+            request = rs.FileRequest(version, entry.name, got[0])
+            for chunk in self.client.stream("FetchFile", request):
+                if got[0] + len(chunk.data) > entry.bytes:
+                    raise ManifestError(f"{path}: more than the manifest's {entry.bytes} bytes")
+                f.write(chunk.data)
+                sha.update(chunk.data)
+                got[0] += len(chunk.data)
+
+        with open(path, "wb") as f:
+            self.client.retrying(f"FetchFile v{version}/{entry.name}", attempt, lambda: got[0])
+        if got[0] != entry.bytes:
+            raise ManifestError(f"{path}: {got[0]} bytes received, manifest says {entry.bytes}")
+        if sha.hexdigest() != entry.sha256:
+            raise ManifestError(f"{path}: checksum does not match the manifest")
+
+    def _remove_debris(self) -> None:
+        """Temporary folders of fetches killed midway (this folder is this process's own)."""
+        with contextlib.suppress(FileNotFoundError):
+            for name in os.listdir(self.layout.weights_dir):
+                if name.startswith(".v") and TMP_MARK in name:
+                    shutil.rmtree(os.path.join(self.layout.weights_dir, name), ignore_errors=True)
+
+    def _prune(self, fetched: int) -> None:
+        versions = sorted(v for v in map(RunLayout.version_of, os.listdir(self.layout.weights_dir))
+                          if v is not None)
+        for v in versions[:-self.keep]:
+            if v != fetched:
+                shutil.rmtree(self.layout.version_dir(v), ignore_errors=True)
+                self._verified.discard(v)
+
+
+def open_net_run(root: str, buffer: BufferConfig) -> Run:
+    """The Run of a worker, validator or pool with only its own folder `root` (local)."""
+    local = FsRun.at(root, buffer)
+    if not is_local(local.fs):
+        raise ValueError(f"root={root}: with buffer.transport=grpc the root is this process's "
+                         "own local folder (weight cache, claim file, logs), not a URL")
+    os.makedirs(local.layout.weights_dir, exist_ok=True)
+    client = RunClient(buffer)
+    state = NetRunState(client)
+
+    def make_sink(worker_id: str):
+        from buffer.grpc_transport import GrpcSink  # shards: pushed, claim file in `root`
+        return GrpcSink(local.make_sink(worker_id), buffer, state)
+    return Run(root=root, transport="grpc",
+               weights=NetWeightSource(client, local, buffer.grpc_cache_versions),
+               heartbeats=NetHeartbeats(client), progress=NetProgress(client), state=state,
+               sync=NetSyncClaims(client), control=NetControl(client),
+               validation=NetValidation(client),
+               make_sink=make_sink)
+
+
+register("grpc", open_net_run)
