@@ -32,6 +32,9 @@
       tensorboard/, swanlog/       trainer.logger backends' files (tensorboard, swanlab)
       report/                      launch.report's plots, index.html and data.json
       logs/<process>.log           per-process logs under launch.local
+      remote/<id>/                 launch.local --remote-workers: the own folder of each worker
+                                   and of the validator (a run folder layout of their own: weight
+                                   cache, shard claim, logs, data); nothing of the run's
       logs/slurm-<role>-%j.out     SLURM job output (launch.submit; %j/%A_%a filled in by SLURM)
       env/<node>.json              versions and checks recorded by launch.check_env on each node
       .check_env/                  launch.check_env's scratch files (removed after each check)
@@ -276,6 +279,10 @@ class RunLayout:
 
     def log(self, process: str) -> str:
         return self._p("logs", f"{process}.log")
+
+    def remote_root(self, role: str) -> str:
+        """launch.local --remote-workers: the own folder of a worker or the validator."""
+        return self._p("remote", check_worker_id(role))
 
     def slurm_output(self, role: str) -> str:
         """sbatch --output pattern of a role's jobs (SLURM fills in %j, or %A_%a for arrays)."""

@@ -19,13 +19,17 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import secrets
+import shutil
 import signal
+import socket
 import subprocess
 import sys
 import threading
 import time
 from pathlib import Path
 
+from buffer.grpc_transport import TOKEN_ENV
 from buffer.layout import RunLayout
 from protocol.config import ConfigError, file_values, load, split_argv
 from launch import status
@@ -47,6 +51,7 @@ BUILTIN_WORKER = ["actor_rollout_ref.rollout.n=16", "actor_rollout_ref.rollout.p
                   "buffer.flush_samples=128", "buffer.flush_interval=5", "buffer.max_backlog_samples=256"]
 MODEL, TRAIN_FILES, STEPS = "actor_rollout_ref.model.path", "data.train_files", "trainer.total_training_steps"
 VAL_FILES, TEST_FREQ = "data.val_files", "trainer.test_freq"
+REMOTE = ["buffer.transport=grpc"]  # --remote-workers, every role
 DEFAULT_STEPS, DEFAULT_TEST_FREQ = 200, 10
 
 
@@ -84,6 +89,14 @@ def parse_args(argv):
                    help="extra worker override, repeatable")
     p.add_argument("--validator", action="append", default=[], metavar="KEY=VALUE",
                    help="extra validator override, repeatable (e.g. data.val_batch_size=64)")
+    p.add_argument("--remote-workers", action="store_true",
+                   help="run the workers and the validator as if they had no access to the "
+                        "trainer's run folder: buffer.transport=grpc (a free loopback port; a "
+                        f"random token in ${TOKEN_ENV} unless set) and each of them gets its own "
+                        "separate folder ROOT/remote/<id> as its root (weight cache, shard claim, "
+                        "log, a copy of its data files); heartbeats, weights, validation and the "
+                        "end of the run go through the trainer's run service, experience over "
+                        "gRPC, nothing by path")
     p.add_argument("--timeout", type=float, default=3600, help="seconds before giving up (default 3600)")
     p.add_argument("--trainer-gpus", help="CUDA_VISIBLE_DEVICES of the trainer, e.g. 0")
     p.add_argument("--worker-gpus", help="GPUs for the workers, one each in turn, e.g. 1,2")
@@ -282,21 +295,66 @@ def check_config(trainer_args: list[str], worker_args: list[str],
         print(f"config: {line}", file=sys.stderr)
 
 
+def remote(layout: RunLayout, role: str, argv: list[str], grpc: list[str],
+           user: list[str]) -> tuple[list[str], str]:
+    """--remote-workers: `argv` of a worker or the validator with its own root
+    ROOT/remote/<role> (its data files copied there) and the gRPC settings `grpc` (the user's
+    overrides `user` still win); and its log file, in that folder."""
+    own = RunLayout(layout.remote_root(role))
+    out = []
+    for arg in argv:
+        key, _, value = arg.partition("=")
+        if key == "root":
+            arg = f"root={own.root}"
+        elif key in (TRAIN_FILES, VAL_FILES) and value.startswith("["):
+            os.makedirs(os.path.dirname(own.train_parquet), exist_ok=True)
+            copies = []
+            for i, path in enumerate(value.strip("[]").split(",")):
+                copies.append(os.path.join(os.path.dirname(own.train_parquet),
+                                           f"{key.rsplit('.', 1)[1]}-{i}-{os.path.basename(path)}"))
+                shutil.copyfile(path, copies[-1])
+            arg = f"{key}=[{','.join(copies)}]"
+        out.append(arg)
+    return [*out, *grpc, *user], own.log(role)
+
+
+def remote_settings(args) -> tuple[list[str], list[str]]:
+    """--remote-workers: the trainer's and the others' gRPC settings (a free loopback port;
+    the token from $TANDEM_GRPC_TOKEN, made up now if unset: the children inherit it)."""
+    if not os.environ.get(TOKEN_ENV):
+        os.environ[TOKEN_ENV] = secrets.token_hex(16)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    return ([*REMOTE, f"buffer.grpc_bind=127.0.0.1:{port}", *args.trainer],
+            [*REMOTE, f"buffer.grpc_address=127.0.0.1:{port}"])
+
+
 def start_children(layout: RunLayout, args, trainer_args: list[str], worker_args: list[str],
                    validator_args: list[str] | None) -> tuple[Child, list[Child]]:
-    """The trainer, and the other children: the workers, then the validator if it has args."""
+    """The trainer, and the other children: the workers, then the validator if it has args.
+    With --remote-workers each of the others runs in its own folder (`remote`)."""
     py = sys.executable
+    grpc = []
+    if args.remote_workers:
+        trainer_extra, grpc = remote_settings(args)
+        trainer_args = [*trainer_args, *trainer_extra]
+    place = ((lambda role, argv, log, user: remote(layout, role, argv, grpc, user))
+             if args.remote_workers else (lambda role, argv, log, user: (argv, log)))
     trainer = Child("trainer", [py, "-m", "torch.distributed.run", "--standalone",
                                 f"--nproc_per_node={args.nproc}", "-m", "trainer.main", *trainer_args],
                     layout.log("trainer"), args.trainer_gpus)
     worker_gpus = args.worker_gpus.split(",") if args.worker_gpus else None
-    workers = [Child(f"worker w{i}", [py, "-m", "rollout.worker", f"worker.id=w{i}", f"worker.seed={i}",
-                                      *worker_args], layout.log(f"worker-w{i}"),
-                     worker_gpus[i % len(worker_gpus)] if worker_gpus else None)
-               for i in range(args.workers)]
+    workers = []
+    for i in range(args.workers):
+        argv, log = place(f"w{i}", worker_args, layout.log(f"worker-w{i}"), args.worker)
+        workers.append(Child(f"worker w{i}", [py, "-m", "rollout.worker", f"worker.id=w{i}",
+                                              f"worker.seed={i}", *argv], log,
+                             worker_gpus[i % len(worker_gpus)] if worker_gpus else None))
     if validator_args is not None:
-        workers.append(Child("validator", [py, "-m", "rollout.validate", *validator_args],
-                             layout.log("validator"), args.validator_gpu))
+        argv, log = place("validator", validator_args, layout.log("validator"), args.validator)
+        workers.append(Child("validator", [py, "-m", "rollout.validate", *argv], log,
+                             args.validator_gpu))
     return trainer, workers
 
 
@@ -407,7 +465,9 @@ def main(argv: list[str] | None = None) -> int:
     args.steps = int(args.steps or config.get(STEPS) or DEFAULT_STEPS)
     model, data, val = prepare(layout, args, config)
     check_config(*role_args(layout, args, model, data, config, val))  # before SFT: fail fast
-    print(f"launch.local: run folder {layout.root}; logs in {os.path.dirname(layout.log('x'))}")
+    print(f"launch.local: run folder {layout.root}; logs in {os.path.dirname(layout.log('x'))}"
+          + (f"; workers and validator in their own folders {layout.remote_root('x')[:-2]}/<id> "
+             "(--remote-workers)" if args.remote_workers else ""))
     signals = Signals()
     if args.sft_steps:
         try:
