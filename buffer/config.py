@@ -72,6 +72,36 @@ class BufferConfig:
     grpc_cache_versions: int = F(2, "worker (transport grpc): weight versions kept in the cache "
                                  "in its own folder (ROOT/weights)", ge=1)
 
+    # --- weight versions over the network (buffer/weights_net.py) ---
+    weights_chunk_kb: int = F(4096, "trainer: weight files are served in chunks of this many KiB, "
+                              "each with its sha256 in the version's chunk list", ge=64, le=4096)
+    weights_parallel: int = F(4, "worker: chunk requests to other workers (peers) in flight at "
+                              "once", ge=1)
+    weights_trainer_streams: int = F(2, "worker: chunk requests to the trainer in flight at once",
+                                     ge=1)
+    weights_peer_fanout: bool = F(True, "worker: fetch weight chunks from other workers that "
+                                  "hold them, and serve the chunks it holds (the trainer sends "
+                                  "each chunk about once); false: every chunk from the trainer")
+    weights_peer_host: str | None = F(None, "worker: the host other workers reach its peer "
+                                      "server at (default: this node's address, as its hostname "
+                                      "resolves)")
+    weights_peer_port: int = F(0, "worker: port of its peer server (0: a free one)", ge=0, le=65535)
+    weights_peer_threads: int = F(8, "worker: chunk requests its peer server handles at once", ge=1)
+    weights_max_peers: int = F(16, "trainer: peers handed to a worker per request", ge=1)
+    weights_peer_refresh_s: float = F(1.0, "worker: seconds between reports of the chunks it holds "
+                                      "to the trainer, which answers with peers", gt=0)
+    weights_peer_ttl_s: float = F(10.0, "trainer: a peer not heard from for this long is no longer "
+                                  "handed out; worker: a peer that failed a request is not asked "
+                                  "again for this long", gt=0)
+    weights_chunk_timeout_s: float = F(60.0, "worker: seconds one chunk request may take", gt=0)
+    weights_stall_timeout_s: float = F(600.0, "worker: a weight fetch that verifies no chunk for "
+                                       "this long fails", gt=0)
+    weights_upload_mb_s: float = F(0.0, "cap on the rate (MB/s, 1e6 bytes) at which a server "
+                                   "(the trainer's, or a worker's peer server) sends weight "
+                                   "chunks, all requests together; 0: no cap", ge=0)
+    weights_serve_versions: int = F(2, "worker: weight versions it keeps serving to peers after "
+                                    "fetching them (the newest ones)", ge=1)
+
     def check(self) -> None:
         if bool(self.grpc_tls_cert) != bool(self.grpc_tls_key):
             raise ConfigError("buffer.grpc_tls_cert and buffer.grpc_tls_key go together: set both "

@@ -537,3 +537,18 @@ class GrpcShardWriter(ShardWriter):
         if left:
             raise TimeoutError(f"{left} shards still unacknowledged by {self.cfg.grpc_address} "
                                f"after {timeout_s:.0f} s; last error: {self.last_error}")
+
+
+def server_credentials(cfg: BufferConfig) -> grpc.ServerCredentials | None:
+    """TLS credentials of a server from buffer.grpc_tls_cert/key, None without TLS."""
+    if not cfg.grpc_tls_cert:
+        return None
+    return grpc.ssl_server_credentials([(_read(cfg.grpc_tls_key), _read(cfg.grpc_tls_cert))])
+
+
+def open_channel(cfg: BufferConfig, address: str, options: list | None = None) -> grpc.Channel:
+    """A channel to `address`, TLS-verified against buffer.grpc_tls_ca when it is set."""
+    if cfg.grpc_tls_ca:
+        creds = grpc.ssl_channel_credentials(root_certificates=_read(cfg.grpc_tls_ca))
+        return grpc.secure_channel(address, creds, options)
+    return grpc.insecure_channel(address, options)
