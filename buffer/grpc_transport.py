@@ -83,16 +83,24 @@ def authorized(context, expected: bytes) -> bool:
     return hmac.compare_digest(given.encode(), expected)
 
 
-def open_channel(cfg: BufferConfig, options: list | None = None) -> grpc.Channel:
-    """A channel to the trainer at buffer.grpc_address (TLS with buffer.grpc_tls_ca). It
-    reconnects by itself, at most RECONNECT_MAX_MS apart: a restarted trainer is found again
-    within seconds (gRPC's default backoff grows to two minutes)."""
+def open_channel(cfg: BufferConfig, address: str, options: list | None = None) -> grpc.Channel:
+    """A channel to `address` (the trainer's buffer.grpc_address, or a peer's), TLS-verified
+    against buffer.grpc_tls_ca when it is set. It reconnects by itself, at most RECONNECT_MAX_MS
+    apart: a restarted trainer is found again within seconds (gRPC's default backoff grows to
+    two minutes)."""
     options = [*(options or []), ("grpc.initial_reconnect_backoff_ms", 200),
                ("grpc.min_reconnect_backoff_ms", 200), ("grpc.max_reconnect_backoff_ms", RECONNECT_MAX_MS)]
     if cfg.grpc_tls_ca:
         creds = grpc.ssl_channel_credentials(root_certificates=_read(cfg.grpc_tls_ca))
-        return grpc.secure_channel(cfg.grpc_address, creds, options)
-    return grpc.insecure_channel(cfg.grpc_address, options)
+        return grpc.secure_channel(address, creds, options)
+    return grpc.insecure_channel(address, options)
+
+
+def server_credentials(cfg: BufferConfig) -> grpc.ServerCredentials | None:
+    """TLS credentials of a server from buffer.grpc_tls_cert/key, None without TLS."""
+    if not cfg.grpc_tls_cert:
+        return None
+    return grpc.ssl_server_credentials([(_read(cfg.grpc_tls_key), _read(cfg.grpc_tls_cert))])
 
 
 class _KeyLocks:
@@ -365,8 +373,9 @@ class ShardServer:
                                                     response_serializer=pb.Ack.SerializeToString)
         self.server.add_generic_rpc_handlers([grpc.method_handlers_generic_handler(SERVICE, {"Push": push}),
                                               self.run_service.handler()])
-        creds = (grpc.ssl_server_credentials([(_read(cfg.grpc_tls_key), _read(cfg.grpc_tls_cert))])
-                 if cfg.grpc_tls_cert else None)
+        from buffer.weights_net import add_weight_service
+        self.weights = add_weight_service(self.server, self.run_service.version_dir, token(cfg), cfg)
+        creds = server_credentials(cfg)
         self.port = 0
         for host in bind_hosts(cfg.grpc_bind):
             port = cfg.grpc_bind.rpartition(":")[2] if not self.port else str(self.port)
@@ -438,7 +447,8 @@ class GrpcShardWriter(ShardWriter):
         self.senders = futures.ThreadPoolExecutor(cfg.grpc_max_inflight, thread_name_prefix="grpc-push")
 
     def _connect(self):
-        self.channel = open_channel(self.cfg, [("grpc.max_send_message_length", MAX_MESSAGE_BYTES)])
+        self.channel = open_channel(self.cfg, self.cfg.grpc_address,
+                                    [("grpc.max_send_message_length", MAX_MESSAGE_BYTES)])
         return self.channel.stream_unary(PUSH_METHOD, request_serializer=encode_chunk,
                                          response_deserializer=pb.Ack.FromString)
 
@@ -538,17 +548,3 @@ class GrpcShardWriter(ShardWriter):
             raise TimeoutError(f"{left} shards still unacknowledged by {self.cfg.grpc_address} "
                                f"after {timeout_s:.0f} s; last error: {self.last_error}")
 
-
-def server_credentials(cfg: BufferConfig) -> grpc.ServerCredentials | None:
-    """TLS credentials of a server from buffer.grpc_tls_cert/key, None without TLS."""
-    if not cfg.grpc_tls_cert:
-        return None
-    return grpc.ssl_server_credentials([(_read(cfg.grpc_tls_key), _read(cfg.grpc_tls_cert))])
-
-
-def open_channel(cfg: BufferConfig, address: str, options: list | None = None) -> grpc.Channel:
-    """A channel to `address`, TLS-verified against buffer.grpc_tls_ca when it is set."""
-    if cfg.grpc_tls_ca:
-        creds = grpc.ssl_channel_credentials(root_certificates=_read(cfg.grpc_tls_ca))
-        return grpc.secure_channel(address, creds, options)
-    return grpc.insecure_channel(address, options)

@@ -7,8 +7,9 @@ TLS) and executes each call on the trainer's filesystem Run (buffer/stores/fs.py
 operations of protocol.run_service.RPCS exist: a remote role reads the run's state, writes its own
 heartbeat (the worker id's first writer holds it for buffer.grpc_claim_ttl_s after its last
 write, as for shard pushes), claims sync slots, answers validation requests, reads and writes
-pool state; it never names a path, and a weight file is served only when the version's manifest
-lists it. Calls that change the run carry a request id and are done once per id.
+pool state; it never names a path. Weight files are the weight service's (buffer/weights_net.py,
+on the same server), which serves only the files of published versions. Calls that change the
+run carry a request id and are done once per id.
 
 After the trainer's last step (DONE) the server lingers, at most buffer.grpc_linger_s, until every
 worker's and the validator's heartbeat says stopped: a worker learns that the run ended from the
@@ -30,10 +31,8 @@ from buffer.grpc_transport import WRITER_KEY, authorized
 from buffer.layout import check_worker_id
 from buffer.storage import is_disk_full
 from buffer.stores.fs import FsRun
-from protocol import control
 from protocol import run_service as rs
 from protocol.validation import ValidationResult
-from protocol.weights import ManifestError
 
 log = logging.getLogger(__name__)
 ANSWERS_KEPT = 4096  # replies of state-changing calls kept for retries of the same request id
@@ -77,12 +76,8 @@ class RunService:
         methods = {}
         for name, rpc in rs.RPCS.items():
             decode = (lambda cls: lambda raw: _decoded(cls, raw))(rpc.request)
-            if rpc.stream:
-                methods[name] = grpc.unary_stream_rpc_method_handler(
-                    self._streaming(name), request_deserializer=decode, response_serializer=rs.encode)
-            else:
-                methods[name] = grpc.unary_unary_rpc_method_handler(
-                    self._unary(name), request_deserializer=decode, response_serializer=rs.encode)
+            methods[name] = grpc.unary_unary_rpc_method_handler(
+                self._unary(name), request_deserializer=decode, response_serializer=rs.encode)
         return grpc.method_handlers_generic_handler(rs.SERVICE, methods)
 
     def _check(self, request, context) -> None:
@@ -110,22 +105,10 @@ class RunService:
                 self._abort(name, e, context)
         return handle
 
-    def _streaming(self, name: str):
-        do = getattr(self, f"_do_{name}")
-
-        def handle(request, context):
-            try:
-                self._check(request, context)
-                yield from do(request, context)
-                self.stats[name] += 1
-            except Exception as e:  # noqa: BLE001
-                self._abort(name, e, context)
-        return handle
-
     def _abort(self, name: str, e: Exception, context) -> None:
         if isinstance(e, _Refuse):
             code, details = e.code, e.details
-        elif isinstance(e, (FileNotFoundError, ManifestError)):
+        elif isinstance(e, FileNotFoundError):
             code, details = grpc.StatusCode.NOT_FOUND, str(e)
         elif is_disk_full(e):
             code, details = grpc.StatusCode.RESOURCE_EXHAUSTED, f"disk full on the trainer: {e}"
@@ -201,26 +184,10 @@ class RunService:
     def _do_VersionExists(self, request, context) -> rs.Flag:
         return rs.Flag(self.run.weights.exists(request.version))
 
-    def _do_Manifest(self, request, context) -> rs.ManifestReply:
-        return rs.ManifestReply(self.run.weights.manifest(request.version).to_json())
-
-    def _do_FetchFile(self, request, context):
-        """The bytes of one file the version's manifest lists, from `offset`, in chunks of
-        buffer.grpc_chunk_kb. An open file stays readable when the version is pruned meanwhile."""
-        manifest = self.run.weights.manifest(request.version)
-        entry = next((f for f in manifest.files if f.name == request.name), None)
-        if entry is None:
-            raise _Refuse(grpc.StatusCode.INVALID_ARGUMENT,
-                          f"{request.name!r} is not a file of weight version {request.version}")
-        if not 0 <= request.offset <= entry.bytes:
-            raise _Refuse(grpc.StatusCode.INVALID_ARGUMENT,
-                          f"offset {request.offset} outside {request.name} ({entry.bytes} bytes)")
-        path = f"{self.run.layout.version_dir(request.version)}/{entry.name}"
-        step = self.cfg.grpc_chunk_kb << 10
-        with self.run.fs.open(path, "rb") as f:
-            f.seek(request.offset)
-            while block := f.read(step):
-                yield rs.FileChunk(block)
+    def version_dir(self, version: int) -> str | None:
+        """The published folder of `version`, None when it is not (or no longer) published:
+        what the weight service (buffer/weights_net.py) serves chunks from."""
+        return self.run.layout.version_dir(version) if self.run.weights.exists(version) else None
 
     def _do_SyncClaim(self, request, context) -> rs.Count:
         worker_id = check_worker_id(request.worker_id)

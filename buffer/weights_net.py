@@ -29,7 +29,6 @@ import contextlib
 import dataclasses
 import fcntl
 import hashlib
-import hmac
 import logging
 import os
 import random
@@ -43,7 +42,8 @@ from concurrent import futures
 import grpc
 
 from buffer.config import BufferConfig
-from buffer.grpc_transport import MAX_MESSAGE_BYTES, bind_hosts, open_channel, server_credentials
+from buffer.grpc_transport import (MAX_MESSAGE_BYTES, authorized, bind_hosts, open_channel,
+                                   server_credentials)
 from protocol.weights import ManifestError, WeightManifest, sha256_file
 from protocol.weights_wire import (CHUNK_LIST_METHOD, CHUNK_METHOD, PEERS_METHOD, SERVICE,
                                    SIDECAR_PREFIX, ChunkList, ChunkListRequest, ChunkReply,
@@ -83,8 +83,7 @@ class _Uplink:
 
 
 def _check_token(context, expected: bytes) -> None:
-    given = dict(context.invocation_metadata()).get("authorization", "")
-    if not hmac.compare_digest(given.encode(), expected):  # constant time
+    if not authorized(context, expected):
         context.abort(grpc.StatusCode.UNAUTHENTICATED, "missing or wrong token")
 
 

@@ -8,12 +8,13 @@ msgpack map of its fields (`encode` / `decode`; no protoc step). A receiver igno
 does not know and fills missing ones with their defaults, so either side may add a field with a
 default; anything else (a renamed field, a changed meaning) is a new method name.
 
-Every RPC is a whitelisted operation on one store of the trainer's run (buffer/stores/base.py);
-nothing names a path. Unary calls answer with their reply; `FetchFile` streams `FileChunk`s.
-Status codes: UNAUTHENTICATED (token), INVALID_ARGUMENT (a message that does not decode, a bad
-worker id, a file not in the version's manifest), NOT_FOUND (a weight version pruned or never
-published), PERMISSION_DENIED (a heartbeat of another worker id's writer); UNAVAILABLE while the
-trainer is not serving (the client waits and retries).
+Every RPC is a whitelisted, unary operation on one store of the trainer's run
+(buffer/stores/base.py); nothing names a path. Weight files travel on the weight service beside
+it (protocol/weights_wire.py). Status codes: UNAUTHENTICATED (token), INVALID_ARGUMENT (a message
+that does not decode, a bad worker id or document), PERMISSION_DENIED (a heartbeat sent under
+another worker's id), ABORTED (the worker id's heartbeat is another process's, for now),
+RESOURCE_EXHAUSTED "disk full ..." (the trainer's disk); UNAVAILABLE while the trainer is not
+serving (the client waits and retries).
 
 `request_id` makes a call that changes state idempotent: the server answers a repeated id (a
 retry after a lost reply) with the first call's reply instead of doing it again (a second
@@ -83,23 +84,6 @@ class VersionRef:
 
 
 @dataclasses.dataclass
-class ManifestReply:
-    text: str = ""  # the version's manifest.json, verbatim (protocol/weights.py)
-
-
-@dataclasses.dataclass
-class FileRequest:
-    version: int = 0
-    name: str = ""  # a file listed in the version's manifest (or manifest.json itself)
-    offset: int = 0  # bytes the client already holds: the stream starts there (resume)
-
-
-@dataclasses.dataclass
-class FileChunk:
-    data: bytes = b""
-
-
-@dataclasses.dataclass
 class ClaimRequest:
     version: int = 0
     groups: int = 0  # slots of the version (weights/LATEST's sync_groups)
@@ -166,7 +150,6 @@ class CommandReply:
 class Rpc:
     request: type
     reply: type
-    stream: bool = False  # server streaming (FetchFile)
     mutates: bool = False  # changes the run: answered once per request_id
 
 
@@ -180,11 +163,10 @@ RPCS: dict[str, Rpc] = {
     "Heartbeats": Rpc(Empty, DocsReply),
     # ProgressStore (read only: the trainer writes it)
     "Progress": Rpc(Empty, DocReply),
-    # WeightSource: LATEST, a version's manifest, its files (only those the manifest lists)
+    # WeightSource: LATEST and whether a version is still published; the files themselves come
+    # from the weight service beside this one (buffer/weights_net.py, protocol/weights_wire.py)
     "WeightsPointer": Rpc(Empty, DocReply),
     "VersionExists": Rpc(VersionRef, Flag),
-    "Manifest": Rpc(VersionRef, ManifestReply),
-    "FetchFile": Rpc(FileRequest, FileChunk, stream=True),
     # SyncClaims (the trainer opens and retires versions)
     "SyncClaim": Rpc(ClaimRequest, Count, mutates=True),
     "SyncShare": Rpc(ShareRequest, Count),

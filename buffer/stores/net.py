@@ -13,10 +13,10 @@ for, for at most buffer.grpc_trainer_wait_s; then TimeoutError. A refusal that r
 change (a bad token, a malformed request) raises RunServiceError at once; NOT_FOUND (a weight
 version pruned) raises FileNotFoundError, as the filesystem stores do.
 
-Weights: `NetWeightSource.fetch(version)` streams each file of the version's manifest into a
-temporary folder of the cache (a broken stream resumes at the byte it reached), checks its size
-and sha256 against the manifest, and renames the folder to ROOT/weights/v<N>/ (atomic: a
-version in the cache is whole). The newest buffer.grpc_cache_versions versions are kept.
+Weights: `NetWeightSource.fetch(version)` hands the version to buffer/weights_net.py's
+WeightFetcher (chunks checked against the trainer's chunk list, from the trainer or from other
+workers, resumable; every file against the manifest; renamed into ROOT/weights/v<N>/ whole).
+The newest buffer.grpc_cache_versions versions are kept.
 """
 from __future__ import annotations
 
@@ -24,7 +24,6 @@ import contextlib
 import dataclasses
 import errno
 import functools
-import hashlib
 import logging
 import os
 import shutil
@@ -36,16 +35,15 @@ import grpc
 
 from buffer.config import BufferConfig
 from buffer.grpc_transport import MAX_MESSAGE_BYTES, WRITER_KEY, open_channel, token
-from buffer.layout import TMP_MARK, RunLayout
+from buffer.layout import RunLayout
 from buffer.run import Run, register
-from buffer.storage import fsync_tree, is_local
+from buffer.storage import is_local
 from buffer.stores.base import (ControlStore, HeartbeatStore, ProgressStore, RunState, SyncClaims,
                                 ValidationStore, WeightSource)
 from buffer.stores.fs import FsRun
 from protocol import run_service as rs
 from protocol.control import Command
 from protocol.validation import ValidationRequest, ValidationResult
-from protocol.weights import FileEntry, ManifestError, WeightManifest
 
 log = logging.getLogger(__name__)
 
@@ -73,17 +71,17 @@ class RunClient:
     def __init__(self, cfg: BufferConfig):
         self.cfg = cfg
         self.address = cfg.grpc_address
-        self.channel = open_channel(cfg, [("grpc.max_receive_message_length", MAX_MESSAGE_BYTES)])
+        self.channel = open_channel(cfg, cfg.grpc_address,
+                                    [("grpc.max_receive_message_length", MAX_MESSAGE_BYTES)])
         self.metadata = (("authorization", f"Bearer {token(cfg)}"),
                          (rs.SCHEMA_KEY, str(rs.SCHEMA)), (WRITER_KEY, uuid.uuid4().hex))
         self._stubs: dict[str, Callable] = {}
 
     def _stub(self, name: str):
         if name not in self._stubs:
-            rpc = rs.RPCS[name]
-            make = self.channel.unary_stream if rpc.stream else self.channel.unary_unary
-            self._stubs[name] = make(rs.method(name), request_serializer=rs.encode,
-                                     response_deserializer=functools.partial(rs.decode, rpc.reply))
+            self._stubs[name] = self.channel.unary_unary(
+                rs.method(name), request_serializer=rs.encode,
+                response_deserializer=functools.partial(rs.decode, rs.RPCS[name].reply))
         return self._stubs[name]
 
     def call(self, name: str, request=None):
@@ -93,17 +91,11 @@ class RunClient:
         return self.retrying(name, lambda: stub(request, timeout=self.cfg.grpc_call_timeout_s,
                                                 metadata=self.metadata))
 
-    def stream(self, name: str, request):
-        """The replies of one server-streaming call, lasting at most grpc_call_timeout_s
-        (the caller resumes from where it got to: `retrying`)."""
-        return self._stub(name)(request, timeout=self.cfg.grpc_call_timeout_s,
-                                metadata=self.metadata)
-
-    def retrying(self, what: str, attempt: Callable[[], object], progress: Callable[[], int] = lambda: 0):
+    def retrying(self, what: str, attempt: Callable[[], object]):
         """`attempt()`, again after each retryable failure (backoff, a line every NOTE_S s),
-        for at most buffer.grpc_trainer_wait_s without `progress()` growing."""
+        for at most buffer.grpc_trainer_wait_s."""
         start = noted = None
-        backoff, seen = 0.2, progress()
+        backoff = 0.2
         while True:
             try:
                 out = attempt()
@@ -112,8 +104,6 @@ class RunClient:
                 if code not in RETRIED or details.startswith(DISK_FULL):
                     raise self._error(what, code, details) from None
                 now = time.monotonic()
-                if progress() != seen:  # a stream that got somewhere: the wait starts again
-                    start, seen, backoff = now, progress(), 0.2
                 start = now if start is None else start
                 waited = now - start
                 if waited > self.cfg.grpc_trainer_wait_s:
@@ -288,12 +278,15 @@ class NetValidation(ValidationStore):
 
 
 class NetWeightSource(WeightSource):
-    """LATEST and manifests from the run service; files streamed into `local`'s weights/."""
+    """LATEST from the run service; versions fetched into `local`'s weights/ by the weight
+    service's fetcher (buffer/weights_net.py: chunked, verified, resumable, from peers too),
+    made on the first fetch (its peer server is of no use to a process that never fetches)."""
 
     def __init__(self, client: RunClient, local: FsRun, keep: int):
         self.client, self.local, self.keep = client, local, keep
         self.layout: RunLayout = local.layout
-        self._verified: set[int] = set()  # cache folders checked by this process
+        self._fetcher = None
+        self._verified: set[int] = set()  # cache folders this process fetched or checked
 
     def pointer(self) -> dict | None:
         return self.client.call("WeightsPointer").doc
@@ -306,81 +299,40 @@ class NetWeightSource(WeightSource):
 
     def fetch(self, version: int) -> str:
         folder = self.layout.version_dir(version)
-        if os.path.isdir(folder):
-            if version in self._verified:
-                return folder
-            try:  # left by an earlier process: checked once
-                self.local.weights.fetch(version)
-                self._verified.add(version)
-                return folder
-            except (ManifestError, OSError) as e:
-                log.warning("cached weight version %d is damaged (%s): fetching it again", version, e)
-                shutil.rmtree(folder, ignore_errors=True)
-        text = self.client.call("Manifest", rs.VersionRef(version)).text
-        where = f"manifest of v{version} from {self.client.address}"
-        manifest = WeightManifest.from_json(text, where=where)
-        if manifest.version != version:
-            raise ManifestError(f"{where}: says version {manifest.version}")
+        if version in self._verified and os.path.isdir(folder):
+            return folder
+        if self._fetcher is None:
+            from buffer.weights_net import WeightFetcher
+            self._fetcher = WeightFetcher(self.client.address, token(self.client.cfg), self.client.cfg)
         t0 = time.monotonic()
-        self._remove_debris()
-        tmp = self.layout.version_tmp(version, os.getpid())
-        shutil.rmtree(tmp, ignore_errors=True)
-        os.makedirs(tmp)
-        try:
-            for entry in manifest.files:
-                self._download(version, entry, tmp)
-            with open(os.path.join(tmp, "manifest.json"), "w") as f:
-                f.write(text)
-            fsync_tree(tmp)
-            os.rename(tmp, folder)
-        except BaseException:
-            shutil.rmtree(tmp, ignore_errors=True)
-            raise
+        self._fetcher.fetch(version, folder)  # a folder already there is checked, else fetched
         self._verified.add(version)
-        size = sum(e.bytes for e in manifest.files)
-        log.info("fetched weight version %d: %d files, %.1f MB in %.2f s from %s", version,
-                 len(manifest.files), size / 1e6, time.monotonic() - t0, self.client.address)
-        self._prune(version)
+        log.info("weight version %d in %s (%.2f s)", version, folder, time.monotonic() - t0)
+        self._prune()
         return folder
 
-    def _download(self, version: int, entry: FileEntry, tmp: str) -> None:
-        """One file of the manifest, streamed (resumed at the byte reached after a break),
-        checked against its size and sha256."""
-        if os.path.basename(entry.name) != entry.name or entry.name in ("", ".", ".."):
-            raise ManifestError(f"v{version} manifest from {self.client.address}: file name "
-                                f"{entry.name!r} is not a plain name")
-        path, sha, got = os.path.join(tmp, entry.name), hashlib.sha256(), [0]
+    def _prune(self) -> None:
+        """Keep the newest `keep` versions of the cache, and the partial fetches of newer ones."""
+        names = os.listdir(self.layout.weights_dir)
+        versions = sorted(v for v in map(RunLayout.version_of, names) if v is not None)
+        if len(versions) <= self.keep:
+            return
+        oldest_kept = versions[-self.keep]
+        for name in names:
+            version = RunLayout.version_of(name.split(".", 1)[0])  # also v<N>.partial(.lock)
+            if version is None or version >= oldest_kept:
+                continue
+            path = os.path.join(self.layout.weights_dir, name)
+            if os.path.isdir(path):
+                shutil.rmtree(path, ignore_errors=True)
+            else:
+                with contextlib.suppress(FileNotFoundError):
+                    os.remove(path)
+            self._verified.discard(version)
 
-        def attempt() -> None:
-            request = rs.FileRequest(version, entry.name, got[0])
-            for chunk in self.client.stream("FetchFile", request):
-                if got[0] + len(chunk.data) > entry.bytes:
-                    raise ManifestError(f"{path}: more than the manifest's {entry.bytes} bytes")
-                f.write(chunk.data)
-                sha.update(chunk.data)
-                got[0] += len(chunk.data)
-
-        with open(path, "wb") as f:
-            self.client.retrying(f"FetchFile v{version}/{entry.name}", attempt, lambda: got[0])
-        if got[0] != entry.bytes:
-            raise ManifestError(f"{path}: {got[0]} bytes received, manifest says {entry.bytes}")
-        if sha.hexdigest() != entry.sha256:
-            raise ManifestError(f"{path}: checksum does not match the manifest")
-
-    def _remove_debris(self) -> None:
-        """Temporary folders of fetches killed midway (this folder is this process's own)."""
-        with contextlib.suppress(FileNotFoundError):
-            for name in os.listdir(self.layout.weights_dir):
-                if name.startswith(".v") and TMP_MARK in name:
-                    shutil.rmtree(os.path.join(self.layout.weights_dir, name), ignore_errors=True)
-
-    def _prune(self, fetched: int) -> None:
-        versions = sorted(v for v in map(RunLayout.version_of, os.listdir(self.layout.weights_dir))
-                          if v is not None)
-        for v in versions[:-self.keep]:
-            if v != fetched:
-                shutil.rmtree(self.layout.version_dir(v), ignore_errors=True)
-                self._verified.discard(v)
+    def close(self) -> None:
+        if self._fetcher is not None:
+            self._fetcher.close()
 
 
 def open_net_run(root: str, buffer: BufferConfig) -> Run:
