@@ -15,4 +15,9 @@ def _open(root: str, buffer) -> Run:
     return run
 
 
-register("grpc", _open)
+def _serve(run: FsRun, buffer, **hooks):
+    from buffer.grpc_transport import ShardServer
+    return ShardServer(run.root, buffer, **hooks)
+
+
+register("grpc", _open, server=_serve)
