@@ -1,5 +1,10 @@
 """`buffer.transport=grpc` until the run service (buffer/stores/net.py) lands: shards go to the
-trainer over gRPC (buffer/grpc_transport.py's push), every other store is the run folder."""
+trainer over gRPC (buffer/grpc_transport.py's push), every other store is the run folder.
+
+The network version replaces this module in buffer/run.py's `_PROVIDERS["grpc"]`: its factory
+builds a Run of network stores whose `make_sink` is `GrpcSink(local sink of the worker's own
+folder, buffer, run state)`, and its server (started by the trainer's rank 0 through
+`FsRun.serve`) adds the run service to the ShardServer's grpc.Server."""
 from __future__ import annotations
 
 from buffer.run import Run, register
