@@ -125,11 +125,6 @@ class RunLayout:
         return int(stem) if stem.isdigit() else None
 
     @staticmethod
-    def shard_key(worker_id: str, seq: int) -> str:
-        """The consumption-ledger key of a shard ("<worker>/<seq>", as in ExperienceReader.consumed)."""
-        return f"{worker_id}/{seq}"
-
-    @staticmethod
     def parse_shard_key(key: str) -> tuple[str, int] | None:
         worker, _, seq = key.rpartition("/")
         return (worker, int(seq)) if worker and seq.isdigit() else None

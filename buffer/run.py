@@ -26,11 +26,30 @@ if TYPE_CHECKING:
 # transport -> the module whose import registers its factory (buffer.transport's choices)
 _PROVIDERS = {"fs": "buffer.stores.fs", "grpc": "buffer.stores.net"}
 _FACTORIES: dict[str, Callable[[str, "BufferConfig"], "Run"]] = {}
+_SERVERS: dict[str, Callable] = {}
 
 
-def register(transport: str, factory: Callable[[str, "BufferConfig"], "Run"]) -> None:
-    """Make `factory(root, buffer_cfg) -> Run` the implementation of `transport`."""
+def register(transport: str, factory: Callable[[str, "BufferConfig"], "Run"],
+             server: Callable | None = None) -> None:
+    """Make `factory(root, buffer_cfg) -> Run` the implementation of `transport`; `server(run,
+    buffer_cfg, **hooks)`, if given, is what the trainer's rank 0 starts to serve its run folder
+    to the others (an object with `stop()`; hooks: see FsRun.serve)."""
     _FACTORIES[transport] = factory
+    if server is not None:
+        _SERVERS[transport] = server
+
+
+def _provider(transport: str) -> None:
+    if transport not in _FACTORIES:
+        if transport not in _PROVIDERS:
+            raise ValueError(f"buffer.transport={transport!r}: one of {sorted(_PROVIDERS)}")
+        importlib.import_module(_PROVIDERS[transport])
+
+
+def server_for(transport: str) -> Callable | None:
+    """The server factory of `transport`, None when the others share the folder (fs)."""
+    _provider(transport)
+    return _SERVERS.get(transport)
 
 
 @dataclasses.dataclass
@@ -56,12 +75,8 @@ class Run:
         """The Run of a role config: `cfg.root` and, if it has one, `cfg.buffer.transport`."""
         from buffer.config import BufferConfig
         buffer = getattr(cfg, "buffer", None) or BufferConfig()
-        transport = buffer.transport
-        if transport not in _FACTORIES:
-            if transport not in _PROVIDERS:
-                raise ValueError(f"buffer.transport={transport!r}: one of {sorted(_PROVIDERS)}")
-            importlib.import_module(_PROVIDERS[transport])
-        return _FACTORIES[transport](cfg.root, buffer)
+        _provider(buffer.transport)
+        return _FACTORIES[buffer.transport](cfg.root, buffer)
 
     @staticmethod
     def local(root: str, buffer: "BufferConfig | None" = None) -> "FsRun":

@@ -187,7 +187,7 @@ class RunService:
     def version_dir(self, version: int) -> str | None:
         """The published folder of `version`, None when it is not (or no longer) published:
         what the weight service (buffer/weights_net.py) serves chunks from."""
-        return self.run.layout.version_dir(version) if self.run.weights.exists(version) else None
+        return self.run.files.version_dir(version) if self.run.weights.exists(version) else None
 
     def _do_SyncClaim(self, request, context) -> rs.Count:
         worker_id = check_worker_id(request.worker_id)

@@ -146,3 +146,4 @@ class ValidatorConfig:
     actor_rollout_ref: ActorRolloutRefConfig = F(factory=ActorRolloutRefConfig)
     custom_reward_function: RewardFunctionConfig = F(factory=RewardFunctionConfig)
     validator: ValidatorSection = F(factory=ValidatorSection)
+    buffer: BufferConfig = F(factory=BufferConfig)  # buffer.transport: where the run's stores are

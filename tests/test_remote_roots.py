@@ -200,7 +200,7 @@ def test_a_worker_with_a_wrong_token_is_refused_and_says_so(tmp_path, inputs):
     trainer = _trainer(tmp_path / "trainer", inputs, port, 1)
     worker_root = tmp_path / "worker"
     try:
-        _wait_for("the server", lambda: "with the run service" in _text(tmp_path / "trainer" / "trainer.out"),
+        _wait_for("the server", lambda: "run service and weight service on port" in _text(tmp_path / "trainer" / "trainer.out"),
                   [trainer], timeout_s=300)
         (worker_root / "data").mkdir(parents=True)
         (worker_root / "data" / "train.parquet").write_bytes((inputs / "rl_train.parquet").read_bytes())

@@ -9,7 +9,6 @@ import msgpack
 import pytest
 
 from buffer.config import BufferConfig
-from buffer.grpc_transport import ShardServer
 from buffer.run import Run
 from buffer.stores.net import RunClient, RunServiceError
 from conftest import free_port
@@ -31,15 +30,14 @@ def _cfg(tmp_path, port, token=TOKEN, **kw) -> BufferConfig:
 
 @pytest.fixture
 def served(tmp_path):
-    """(trainer's filesystem Run, its ShardServer, the workers' config); v0 published."""
+    """(trainer's filesystem Run, its RunServer, the workers' config); v0 published."""
     port = free_port()
     cfg = _cfg(tmp_path, port, grpc_call_timeout_s=10, grpc_trainer_wait_s=20, grpc_linger_s=0)
     trainer = Run.local(str(tmp_path / "trainer"))
     trainer.state.ensure_run_id()
     builtin_task.write_model(tmp_path / "model")
-    from buffer.weights import WeightStore
-    WeightStore(str(tmp_path / "trainer")).publish_hf_folder(tmp_path / "model", 0, 0, keep=2)
-    server = ShardServer(str(tmp_path / "trainer"), cfg)
+    trainer.publisher.publish_hf_folder(tmp_path / "model", 0, 0, keep=2)
+    server = trainer.serve(cfg)  # what the trainer's rank 0 starts
     yield trainer, server, cfg
     server.stop(grace_s=1)
 
@@ -158,7 +156,7 @@ def test_a_client_waits_for_a_trainer_that_starts_later(tmp_path, caplog):
         while "waiting for the trainer's run service" not in caplog.text:
             assert time.monotonic() < deadline, "the client did not say what it waits for"
             time.sleep(0.05)
-        server = ShardServer(str(tmp_path / "trainer"), cfg)
+        server = Run.local(str(tmp_path / "trainer")).serve(cfg)
         try:
             thread.join(timeout=60)
             assert not thread.is_alive() and got["pointer"].doc is None
@@ -174,7 +172,7 @@ def test_the_trainer_lingers_until_workers_stopped(tmp_path):
     port = free_port()
     cfg = _cfg(tmp_path, port, grpc_linger_s=60)
     trainer = Run.local(str(tmp_path / "trainer"))
-    server = ShardServer(str(tmp_path / "trainer"), cfg)
+    server = trainer.serve(cfg)
     trainer.heartbeats.write("w0", {"worker_id": "w0", "state": "running", "last_beat": time.time()})
     trainer.state.mark_done({"steps": 1})
     stopped = threading.Event()

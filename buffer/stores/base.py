@@ -83,6 +83,10 @@ class ExperienceSink(abc.ABC):
         returns seconds waited; raises TimeoutError after `timeout_s`."""
 
     @abc.abstractmethod
+    def where(self) -> str:
+        """Where shards go (a folder or an address), for messages."""
+
+    @abc.abstractmethod
     def close(self) -> None:
         """After the writer's last flush: wait (bounded) until every shard has reached the
         trainer, then release threads and channels. Raises when shards were refused or are

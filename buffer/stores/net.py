@@ -284,7 +284,7 @@ class NetWeightSource(WeightSource):
 
     def __init__(self, client: RunClient, local: FsRun, keep: int):
         self.client, self.local, self.keep = client, local, keep
-        self.layout: RunLayout = local.layout
+        self.layout: RunLayout = local.files
         self._fetcher = None
         self._verified: set[int] = set()  # cache folders this process fetched or checked
 
@@ -341,7 +341,7 @@ def open_net_run(root: str, buffer: BufferConfig) -> Run:
     if not is_local(local.fs):
         raise ValueError(f"root={root}: with buffer.transport=grpc the root is this process's "
                          "own local folder (weight cache, claim file, logs), not a URL")
-    os.makedirs(local.layout.weights_dir, exist_ok=True)
+    os.makedirs(local.files.weights_dir, exist_ok=True)
     client = RunClient(buffer)
     state = NetRunState(client)
 
@@ -356,4 +356,34 @@ def open_net_run(root: str, buffer: BufferConfig) -> Run:
                make_sink=make_sink)
 
 
-register("grpc", open_net_run)
+class RunServer:
+    """The trainer's rank 0 with buffer.transport=grpc: one grpc.Server (buffer.grpc_bind, the
+    token, TLS) with the experience stream (ShardServer), the run service on `run` and the
+    weight service of its published versions. `hooks`: see FsRun.serve. `stop()` first
+    lingers after the run's end (buffer.grpc_linger_s), so that workers learn of it."""
+
+    def __init__(self, run: FsRun, buffer: BufferConfig, **hooks):
+        from buffer.grpc_transport import ShardServer
+        from buffer.run_service import RunService
+        from buffer.weights_net import add_weight_service
+        secret = token(buffer)
+        self.run_service = RunService(run, buffer, secret)
+        self.weights = None
+
+        def add_weights(server) -> None:
+            self.weights = add_weight_service(server, self.run_service.version_dir, secret, buffer)
+        self.shards = ShardServer(run.root, buffer, **hooks, services=[
+            lambda server: server.add_generic_rpc_handlers([self.run_service.handler()]),
+            add_weights])
+        self.server, self.port, self.linger_s = self.shards.server, self.shards.port, buffer.grpc_linger_s
+        self.servicer = self.shards.servicer  # the experience stream's (its stats)
+        log.info("run service and weight service on port %d beside the experience stream", self.port)
+
+    def stop(self, grace_s: float = 5.0) -> None:
+        try:
+            self.run_service.linger(self.linger_s)
+        finally:
+            self.shards.stop(grace_s)
+
+
+register("grpc", open_net_run, server=RunServer)
