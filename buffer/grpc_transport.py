@@ -162,7 +162,8 @@ class _Servicer:
         self.spooled_samples = retired() if retired is not None else 0
         self.key_locks = _KeyLocks()
         self._push_ids = itertools.count()
-        self.lock = threading.Lock()  # guards claims, streams, spooled_samples
+        self.lock = threading.Lock()  # guards claims, streams, spooled_samples, highest
+        self.highest: dict[str, int] = {}  # worker -> its highest shard number spooled here
         self.claims: dict[str, _Claim] = {}
         self.streams: set[_Stream] = set()
         self.stats = collections.Counter()
@@ -290,7 +291,7 @@ class _Servicer:
         if key in self.consumed() or self.spool.has(head.worker_id, head.seq):
             self.stats["duplicates"] += 1
             return True
-        self._backpressure(key, context)
+        self._backpressure(head, key, context)
         verifier = StreamVerifier()
         try:  # spooled beside experience/<worker>/ (that folder appears with the first good
             # shard), under a temporary name of this push alone: a stray writer never truncates it
@@ -326,14 +327,18 @@ class _Servicer:
         samples = _declared_samples(path)
         with self.lock:  # handlers finish concurrently: an unlocked += loses counts (and the cap)
             self.spooled_samples += samples
+            self.highest[head.worker_id] = max(head.seq, self.highest.get(head.worker_id, -1))
         return False
 
-    def _backpressure(self, key: str, context) -> None:
+    def _backpressure(self, head: pb.ShardHeader, key: str, context) -> None:
         """Refuse a new shard (RESOURCE_EXHAUSTED: the worker retries later) while the trainer
         has more samples spooled and not yet retired than the cap, as workers writing to a
         shared folder wait (buffer/backpressure.py): a trainer that stops consuming must stop
-        the spool growing."""
-        if self.retired is None:
+        the spool growing. A shard below one of its worker's spooled shards is always taken:
+        the reader reads a worker's shards in order, so refusing it would hold back every
+        shard after it until the reader's next full scan (buffer.full_scan_interval), and
+        the spool's backlog with them (concurrent pushes arrive out of order)."""
+        if self.retired is None or head.seq < self.highest.get(head.worker_id, -1):
             return
         backlog, cap = self.spooled_samples - self.retired(), self.cap()
         if backlog > cap:

@@ -13,7 +13,7 @@ from pathlib import Path
 import pyarrow.parquet as pq
 import pytest
 
-from buffer.layout import RunLayout
+from buffer.run import Run
 from conftest import free_port, kill_tree
 from launch.local import BUILTIN_TRAINER, BUILTIN_WORKER, rl_metrics
 from rollout import builtin_task
@@ -40,13 +40,14 @@ def test_remote_workers_learn_the_builtin_task_like_a_shared_folder(tmp_path):
                            str(steps), "--test-freq", str(freq), "--timeout", "900",
                            "--remote-workers"], capture_output=True, text=True, timeout=1000, env=env)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    rows, vals = rl_metrics(RunLayout(str(root)))
+    run = Run.local(str(root))
+    rows, vals = rl_metrics(run)
     assert [r["step"] for r in rows] == list(range(1, steps + 1))
     first = sum(r["reward/mean"] for r in rows[:10]) / 10
     last = sum(r["reward/mean"] for r in rows[-10:]) / 10
     # 0.09 -> ~0.6 at step 60 in shared-folder runs; 3x is the GAE test's bar at 100 steps
     assert last >= 3 * first, (first, last)
-    held_out = pq.read_table(RunLayout(str(root)).prepared_parquet("rl", "val")).to_pylist()
+    held_out = pq.read_table(run.files.prepared_parquet("rl", "val")).to_pylist()
     truths = [r["reward_model"]["ground_truth"] for r in held_out]
     best_fixed = max(sum(builtin_task.compute_score("tandem/copy", "".join(c), t) for t in truths)
                      / len(truths) for c in itertools.product("0123456789", repeat=3))
@@ -216,3 +217,33 @@ def test_a_worker_with_a_wrong_token_is_refused_and_says_so(tmp_path, inputs):
     assert p.returncode != 0
     assert "UNAUTHENTICATED" in p.stdout + p.stderr
     assert not (tmp_path / "trainer" / "workers").exists()  # nothing was written for it
+
+
+def test_a_pool_supervisor_without_the_run_folder_takes_commands_through_the_service(tmp_path, inputs):
+    """launch.pool with buffer.transport=grpc: commands and its state go through the run
+    service; the end of the run stops it."""
+    from buffer.config import BufferConfig
+    port = free_port()
+    trainer = Run.local(str(tmp_path / "trainer"))
+    token = tmp_path / "token"
+    token.write_text(TOKEN)
+    server = trainer.serve(BufferConfig(transport="grpc", grpc_bind=f"127.0.0.1:{port}",
+                                        grpc_token_file=str(token), grpc_linger_s=0))
+    own = tmp_path / "pool"
+    pool = subprocess.Popen(
+        [sys.executable, "-m", "launch.pool", f"root={own}", "pool.id=node1", "pool.initial_workers=0",
+         "pool.poll_interval=0.2", f"data.train_files=[{inputs / 'rl_train.parquet'}]",
+         "buffer.transport=grpc", f"buffer.grpc_address=127.0.0.1:{port}"],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,
+        env=_env())
+    try:
+        cmd, _ = trainer.control.submit("remove", 1)  # applied (target stays 0), recorded once
+        _wait_for("the pool's state on the trainer naming the command",
+                  lambda: cmd.id in ((trainer.control.pool_state("node1") or {}).get("applied") or []),
+                  [pool], timeout_s=120)
+        trainer.state.mark_done({"steps": 0})
+        assert pool.wait(timeout=60) == 0
+    finally:
+        _end([pool], timeout_s=1)
+        server.stop(grace_s=1)
+    assert not (own / "pool").exists()  # its state lives with the run, not in its own folder
