@@ -292,6 +292,8 @@ def _apply_aliases(schema: DictConfig, aliases: dict[str, tuple], given: dict[st
 def _typed(cls, values: dict[str, Any], own: dict[str, Any], aliases: dict[str, tuple]):
     """The dataclass instance from the given values and verl aliases; (config, alias notes)."""
     schema = OmegaConf.structured(cls)
+    for key in getattr(cls, "REQUIRED", ()):  # a shared section's key this role must be given
+        OmegaConf.update(schema, key, MISSING)
     for key, value in values.items():
         _set(schema, key, value, own[key])
     notes = _apply_aliases(schema, aliases, values, own)
@@ -394,7 +396,8 @@ def usage(cls, prog: str, description: str) -> str:
         bounds = [f"{w}{m[b]}" for b, w in (("ge", ">="), ("gt", ">"), ("le", "<=")) if m.get(b) is not None]
         if m.get("choices"):
             bounds.append("one of " + "|".join(map(str, m["choices"])))
-        lines.append(f"  {name} ({_type_name(tp)}, default {_default(f)!r}{'; ' + ', '.join(bounds) if bounds else ''})")
+        default = "REQUIRED" if name in getattr(cls, "REQUIRED", ()) else _default(f)
+        lines.append(f"  {name} ({_type_name(tp)}, default {default!r}{'; ' + ', '.join(bounds) if bounds else ''})")
         if m.get("doc"):
             lines.append(f"      {m['doc']}")
     return "\n".join(lines)
