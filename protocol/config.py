@@ -31,41 +31,8 @@ from omegaconf import MISSING, DictConfig, ListConfig, OmegaConf
 from omegaconf.errors import MissingMandatoryValue, OmegaConfBaseException
 
 from protocol import verl_keys
-
-
-class ConfigError(ValueError):
-    """A config value or key is invalid; the message names the field."""
-
-
-def F(default: Any = dataclasses.MISSING, doc: str = "", *, ge=None, gt=None, le=None,
-      choices=None, factory=None):
-    """A documented config field with optional bounds (ge/gt/le) or a set of choices. Without a
-    default it is required: OmegaConf's MISSING ('???'), so that a section with a required field
-    can still be built empty as its parent's default."""
-    meta = {"doc": doc, "ge": ge, "gt": gt, "le": le, "choices": choices}
-    if factory is not None:
-        return dataclasses.field(default_factory=factory, metadata=meta)
-    return dataclasses.field(default=MISSING if default is dataclasses.MISSING else default,
-                             metadata=meta)
-
-
-def _fields(cls_or_obj):
-    hints = typing.get_type_hints(cls_or_obj if isinstance(cls_or_obj, type) else type(cls_or_obj))
-    return [(f, hints[f.name]) for f in dataclasses.fields(cls_or_obj)]
-
-
-def _is_config(tp) -> bool:
-    return isinstance(tp, type) and dataclasses.is_dataclass(tp)
-
-
-def leaves(cls, prefix: str = ""):
-    """Yield (dotted_name, field, type) for every leaf field of a config class."""
-    for f, tp in _fields(cls):
-        name = prefix + f.name
-        if _is_config(tp):
-            yield from leaves(tp, name + ".")
-        else:
-            yield name, f, tp
+from protocol.fields import (ConfigError, F, _fields, _flatten, _is_config, _read_yaml, leaves,  # noqa: F401
+                             yaml_leaves)
 
 
 def _unwrap(tp) -> tuple[Any, bool]:
@@ -81,34 +48,6 @@ def _type_name(tp) -> str:
 
 
 # --- reading: a YAML file and the command line ---------------------------------------------------
-
-def _read_yaml(path) -> dict:
-    """The file as a plain dict, its interpolations unresolved."""
-    try:
-        loaded = OmegaConf.load(path)
-    except (OSError, yaml.YAMLError, OmegaConfBaseException) as e:
-        raise ConfigError(f"--config {path}: cannot read: {e}") from None
-    if not isinstance(loaded, DictConfig):
-        raise ConfigError(f"--config {path}: top level must be a mapping")
-    return OmegaConf.to_container(loaded, resolve=False)
-
-
-def _flatten(d: dict, stops: set[str], prefix: str = "") -> dict[str, Any]:
-    """Dotted leaf keys of a nested dict; a key in `stops` (a schema leaf) is a leaf whatever its value."""
-    out = {}
-    for k, v in d.items():
-        key = f"{prefix}{k}"
-        if isinstance(v, dict) and v and key not in stops:
-            out.update(_flatten(v, stops, key + "."))
-        else:
-            out[key] = v
-    return out
-
-
-def yaml_leaves(path) -> list[str]:
-    """Every dotted leaf key of a YAML file."""
-    return list(_flatten(_read_yaml(path), set()))
-
 
 def _cli_value(text: str, tp):
     """A command-line string for a field of type `tp` (None: a key of no own field). Lists are

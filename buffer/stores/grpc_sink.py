@@ -8,7 +8,7 @@ folder, buffer, run state)`, and its server (started by the trainer's rank 0 thr
 from __future__ import annotations
 
 from buffer.run import Run, register
-from buffer.stores.fs import FsRun
+from buffer.stores.fs_run import FsRun
 
 
 def _open(root: str, buffer) -> Run:
