@@ -120,13 +120,14 @@ class ShardWriter:
                 return self.flush()
             return None
 
-    def close(self) -> None:
-        """Flush, then close the sink (over gRPC: wait for the acknowledgements), also when the
-        flush fails (a sender left retrying would keep the process from exiting)."""
+    def close(self, timeout_s: float = 60.0) -> None:
+        """Flush, then close the sink (over gRPC: wait up to `timeout_s` for the
+        acknowledgements), also when the flush fails (a sender left retrying would keep the
+        process from exiting)."""
         try:
             self.flush()
         finally:
-            self.sink.close()
+            self.sink.close(timeout_s)
 
     def _encode(self, seq: int, samples: list[Sample]) -> bytes:
         meta = {"tandem.worker_id": self.worker_id, "tandem.shard_seq": seq,

@@ -424,7 +424,7 @@ class FsExperienceSink(_Fs, ExperienceSink):
         return backpressure.wait_for_room(self.heartbeats, self.progress, limit, timeout_s,
                                           should_stop, on_wait=on_wait, group_size=group_size)
 
-    def close(self) -> None:
+    def close(self, timeout_s: float = 60.0) -> None:
         pass  # every shard was renamed into place by `publish`
 
     def where(self) -> str:
