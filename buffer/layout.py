@@ -233,6 +233,10 @@ class RunLayout:
     def control_command(self, command_id: str) -> str:
         return self._p("control.d", f"{check_worker_id(command_id)}.json")
 
+    @property
+    def pool_dir(self) -> str:
+        return self._p("pool")
+
     def pool_state(self, supervisor_id: str) -> str:
         return self._p("pool", f"{check_worker_id(supervisor_id)}.json")
 

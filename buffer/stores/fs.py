@@ -249,10 +249,9 @@ class FsControl(_Fs, ControlStore):
         atomic_write_json(self.fs, self.layout.pool_state(supervisor_id), state)
 
     def pool_states(self) -> dict[str, dict]:
-        folder = self.layout.pool_state("x").rsplit("/", 1)[0]
         out = {}
         try:
-            names = sorted(self.fs.ls(folder, detail=False))
+            names = sorted(self.fs.ls(self.layout.pool_dir, detail=False))
         except FileNotFoundError:
             return out
         for path in names:
