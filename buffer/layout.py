@@ -1,4 +1,6 @@
-"""The on-disk layout of a run. Every path of a run folder is computed here and nowhere else.
+"""The on-disk layout of a run. Every path of a run folder is computed here and nowhere else,
+and used only by the filesystem stores (buffer/stores/) and buffer/run.py: roles get stores from
+their Run and never see a path (tests/test_structure.py checks it).
 
     ROOT/
       init_model/                  the built-in tiny model (HF folder), when launch.local made it
@@ -26,7 +28,7 @@
       control.d/<id>.json          one pool command per file, created by launch.control
       pool/<supervisor>.json       a pool supervisor's applied commands, target and workers
       progress.json                the trainer's consumption count (for worker backpressure)
-      run.json                     the run id (buffer/run_id.py), stamped on every shard
+      run.json                     the run id (FsRunState, buffer/stores/fs.py), stamped on every shard
       checkpoints/step_<N>/        trainer checkpoints (DCP shards, trainer_state.json, pool.arrow)
       metrics.jsonl                one JSON object per trainer step and per validation result
       tensorboard/, swanlog/       trainer.logger backends' files (tensorboard, swanlab)
@@ -233,6 +235,10 @@ class RunLayout:
 
     def control_command(self, command_id: str) -> str:
         return self._p("control.d", f"{check_worker_id(command_id)}.json")
+
+    @property
+    def pool_dir(self) -> str:
+        return self._p("pool")
 
     def pool_state(self, supervisor_id: str) -> str:
         return self._p("pool", f"{check_worker_id(supervisor_id)}.json")

@@ -21,10 +21,9 @@ from buffer.stores.base import (ControlStore, ExperienceSink, HeartbeatStore, Pr
 
 if TYPE_CHECKING:
     from buffer.config import BufferConfig
-    from buffer.stores.fs import FsRun
 
 # transport -> the module whose import registers its factory (buffer.transport's choices)
-_PROVIDERS = {"fs": "buffer.stores.fs", "grpc": "buffer.stores.net"}
+_PROVIDERS = {"fs": "buffer.stores.fs_run", "grpc": "buffer.stores.net"}
 _FACTORIES: dict[str, Callable[[str, "BufferConfig"], "Run"]] = {}
 _SERVERS: dict[str, Callable] = {}
 
@@ -79,8 +78,9 @@ class Run:
         return _FACTORIES[buffer.transport](cfg.root, buffer)
 
     @staticmethod
-    def local(root: str, buffer: "BufferConfig | None" = None) -> "FsRun":
-        """The run folder itself (fsspec URL or local path), with the trainer-only stores: what
-        the trainer, the trainer-side run service and launch tools on the run folder use."""
-        from buffer.stores.fs import FsRun
-        return FsRun.at(root, buffer)
+    def local(root: str, buffer: "BufferConfig | None" = None) -> "Run":
+        """The run folder itself (fsspec URL or local path): a buffer.stores.fs_run.FsRun, with
+        the trainer-only stores, what the trainer, the trainer-side run service and launch tools
+        on the run folder use."""
+        _provider("fs")
+        return _FACTORIES["fs"](root, buffer)

@@ -30,7 +30,7 @@ from buffer.config import BufferConfig
 from buffer.grpc_transport import WRITER_KEY, authorized
 from buffer.layout import check_worker_id
 from buffer.storage import is_disk_full
-from buffer.stores.fs import FsRun
+from buffer.stores.fs_run import FsRun
 from protocol import run_service as rs
 from protocol.validation import ValidationResult
 

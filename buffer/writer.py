@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+import types
 
 import pyarrow as pa
 
@@ -58,7 +59,7 @@ class ShardWriter:
     def at(cls, root: str, worker_id: str, cfg: BufferConfig, resume: dict | None = None) -> "ShardWriter":
         """A writer into the run at `root` over `cfg.transport` (tests, benchmarks)."""
         from buffer.run import Run
-        run = Run.open(_RootAndBuffer(root, cfg))
+        run = Run.open(types.SimpleNamespace(root=root, buffer=cfg))
         return cls(run.sink(worker_id), worker_id, cfg, resume, run_id=run.state.run_id())
 
     def _resume(self, beat: dict) -> None:
@@ -120,13 +121,14 @@ class ShardWriter:
                 return self.flush()
             return None
 
-    def close(self) -> None:
-        """Flush, then close the sink (over gRPC: wait for the acknowledgements), also when the
-        flush fails (a sender left retrying would keep the process from exiting)."""
+    def close(self, timeout_s: float = 60.0) -> None:
+        """Flush, then close the sink (over gRPC: wait up to `timeout_s` for the
+        acknowledgements), also when the flush fails (a sender left retrying would keep the
+        process from exiting)."""
         try:
             self.flush()
         finally:
-            self.sink.close()
+            self.sink.close(timeout_s)
 
     def _encode(self, seq: int, samples: list[Sample]) -> bytes:
         meta = {"tandem.worker_id": self.worker_id, "tandem.shard_seq": seq,
@@ -159,10 +161,3 @@ class ShardWriter:
         self.pending_groups = 0
         self.seq += 1
         return path
-
-
-class _RootAndBuffer:
-    """What Run.open reads of a role config."""
-
-    def __init__(self, root: str, buffer: BufferConfig):
-        self.root, self.buffer = root, buffer

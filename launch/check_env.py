@@ -20,7 +20,7 @@ import time
 import uuid
 
 from buffer.run import Run
-from buffer.stores.fs import FsRun
+from buffer.stores.fs_run import FsRun
 
 COMPARED = ("python", "torch", "cuda", "nccl", "vllm", "verl", "transformers")
 

@@ -31,7 +31,7 @@ from pathlib import Path
 
 from buffer.grpc_transport import TOKEN_ENV
 from buffer.run import Run
-from buffer.stores.fs import FsRun
+from buffer.stores.fs_run import FsRun
 from protocol.config import ConfigError, file_values, load, split_argv
 from launch import status
 from buffer.stores.weights import hf_folder_problem

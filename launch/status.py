@@ -27,7 +27,7 @@ import time
 
 from buffer.backpressure import backlog
 from buffer.run import Run
-from buffer.stores.fs import FsRun
+from buffer.stores.fs_run import FsRun
 
 PACE_STEPS = 10  # ETA: wall-clock pace of the last this many steps
 VALIDATION_PREFIX = "val-core/"

@@ -25,11 +25,11 @@ import time
 import zlib
 
 from buffer import sync
+from buffer.layout import check_worker_id
 from buffer.run import Run
 from buffer.storage import is_disk_full
 from buffer.stores.base import WeightSource
 from buffer.writer import ShardWriter
-from buffer.layout import check_worker_id
 from protocol.config import parse_cli
 from protocol.experience import Sample
 from protocol.weights import SYNC_GROUPS, ManifestError

@@ -617,7 +617,7 @@ def test_grpc_spool_stops_growing_while_the_trainer_does_not_consume(tmp_path, m
         assert produced.is_alive()  # the worker waits (flow control), it does not fail
         got = [g for _ in range(shards) for g in reader.next_batch(1, 0, timeout_s=60)]
         produced.join(timeout=60)
-        writer.close()
+        writer.close(timeout_s=60)
     finally:
         writer.sink.stopping = True  # no-op after a clean close; after a failure, no sender left retrying
         writer.sink.senders.shutdown(wait=True)

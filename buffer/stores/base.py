@@ -87,8 +87,8 @@ class ExperienceSink(abc.ABC):
         """Where shards go (a folder or an address), for messages."""
 
     @abc.abstractmethod
-    def close(self) -> None:
-        """After the writer's last flush: wait (bounded) until every shard has reached the
+    def close(self, timeout_s: float = 60.0) -> None:
+        """After the writer's last flush: wait (at most `timeout_s`) until every shard has reached the
         trainer, then release threads and channels. Raises when shards were refused or are
         still unacknowledged at the deadline (never when the run has ended meanwhile)."""
 

@@ -4,7 +4,6 @@ uses these; with `grpc` the trainer does (and serves them to the others)."""
 from __future__ import annotations
 
 import dataclasses
-import functools
 import json
 import logging
 import math
@@ -19,8 +18,7 @@ import fsspec
 
 from buffer import backpressure
 from buffer.layout import RunLayout
-from buffer.run import Run, register
-from buffer.storage import (atomic_write, atomic_write_json, atomic_writer, create_new, filesystem, is_local,
+from buffer.storage import (atomic_write, atomic_write_json, atomic_writer, create_new, is_local,
                             read_json, stop_watch, watch, when_space)
 from buffer.stores.base import (ControlStore, ExperienceSink, HeartbeatStore, ProgressStore,
                                 RunState, ShouldStop, SyncClaims, ValidationStore, WeightSource)
@@ -251,10 +249,9 @@ class FsControl(_Fs, ControlStore):
         atomic_write_json(self.fs, self.layout.pool_state(supervisor_id), state)
 
     def pool_states(self) -> dict[str, dict]:
-        folder = self.layout.pool_state("x").rsplit("/", 1)[0]
         out = {}
         try:
-            names = sorted(self.fs.ls(folder, detail=False))
+            names = sorted(self.fs.ls(self.layout.pool_dir, detail=False))
         except FileNotFoundError:
             return out
         for path in names:
@@ -426,7 +423,7 @@ class FsExperienceSink(_Fs, ExperienceSink):
         return backpressure.wait_for_room(self.heartbeats, self.progress, limit, timeout_s,
                                           should_stop, on_wait=on_wait, group_size=group_size)
 
-    def close(self) -> None:
+    def close(self, timeout_s: float = 60.0) -> None:
         pass  # every shard was renamed into place by `publish`
 
     def where(self) -> str:
@@ -451,59 +448,3 @@ class FsSpool(_Fs):
         ends without an exception (buffer.storage.atomic_writer)."""
         tmp = self.layout.spool_tmp(worker_id, seq, push)
         return atomic_writer(self.fs, self.path(worker_id, seq), tmp)
-
-
-class FsRun(Run):
-    """The run folder: every store on it, plus the trainer's own (filesystem only):
-    `publisher` (weight versions), `checkpoints`, `reader(...)` (experience), and `files`, the
-    folder's other file names (metrics, logs, inputs, lock) for the trainer and the tools that
-    work on the folder itself (launch/*)."""
-    fs: fsspec.AbstractFileSystem
-    files: RunLayout
-    spool: FsSpool
-
-    @classmethod
-    def at(cls, root: str, buffer=None) -> "FsRun":
-        fs, path = filesystem(root)
-        layout = RunLayout(path)
-        heartbeats = FsHeartbeats(fs, layout)
-        progress = FsProgress(fs, layout)
-        run = cls(root=root, transport="fs", weights=FsWeightSource(fs, layout),
-                  heartbeats=heartbeats, progress=progress, state=FsRunState(fs, layout),
-                  sync=FsSyncClaims(layout, heartbeats), control=FsControl(fs, layout),
-                  validation=FsValidation(fs, layout),
-                  make_sink=lambda worker_id: FsExperienceSink(fs, layout, worker_id,
-                                                               heartbeats, progress))
-        run.fs, run.files, run.spool = fs, layout, FsSpool(fs, layout)
-        return run
-
-    @functools.cached_property
-    def publisher(self):
-        """The trainer's WeightStore (buffer/stores/weights.py): publish, prune, read."""
-        from buffer.stores.weights import WeightStore
-        return WeightStore(self.root)
-
-    @functools.cached_property
-    def checkpoints(self):
-        from buffer.stores.checkpoints import FsCheckpoints
-        return FsCheckpoints(self.files)
-
-    def reader(self, cfg, max_staleness: int, **kwargs):
-        """The trainer's ExperienceReader of experience/ (buffer/stores/reader.py)."""
-        from buffer.stores.reader import ExperienceReader
-        return ExperienceReader(self.root, cfg, max_staleness, **kwargs)
-
-    def serve(self, buffer, **hooks):
-        """Trainer rank 0: serve this folder to the other roles over `buffer.transport`; None
-        when they share it (fs). `hooks` (callables): consumed() -> the reader's ledger,
-        retired() -> samples retired, step_samples() -> samples one step takes."""
-        from buffer.run import server_for
-        server = server_for(buffer.transport)
-        return None if server is None else server(self, buffer, **hooks)
-
-    def is_local(self) -> bool:
-        """A mounted filesystem (local, NFS, Lustre), not an object store."""
-        return is_local(self.fs)
-
-
-register("fs", lambda root, buffer: FsRun.at(root, buffer))

@@ -40,7 +40,7 @@ from buffer.run import Run, register
 from buffer.storage import is_local
 from buffer.stores.base import (ControlStore, HeartbeatStore, ProgressStore, RunState, SyncClaims,
                                 ValidationStore, WeightSource)
-from buffer.stores.fs import FsRun
+from buffer.stores.fs_run import FsRun
 from protocol import run_service as rs
 from protocol.control import Command
 from protocol.validation import ValidationRequest, ValidationResult

@@ -4,7 +4,7 @@ A version is staged in a hidden temporary folder, fsynced, renamed to `weights/v
 then announced by atomically replacing `weights/LATEST`. A reader that follows LATEST therefore
 never sees a partial version; it still verifies checksums against the manifest before loading.
 Only the newest `keep` versions are kept on disk, plus up to `keep` older ones that wait for
-validation (buffer/validation.py).
+validation (FsValidation, buffer/stores/fs.py).
 """
 from __future__ import annotations
 
