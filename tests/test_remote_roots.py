@@ -65,7 +65,7 @@ def test_remote_workers_learn_the_builtin_task_like_a_shared_folder(tmp_path):
         # ... and each worker's folder its weight cache, claim, log and data, no heartbeat
         own = _files(root / "remote" / w)
         assert f"workers/{w}.claim" in own and f"logs/{w}.log" in own
-        assert any(f.startswith("weights/v") and f.endswith("model.safetensors") for f in own)
+        assert any(f.startswith("weights/v") and f.endswith(".safetensors") for f in own)
         assert not any(f.startswith(("experience/", "validation/")) or f.endswith(f"{w}.json")
                        for f in own), own
         assert len({f.split("/")[1] for f in own if f.startswith("weights/v")}) <= 2  # cache bound
