@@ -59,8 +59,8 @@ class BufferConfig:
                                 "writer using the id meanwhile is refused (ABORTED, resent: a "
                                 "restarted worker takes over after this)", gt=0)
     grpc_call_timeout_s: float = F(30.0, "deadline of one run-service call (a heartbeat, the "
-                                   "weights pointer, a claim, one stretch of a weight file); a "
-                                   "call past it is retried", gt=0)
+                                   "weights pointer, a claim, ...); a call past it is retried",
+                                   gt=0)
     grpc_trainer_wait_s: float = F(1800.0, "a worker, validator or pool without the run folder "
                                    "(transport grpc) waits this long for an unreachable trainer "
                                    "(not started yet, restarting), saying so every 30 s, before "

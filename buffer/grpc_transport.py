@@ -566,4 +566,3 @@ class GrpcSink(ExperienceSink):
         if left:
             raise TimeoutError(f"{left} shards still unacknowledged by {self.cfg.grpc_address} "
                                f"after {timeout_s:.0f} s; last error: {self.last_error}")
-
