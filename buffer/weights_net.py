@@ -51,7 +51,9 @@ from protocol.weights_wire import (CHUNK_LIST_METHOD, CHUNK_METHOD, PEERS_METHOD
                                    from_bitmap, to_bitmap)
 
 log = logging.getLogger(__name__)
-_OPTIONS = [("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+# Chunks (<= 4 MiB) fit the experience stream's limit; a chunk list (32 bytes a chunk: 2 MiB
+# for 256 GB in 4 MiB chunks) is the largest message a worker receives.
+_OPTIONS = [("grpc.max_receive_message_length", 64 << 20),
             ("grpc.max_send_message_length", MAX_MESSAGE_BYTES)]
 CACHED_VERSIONS = 4  # chunk lists the trainer keeps in memory (the newest versions' are asked)
 NOTE_EVERY_S = 30.0  # a waiting fetch logs what it waits for this often
@@ -59,6 +61,7 @@ _PACE_BYTES = 256 << 10  # the uplink model's packet: concurrent replies interle
 _CHUNKS_FILE = SIDECAR_PREFIX + "chunks"
 _VERIFIED_FILE = SIDECAR_PREFIX + "verified"
 TRAINER = "trainer"  # the source name of chunks from the trainer in FetchStats
+REDIRECT = -1  # a ChunkReply's index: every chunk asked for is with live peers, ask them
 
 
 class _Uplink:
@@ -115,17 +118,26 @@ class _Holding:
         finally:
             os.close(fd)
 
-    def pick(self, want: set[int], peer: str, window_s: float) -> int | None:
+    def pick(self, want: set[int], peer: str, window_s: float,
+             covered: Callable[[], set[int]] = set) -> int | None:
         """The chunk of `want` this holder has sent least often, preferring those not sent to
-        `peer` within `window_s` (its request for them may still be on the way back)."""
+        `peer` within `window_s` (its request for them may still be on the way back). A chunk
+        sent before is only sent again when it is not in `covered()` (held by, or just sent
+        to, a live peer the requester can use); REDIRECT when every one is."""
         now = time.monotonic()
         with self.lock:
+            for sent in self.recent.values():
+                for k in [k for k, t in sent.items() if now - t > window_s]:
+                    del sent[k]
             sent = self.recent.setdefault(peer, {})
-            for k in [k for k, t in sent.items() if now - t > window_s]:
-                del sent[k]
             options = [i for i in want if i in self.have]
             if not options:
                 return None
+            if all(self.served[i] for i in options):
+                elsewhere = covered()
+                options = [i for i in options if i not in elsewhere]
+                if not options:
+                    return REDIRECT
             best = min(options, key=lambda i: (i in sent, self.served[i], random.random()))
             self.served[best] += 1
             sent[best] = now
@@ -135,24 +147,46 @@ class _Holding:
 class _ChunkServicer:
     """The Chunk method, served from `holding(version)`; shared by the trainer and the peers."""
 
-    def __init__(self, holding: Callable[[int], _Holding | None], secret: str, cfg: BufferConfig):
+    def __init__(self, holding: Callable[[int], _Holding | None], secret: str, cfg: BufferConfig,
+                 covered=None):
         self.holding = holding
+        self.covered = covered  # (version, requester, its peers to avoid) -> chunks peers cover
         self.expected = f"Bearer {secret}".encode()
         self.cfg = cfg
         self.uplink = _Uplink(cfg.weights_upload_mb_s * 1e6)
+        self.slots = threading.BoundedSemaphore(cfg.weights_send_slots)
         self.stats = collections.Counter()
 
     def Chunk(self, raw: bytes, context) -> bytes:
+        """A chunk, sent in one of weights_send_slots slots: few chunks at a time, each at a
+        good share of the uplink, so they reach peers early one after another (all at once,
+        every one would arrive late). The chunk is picked when the slot is free."""
         _check_token(context, self.expected)
         req = _decode(ChunkRequest, raw, context)
+        if not self.slots.acquire(timeout=self.cfg.weights_chunk_timeout_s / 2):
+            self.stats["busy"] += 1
+            context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, "every weight send slot stayed "
+                          "busy for weights_chunk_timeout_s / 2: retry later")
+        try:
+            return self._send(req, context)
+        finally:
+            self.slots.release()
+
+    def _send(self, req: ChunkRequest, context) -> bytes:
         held = self.holding(req.version)
         if held is None:
             context.abort(grpc.StatusCode.NOT_FOUND, f"weight version {req.version} not held here")
         if req.index >= 0:
             index = req.index if req.index in held.have else None
         else:
+            covered = set
+            if self.covered is not None and req.peers:
+                covered = lambda: self.covered(req.version, req.peer_id, set(req.avoid))  # noqa: E731
             index = held.pick(from_bitmap(req.want, held.chunks.total), req.peer_id,
-                              self.cfg.weights_chunk_timeout_s)
+                              self.cfg.weights_chunk_timeout_s, covered)
+            if index == REDIRECT:
+                self.stats["redirects"] += 1
+                return ChunkReply(req.version, REDIRECT, b"").encode()
         if index is None:
             context.abort(grpc.StatusCode.NOT_FOUND, f"v{req.version}: no chunk asked for is held here")
         try:
@@ -187,7 +221,7 @@ class WeightService:
     def __init__(self, version_dir: Callable[[int], str | None], secret: str, cfg: BufferConfig):
         self.version_dir, self.cfg = version_dir, cfg
         self.chunk_bytes = cfg.weights_chunk_kb << 10
-        self.chunks = _ChunkServicer(self._holding, secret, cfg)
+        self.chunks = _ChunkServicer(self._holding, secret, cfg, self._covered)
         self.stats = self.chunks.stats
         self._held: collections.OrderedDict[int, _Holding] = collections.OrderedDict()
         self._lock = threading.Lock()  # guards _held, _making, peers
@@ -229,6 +263,23 @@ class WeightService:
                 self._making.pop(version, None)
             return held
 
+    def _covered(self, version: int, requester: str, avoid: set[str]) -> set[int]:
+        """Chunks that live peers (heard from within weights_peer_ttl_s, not the requester nor
+        one it avoids) hold, or were sent within weights_chunk_timeout_s."""
+        now, ttl = time.monotonic(), self.cfg.weights_peer_ttl_s
+        held = self._held.get(version)
+        with self._lock:
+            live = [(p, e.have) for p, e in self.peers.get(version, {}).items()
+                    if now - e.seen <= ttl and p != requester and p not in avoid]
+        bits = 0
+        for _, have in live:
+            bits |= int.from_bytes(have, "little")
+        out = from_bitmap(bits.to_bytes((bits.bit_length() + 7) // 8, "little"), bits.bit_length())
+        if held is not None:  # called under held.lock
+            for p, _ in live:
+                out.update(held.recent.get(p, ()))
+        return out
+
     def ChunkList(self, raw: bytes, context) -> bytes:
         _check_token(context, self.chunks.expected)
         req = _decode(ChunkListRequest, raw, context)
@@ -244,7 +295,8 @@ class WeightService:
 
     def Peers(self, raw: bytes, context) -> bytes:
         """Record the caller's holdings; answer with up to weights_max_peers live peers that
-        hold chunks it lacks (random among them, so load spreads)."""
+        hold chunks it lacks: in random order (load spreads), first those that add chunks the
+        ones before do not hold (the answer covers what the registry knows), then others."""
         _check_token(context, self.chunks.expected)
         rep = _decode(PeerReport, raw, context)
         now, ttl = time.monotonic(), self.cfg.weights_peer_ttl_s
@@ -260,7 +312,12 @@ class WeightService:
             useful = [PeerInfo(p, e.address, e.have) for p, e in table.items()
                       if p != rep.peer_id and int.from_bytes(e.have, "little") & lacks]
         random.shuffle(useful)
-        return PeerList(rep.version, useful[:self.cfg.weights_max_peers]).encode()
+        first, rest = [], []
+        for peer in useful:
+            adds = int.from_bytes(peer.have, "little") & lacks
+            (first if adds else rest).append(peer)
+            lacks &= ~adds
+        return PeerList(rep.version, (first + rest)[:self.cfg.weights_max_peers]).encode()
 
 
 def add_weight_service(server: grpc.Server, version_dir: Callable[[int], str | None], secret: str,
@@ -359,6 +416,7 @@ class FetchStats:
     peer_failures: int = 0  # requests to peers that failed (timeout, gone, not held)
     trainer_failures: int = 0
     duplicates: int = 0  # chunks that arrived twice (wasted bytes)
+    redirects: int = 0  # trainer answers "live peers hold every chunk you asked for"
     seconds: float = 0.0
 
 
@@ -520,8 +578,9 @@ class WeightFetcher:
             f.write(chunks.manifest)
             f.flush()
             os.fsync(f.fileno())
-        for name in (_CHUNKS_FILE, _VERIFIED_FILE):
-            os.remove(os.path.join(state.folder, name))
+        for name in os.listdir(state.folder):  # the sidecars (and a temporary of one)
+            if name.startswith(SIDECAR_PREFIX):
+                os.remove(os.path.join(state.folder, name))
         with holding.lock:
             os.rename(state.folder, dest)
             holding.folder = dest
@@ -612,8 +671,11 @@ class _Transfer:
         if n_trainer >= self.cfg.weights_trainer_streams or now < self.trainer_retry_at:
             return
         want = self.missing - busy - set().union(*held.values())
-        for _ in range(self.cfg.weights_trainer_streams - n_trainer if want else 0):
-            self._submit(TRAINER, None, self._from_trainer, want)
+        avoid = sorted(self.bad | {p for p, t in self.failed.items()
+                                   if now - t <= self.cfg.weights_peer_ttl_s})
+        # no more requests than chunks: each outstanding one may be bringing one of `want`
+        for _ in range(min(self.cfg.weights_trainer_streams, len(want)) - n_trainer):
+            self._submit(TRAINER, None, self._from_trainer, want, avoid)
 
     def _submit(self, source: str, index: int | None, fn, *args) -> None:
         self.inflight[self.pool.submit(fn, *args)] = (source, index)
@@ -640,12 +702,14 @@ class _Transfer:
             raise _Corrupt(f"asked for chunk {index}, got {reply.index}")
         return self._store(reply), len(reply.data)
 
-    def _from_trainer(self, want: set[int]) -> tuple[int, int]:
+    def _from_trainer(self, want: set[int], avoid: list[str]) -> tuple[int, int]:
         raw = self.f._calls["Chunk"](
-            ChunkRequest(self.version, self.f.peer_id,
-                         want=to_bitmap(want, self.state.chunks.total)).encode(),
+            ChunkRequest(self.version, self.f.peer_id, want=to_bitmap(want, self.state.chunks.total),
+                         peers=self.cfg.weights_peer_fanout, avoid=avoid).encode(),
             timeout=self.cfg.weights_chunk_timeout_s, metadata=self.f.metadata)
         reply = ChunkReply.decode(raw)
+        if reply.index == REDIRECT:
+            return REDIRECT, 0
         if reply.index not in want:
             raise _Corrupt(f"got chunk {reply.index}, not one asked for")
         return self._store(reply), len(reply.data)
@@ -674,6 +738,10 @@ class _Transfer:
             return False
         except (grpc.RpcError, WireError) as e:
             self._failed(source, e)
+            return False
+        if index == REDIRECT:  # live peers hold all we asked for: the next peer list has them
+            self.stats.redirects += 1
+            self.trainer_retry_at = time.monotonic() + self.cfg.weights_peer_refresh_s
             return False
         if index not in self.missing:
             self.stats.duplicates += 1
@@ -744,7 +812,7 @@ def _flock(path: str, timeout_s: float):
     released it). Waits up to `timeout_s`, saying so."""
     fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
     try:
-        start, noted = time.monotonic(), 0.0
+        start, noted = time.monotonic(), -NOTE_EVERY_S
         while True:
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -754,9 +822,9 @@ def _flock(path: str, timeout_s: float):
                 if waited > timeout_s:
                     raise TimeoutError(f"{path}: another fetch of this version held the lock "
                                        f"for {waited:.0f} s") from None
-                if waited - noted >= NOTE_EVERY_S or not noted:
+                if waited - noted >= NOTE_EVERY_S:
                     log.info("waiting for another fetch into %s to finish (%.0f s)", path, waited)
-                    noted = waited or 1e-9
+                    noted = waited
                 time.sleep(0.2)
         yield
     finally:

@@ -178,15 +178,27 @@ def _chunk_digests(path: str, entry: FileEntry, chunk_bytes: int) -> list[bytes]
 @dataclasses.dataclass
 class ChunkRequest(_Message):
     """One chunk: `index`, or (index -1) any chunk of the bitmap `want`, the server's choice
-    (the trainer sends the one it has sent least often: each chunk leaves it about once)."""
+    (the trainer sends the one it has sent least often: each chunk leaves it about once).
+    `peers`: the requester takes chunks from peers, except those in `avoid` (so the trainer
+    may answer REDIRECT, index -1, when live peers hold every chunk of `want`)."""
     version: int
     peer_id: str
     index: int = -1
     want: bytes = b""
+    peers: bool = False
+    avoid: list[str] = dataclasses.field(default_factory=list)
+
+    @classmethod
+    def _build(cls, d: dict):
+        out = super()._build(d)
+        if not isinstance(out.avoid, list) or not all(isinstance(a, str) for a in out.avoid):
+            raise TypeError("field avoid: a list of peer ids (strings)")
+        return out
 
 
 @dataclasses.dataclass
 class ChunkReply(_Message):
+    """`index` -1 (no data): every chunk asked for is with live peers; ask them."""
     version: int
     index: int
     data: bytes
