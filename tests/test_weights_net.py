@@ -188,6 +188,50 @@ def test_worker_killed_mid_download_resumes(tmp_path, trainer):
     assert _verified(dest, t.store)
 
 
+_PEER = """
+import logging, sys
+logging.basicConfig(level=logging.INFO)
+from buffer.config import BufferConfig
+from buffer.weights_net import WeightFetcher
+cfg = BufferConfig(**{cfg!r})
+f = WeightFetcher(cfg.grpc_address, {token!r}, cfg, "doomed")
+f.fetch(1, {dest!r})
+print("SERVING", flush=True)
+sys.stdin.readline()
+"""
+
+
+def test_peer_dying_mid_transfer(tmp_path, trainer):
+    """A worker fetches from a peer (another process, slow uplink) that is SIGKILLed mid-way:
+    its requests fail, the peer is skipped, and the rest comes from the trainer, verified."""
+    t = trainer()
+    cfg = t.shards.servicer.cfg
+    fields = {k: getattr(cfg, k) for k in cfg.__dataclass_fields__}
+    fields["weights_upload_mb_s"] = 0.5  # the peer's uplink: ~6 s for the version
+    script = _PEER.format(cfg=fields, token=TOKEN, dest=str(tmp_path / "peer" / "v1"))
+    peer = subprocess.Popen([sys.executable, "-c", script], env=subprocess_env(), text=True,
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
+    q = WeightFetcher(cfg.grpc_address, TOKEN, cfg, "survivor")
+    result = {}
+    try:
+        assert peer.stdout.readline().strip() == "SERVING"
+        th = threading.Thread(target=lambda: result.update(dest=q.fetch(1, str(tmp_path / "q" / "v1"))))
+        th.start()
+        _wait(lambda: 1 in q.stats and q.stats[1].from_peers >= 2, 120, "2 chunks from the peer")
+        os.kill(peer.pid, signal.SIGKILL)
+        peer.wait(timeout=30)
+        th.join(timeout=180)
+        assert not th.is_alive() and "dest" in result, "the fetch did not complete"
+        s = q.stats[1]
+        assert s.peer_failures >= 1 and s.from_trainer >= 1 and s.from_peers >= 2
+        assert s.from_peers + s.from_trainer == s.chunks
+        assert _verified(result["dest"], t.store)
+    finally:
+        if peer.poll() is None:
+            peer.kill()
+        q.close()
+
+
 def test_corrupted_peer_detected_and_chunk_refetched(tmp_path, trainer):
     """A peer whose copy went bad on disk serves a damaged chunk: the fetcher detects it by the
     chunk's sha256, never asks that peer again for the version, and gets the chunk elsewhere."""
