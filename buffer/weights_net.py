@@ -126,9 +126,11 @@ class _Holding:
         to, a live peer the requester can use); REDIRECT when every one is."""
         now = time.monotonic()
         with self.lock:
-            for sent in self.recent.values():
+            for who, sent in list(self.recent.items()):
                 for k in [k for k, t in sent.items() if now - t > window_s]:
                     del sent[k]
+                if not sent:
+                    del self.recent[who]
             sent = self.recent.setdefault(peer, {})
             options = [i for i in want if i in self.have]
             if not options:
@@ -156,6 +158,11 @@ class _ChunkServicer:
         self.uplink = _Uplink(cfg.weights_upload_mb_s * 1e6)
         self.slots = threading.BoundedSemaphore(cfg.weights_send_slots)
         self.stats = collections.Counter()
+        self.stats_lock = threading.Lock()  # handlers run concurrently: += alone loses counts
+
+    def count(self, **add: int) -> None:
+        with self.stats_lock:
+            self.stats.update(add)
 
     def Chunk(self, raw: bytes, context) -> bytes:
         """A chunk, sent in one of weights_send_slots slots: few chunks at a time, each at a
@@ -164,7 +171,7 @@ class _ChunkServicer:
         _check_token(context, self.expected)
         req = _decode(ChunkRequest, raw, context)
         if not self.slots.acquire(timeout=self.cfg.weights_chunk_timeout_s / 2):
-            self.stats["busy"] += 1
+            self.count(busy=1)
             context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, "every weight send slot stayed "
                           "busy for weights_chunk_timeout_s / 2: retry later")
         try:
@@ -185,7 +192,7 @@ class _ChunkServicer:
             index = held.pick(from_bitmap(req.want, held.chunks.total), req.peer_id,
                               self.cfg.weights_chunk_timeout_s, covered)
             if index == REDIRECT:
-                self.stats["redirects"] += 1
+                self.count(redirects=1)
                 return ChunkReply(req.version, REDIRECT, b"").encode()
         if index is None:
             context.abort(grpc.StatusCode.NOT_FOUND, f"v{req.version}: no chunk asked for is held here")
@@ -194,8 +201,7 @@ class _ChunkServicer:
         except OSError as e:  # pruned meanwhile (trainer) or the folder went away (peer)
             context.abort(grpc.StatusCode.NOT_FOUND, f"v{req.version} chunk {index}: {e}")
         self.uplink.send(len(data))
-        self.stats["chunks"] += 1
-        self.stats["bytes"] += len(data)
+        self.count(chunks=1, bytes=len(data))
         return ChunkReply(req.version, index, data).encode()
 
     def handlers(self, **more) -> grpc.GenericRpcHandler:
@@ -527,15 +533,16 @@ class WeightFetcher:
         """Version `version` as a verified folder at `dest_dir` (returned): what is there
         already if it verifies against its manifest, else fetched, resuming `<dest>.partial/`."""
         dest = os.path.abspath(dest_dir)
-        if os.path.isdir(dest):
-            problem = _folder_problem(dest)
-            if problem is None:
-                return dest_dir
-            log.warning("%s: %s; fetching version %d again", dest, problem, version)
-            shutil.rmtree(dest)
         partial = dest + ".partial"
         os.makedirs(os.path.dirname(dest), exist_ok=True)
         with _flock(partial + ".lock", self.cfg.weights_stall_timeout_s):
+            if os.path.isdir(dest):
+                problem = _folder_problem(dest)
+                if problem is None:  # fetched before (this process or an earlier one)
+                    self._serve_cached(version, dest)
+                    return dest_dir
+                log.warning("%s: %s; fetching version %d again", dest, problem, version)
+                shutil.rmtree(dest)
             chunks = self._chunk_list(version)
             state = _Partial(partial, chunks)
             try:
@@ -553,6 +560,20 @@ class WeightFetcher:
         with contextlib.suppress(FileNotFoundError):
             os.remove(partial + ".lock")
         return dest_dir
+
+    def _serve_cached(self, version: int, dest: str) -> None:
+        """Serve a verified folder found on disk to peers, if the trainer (one try) still has
+        the version's chunk list; the folder is usable either way."""
+        if self.server is None or self._held(version) is not None:
+            return
+        try:
+            chunks = ChunkList.decode(self._calls["ChunkList"](
+                ChunkListRequest(version).encode(), timeout=self.cfg.weights_chunk_timeout_s,
+                metadata=self.metadata))
+        except (grpc.RpcError, WireError) as e:
+            log.info("not serving cached weight version %d to peers: %s", version, _why(e))
+            return
+        self._hold(version, _Holding(chunks, dest, set(range(chunks.total))))
 
     def _chunk_list(self, version: int) -> ChunkList:
         deadline = time.monotonic() + self.cfg.weights_stall_timeout_s

@@ -135,10 +135,6 @@ class ChunkList(_Message):
     def chunks_of(self, file_pos: int) -> range:
         return range(self._starts[file_pos], self._starts[file_pos] + len(self.files[file_pos].chunks))
 
-    @property
-    def nbytes(self) -> int:
-        return sum(f.bytes for f in self.files)
-
     def encode(self) -> bytes:
         return msgpack.packb({"version": self.version, "chunk_bytes": self.chunk_bytes,
                               "manifest": self.manifest,

@@ -108,6 +108,12 @@ def test_full_fetch_verified(tmp_path, trainer):
         stats = f.stats[1]
         assert stats.from_trainer == stats.chunks and stats.corrupt == 0 and stats.resumed == 0
         assert f.fetch(1, dest) == dest  # there already: verified, nothing fetched
+        again = WeightFetcher(t.shards.servicer.cfg.grpc_address, TOKEN, t.shards.servicer.cfg, "w0b")
+        try:  # a restarted worker finds the folder, fetches nothing, and serves it to peers
+            assert again.fetch(1, dest) == dest and 1 not in again.stats
+            assert again._held(1).have == set(range(stats.chunks))
+        finally:
+            again.close()
     finally:
         f.close()
 
