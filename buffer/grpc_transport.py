@@ -8,7 +8,7 @@ then it acknowledges. The filesystem reader consumes the spool, so
 both transports share one reader and its exactly-once ledger; a trainer crash loses nothing it
 acknowledged.
 
-Worker side, `GrpcShardWriter`: the `ShardWriter` interface; published shards are pushed
+Worker side, `GrpcSink`: the network ExperienceSink of `buffer.writer.ShardWriter`; shards are pushed
 concurrently by an owned pool of `grpc_max_inflight` sender threads, at most that many
 unacknowledged at a time (the writer blocks beyond that: flow control), each resent with the same
 (worker, seq) after any failure, with backoff, until acknowledged. Resends are idempotent on the
@@ -35,9 +35,10 @@ import grpc
 import pyarrow as pa
 
 from buffer.config import BufferConfig
-from buffer.layout import RunLayout
-from buffer.storage import atomic_writer, filesystem, is_disk_full
-from buffer.writer import ShardWriter
+from buffer.ledger import shard_key
+from buffer.run import Run
+from buffer.storage import is_disk_full
+from buffer.stores.base import ExperienceSink, RunState
 from protocol import experience_pb2 as pb
 from protocol.experience import SCHEMA_VERSION, IntegrityError, StreamVerifier
 from protocol.shard_stream import (PUSH_METHOD, SERVICE, Undecodable, chunk_data, decode_chunk,
@@ -122,8 +123,7 @@ class _Claim:
 class _Servicer:
     def __init__(self, root: str, secret: str, cfg: BufferConfig, consumed, retired=None,
                  cap=lambda: 0):
-        self.fs, root_path = filesystem(root)
-        self.layout = RunLayout(root_path)
+        self.spool = Run.local(root).spool
         self.expected = f"Bearer {secret}".encode()
         self.max_shard_bytes = cfg.grpc_max_shard_mb << 20
         self.cfg = cfg
@@ -233,7 +233,7 @@ class _Servicer:
         return release
 
     def _locked_spool(self, head: pb.ShardHeader, chunks, context) -> bool:
-        key = RunLayout.shard_key(head.worker_id, head.seq)
+        key = shard_key(head.worker_id, head.seq)
         with self.key_locks.hold(key):  # one push per (worker, seq) at a time; others in parallel
             return self._spool(head, key, chunks, context)
 
@@ -250,7 +250,7 @@ class _Servicer:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT,
                           f"shard of {head.size} bytes over buffer.grpc_max_shard_mb")
         try:
-            self.layout.shard(head.worker_id, head.seq)
+            self.spool.path(head.worker_id, head.seq)
         except ValueError as e:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         return head
@@ -259,16 +259,16 @@ class _Servicer:
         """Write the chunks through a temporary file, hashing as they arrive; publish (fsync +
         rename) only a whole, undamaged shard. Column checks are the reader's, as for shards in
         a shared folder: one validation per shard, and bad content is quarantined the same way."""
-        path = self.layout.shard(head.worker_id, head.seq)
-        if key in self.consumed() or self.fs.exists(path):
+        path = self.spool.path(head.worker_id, head.seq)
+        if key in self.consumed() or self.spool.has(head.worker_id, head.seq):
             self.stats["duplicates"] += 1
             return True
         self._backpressure(key, context)
         verifier = StreamVerifier()
         try:  # spooled beside experience/<worker>/ (that folder appears with the first good
             # shard), under a temporary name of this push alone: a stray writer never truncates it
-            tmp = self.layout.spool_tmp(head.worker_id, head.seq, f"{os.getpid()}.{next(self._push_ids)}")
-            with atomic_writer(self.fs, path, tmp) as f:
+            push = f"{os.getpid()}.{next(self._push_ids)}"
+            with self.spool.writer(head.worker_id, head.seq, push) as f:
                 for chunk in chunks:
                     if isinstance(chunk, Undecodable):
                         raise _Refused(chunk.reason)
@@ -395,11 +395,14 @@ def _is_loopback(host: str) -> bool:
             return False
 
 
-class GrpcShardWriter(ShardWriter):
-    """A ShardWriter whose shards go to the trainer over gRPC instead of a shared folder."""
+class GrpcSink(ExperienceSink):
+    """The network ExperienceSink: shards go to the trainer over gRPC. Published shards are
+    pushed concurrently by an owned pool of `grpc_max_inflight` sender threads; the claim, the
+    resume listing and `has` are the worker's own folder's (`local`)."""
 
-    def __init__(self, root: str, worker_id: str, cfg: BufferConfig, resume: dict | None = None):
-        super().__init__(root, worker_id, cfg, resume)
+    def __init__(self, local: ExperienceSink, cfg: BufferConfig, run: RunState):
+        self.local, self.cfg, self.run = local, cfg, run
+        self.worker_id = local.worker_id
         self.secret = token(cfg)
         self.writer_key = uuid.uuid4().hex  # this writer's claim on its worker id
         self.unacked: collections.OrderedDict[int, bytes] = collections.OrderedDict()
@@ -421,14 +424,14 @@ class GrpcShardWriter(ShardWriter):
         return self.channel.stream_unary(PUSH_METHOD, request_serializer=encode_chunk,
                                          response_deserializer=pb.Ack.FromString)
 
-    def _publish(self, seq: int, data: bytes) -> str:
+    def publish(self, seq: int, data: bytes) -> str:
         """Hand the shard to a sender; block while `grpc_max_inflight` await acknowledgement."""
         deadline = time.monotonic() + self.cfg.backlog_timeout_s
         with self.cond:
             while len(self.unacked) >= self.cfg.grpc_max_inflight and not self.fatal:
-                if self._run_done():  # no trainer will take it: do not wait for one
+                if self.run.done():  # no trainer will take it: do not wait for one
                     log.warning("the run is finished (%s): shard %d not pushed",
-                                self.layout.done_marker, seq)
+                                self.run.where(), seq)
                     return f"grpc://{self.cfg.grpc_address}/{self.worker_id}/{seq} (not pushed)"
                 if time.monotonic() > deadline:
                     raise TimeoutError(f"{len(self.unacked)} shards unacknowledged by "
@@ -441,13 +444,32 @@ class GrpcShardWriter(ShardWriter):
         self.senders.submit(self._push_until_acked, seq, data)
         return f"grpc://{self.cfg.grpc_address}/{self.worker_id}/{seq}"
 
-    def _run_done(self) -> bool:
-        """The trainer has finished its steps: shards not yet acknowledged will never be read."""
-        return self.fs.exists(self.layout.done_marker)
-
-    def _unsure_from(self, seq: int) -> int:
+    def unsure_from(self, seq: int) -> int:
         with self.cond:  # a shard is published once acknowledged
             return min([seq, *self.unacked])
+
+    def published(self) -> list[int]:
+        return self.local.published()
+
+    def samples_in(self, seq: int) -> int:
+        return self.local.samples_in(seq)
+
+    def has(self, seq: int) -> bool:
+        return self.local.has(seq)
+
+    def read_claim(self) -> dict | None:
+        return self.local.read_claim()
+
+    def write_claim(self, claim: dict) -> None:
+        self.local.write_claim(claim)
+
+    def wait_for_room(self, limit: int, timeout_s: float, should_stop, on_wait=lambda: None,
+                      group_size: int = 1) -> float:
+        return 0.0  # unacknowledged pushes bound the worker (publish blocks), and the trainer
+        # refuses shards (RESOURCE_EXHAUSTED) while its own backlog is full
+
+    def where(self) -> str:
+        return f"grpc://{self.cfg.grpc_address}"
 
     def _chunks(self, seq: int, data: bytes):
         yield pb.ShardChunk(header=pb.ShardHeader(worker_id=self.worker_id, seq=seq, size=len(data),
@@ -493,16 +515,15 @@ class GrpcShardWriter(ShardWriter):
             return
 
     def close(self, timeout_s: float = 60.0) -> None:
-        """Flush, wait until every shard is acknowledged (bounded), stop the senders: always,
-        also when the flush fails (a sender left retrying would keep the process from exiting)."""
+        """Wait until every shard is acknowledged (bounded), then stop the senders: always (a
+        sender left retrying would keep the process from exiting)."""
         try:
-            self.flush()
             deadline = time.monotonic() + timeout_s
             with self.cond:
                 while self.unacked and not self.fatal and time.monotonic() < deadline:
-                    if self._run_done():
+                    if self.run.done():
                         log.warning("the run is finished (%s): %d shards not pushed",
-                                    self.layout.done_marker, len(self.unacked))
+                                    self.run.where(), len(self.unacked))
                         self.unacked.clear()
                         break
                     self.cond.wait(timeout=min(1.0, max(0.0, deadline - time.monotonic())))

@@ -1,4 +1,6 @@
-"""The on-disk layout of a run. Every path of a run folder is computed here and nowhere else.
+"""The on-disk layout of a run. Every path of a run folder is computed here and nowhere else,
+and used only by the filesystem stores (buffer/stores/) and buffer/run.py: roles get stores from
+their Run and never see a path (tests/test_structure.py checks it).
 
     ROOT/
       init_model/                  the built-in tiny model (HF folder), when launch.local made it
@@ -26,7 +28,7 @@
       control.d/<id>.json          one pool command per file, created by launch.control
       pool/<supervisor>.json       a pool supervisor's applied commands, target and workers
       progress.json                the trainer's consumption count (for worker backpressure)
-      run.json                     the run id (buffer/run_id.py), stamped on every shard
+      run.json                     the run id (FsRunState, buffer/stores/fs.py), stamped on every shard
       checkpoints/step_<N>/        trainer checkpoints (DCP shards, trainer_state.json, pool.arrow)
       metrics.jsonl                one JSON object per trainer step and per validation result
       tensorboard/, swanlog/       trainer.logger backends' files (tensorboard, swanlab)
@@ -120,11 +122,6 @@ class RunLayout:
             return None
         stem = base[: -len(SHARD_SUFFIX)]
         return int(stem) if stem.isdigit() else None
-
-    @staticmethod
-    def shard_key(worker_id: str, seq: int) -> str:
-        """The consumption-ledger key of a shard ("<worker>/<seq>", as in ExperienceReader.consumed)."""
-        return f"{worker_id}/{seq}"
 
     @staticmethod
     def parse_shard_key(key: str) -> tuple[str, int] | None:
