@@ -50,7 +50,7 @@ def _cfg(port: int, rate_mb_s: float, fanout: bool, chunk_kb: int):
 
 def publish_model(work: str, mb: int) -> tuple[str, int]:
     """A published version of `mb` MB of random safetensors (made once, reused)."""
-    from buffer.weights import WeightStore
+    from buffer.stores.weights import WeightStore
     root = os.path.join(work, f"trainer_{mb}mb")
     store = WeightStore(root)
     if store.latest() == 1:
@@ -95,7 +95,7 @@ def one_run(work: str, root: str, nbytes: int, n: int, fanout: bool, args) -> di
     """Start a trainer server and n workers, say GO, wait for every DONE."""
     import grpc
 
-    from buffer.weights import WeightStore
+    from buffer.stores.weights import WeightStore
     from buffer.weights_net import add_weight_service
     from conftest import free_port
     port = free_port()

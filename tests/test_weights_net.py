@@ -16,7 +16,7 @@ from safetensors.torch import save_file
 
 from buffer.config import BufferConfig
 from buffer.grpc_transport import ShardServer
-from buffer.weights import WeightStore
+from buffer.stores.weights import WeightStore
 from buffer.weights_net import WeightFetcher, add_weight_service
 from conftest import free_port, subprocess_env
 from protocol.weights import verify_files
