@@ -10,6 +10,7 @@ import threading
 import time
 
 import grpc
+import msgpack
 import pytest
 import torch
 from safetensors.torch import save_file
@@ -20,7 +21,8 @@ from buffer.stores.weights import WeightStore
 from buffer.weights_net import WeightFetcher, add_weight_service
 from conftest import free_port, subprocess_env
 from protocol.weights import verify_files
-from protocol.weights_wire import CHUNK_METHOD, ChunkRequest, from_bitmap
+from protocol.weights_wire import (CHUNK_LIST_METHOD, CHUNK_METHOD, PEERS_METHOD, ChunkList,
+                                   ChunkRequest, FileChunks, WireError, from_bitmap)
 
 TOKEN = "weights-token"
 CHUNK_KB = 64  # 64 KiB chunks: a 3 MB version is ~50 chunks, enough to interrupt mid-way
@@ -328,3 +330,21 @@ def test_peer_fanout_used(tmp_path, trainer):
     finally:
         for f in fetchers:
             f.close()
+
+
+def test_malformed_messages_refused(tmp_path, trainer):
+    """Bytes that are not the expected message are INVALID_ARGUMENT (never a crash in the
+    handler); a chunk list naming a path outside the fetch's folder is refused by the worker."""
+    t = trainer()
+    with grpc.insecure_channel(t.shards.servicer.cfg.grpc_address) as ch:
+        for method in (CHUNK_METHOD, CHUNK_LIST_METHOD, PEERS_METHOD):
+            call = ch.unary_unary(method)
+            for raw in (b"\xc1garbage", msgpack.packb([1, 2]), msgpack.packb({"version": "1"}),
+                        ChunkRequest(1, "x", avoid=[7]).encode()):
+                with pytest.raises(grpc.RpcError) as e:
+                    call(raw, timeout=30, metadata=[("authorization", f"Bearer {TOKEN}")])
+                assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT, (method, raw)
+    for name in ("../evil", "a/b", ".tandem-verified", "manifest.json", ""):
+        bad = ChunkList(1, 64, "{}", [FileChunks(name, 10, "0" * 64, [bytes(32)])])
+        with pytest.raises(WireError, match="refused"):
+            ChunkList.decode(bad.encode())
