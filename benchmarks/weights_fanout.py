@@ -102,7 +102,7 @@ def one_run(work: str, root: str, nbytes: int, n: int, fanout: bool, args) -> di
     cfg = _cfg(port, args.rate_mb_s, fanout, args.chunk_kb)
     cpu0 = [resource.getrusage(who) for who in (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN)]
     store = WeightStore(root)
-    server = grpc.server(futures.ThreadPoolExecutor(max_workers=4 * n + 16))
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=cfg.grpc_server_threads))  # as the trainer's
     service = add_weight_service(server, lambda v: store.layout.version_dir(v), TOKEN, cfg)
     server.add_insecure_port(cfg.grpc_bind)
     server.start()
@@ -153,6 +153,7 @@ def one_run(work: str, root: str, nbytes: int, n: int, fanout: bool, args) -> di
             "corrupt": sum(r["corrupt"] for r in results),
             "duplicates": sum(r["duplicates"] for r in results),
             "peer_failures": sum(r["peer_failures"] for r in results),
+            "busy_refusals": sum(r["busy"] for r in results),
             "slowest_worker_s": round(max(r["seconds"] for r in results), 2),
             "fastest_worker_s": round(min(r["seconds"] for r in results), 2),
             "verified_folders": len(results),

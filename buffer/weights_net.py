@@ -150,8 +150,9 @@ class _ChunkServicer:
     """The Chunk method, served from `holding(version)`; shared by the trainer and the peers."""
 
     def __init__(self, holding: Callable[[int], _Holding | None], secret: str, cfg: BufferConfig,
-                 covered=None):
+                 max_waiting: int, covered=None):
         self.holding = holding
+        self.max_waiting, self.waiting = max_waiting, 0
         self.covered = covered  # (version, requester, its peers to avoid) -> chunks peers cover
         self.expected = f"Bearer {secret}".encode()
         self.cfg = cfg
@@ -170,14 +171,29 @@ class _ChunkServicer:
         every one would arrive late). The chunk is picked when the slot is free."""
         _check_token(context, self.expected)
         req = _decode(ChunkRequest, raw, context)
-        if not self.slots.acquire(timeout=self.cfg.weights_chunk_timeout_s / 2):
+        if not self._take_slot():
             self.count(busy=1)
-            context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, "every weight send slot stayed "
-                          "busy for weights_chunk_timeout_s / 2: retry later")
+            context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, "weight send slots busy: retry later")
         try:
             return self._send(req, context)
         finally:
             self.slots.release()
+
+    def _take_slot(self) -> bool:
+        """A send slot; waits (at most weights_chunk_timeout_s / 2) only while fewer than
+        `max_waiting` handlers wait already: a waiting handler holds one of the server's
+        threads, which on the trainer serve experience pushes too."""
+        if self.slots.acquire(blocking=False):
+            return True
+        with self.stats_lock:
+            if self.waiting >= self.max_waiting:
+                return False
+            self.waiting += 1
+        try:
+            return self.slots.acquire(timeout=self.cfg.weights_chunk_timeout_s / 2)
+        finally:
+            with self.stats_lock:
+                self.waiting -= 1
 
     def _send(self, req: ChunkRequest, context) -> bytes:
         held = self.holding(req.version)
@@ -227,7 +243,9 @@ class WeightService:
     def __init__(self, version_dir: Callable[[int], str | None], secret: str, cfg: BufferConfig):
         self.version_dir, self.cfg = version_dir, cfg
         self.chunk_bytes = cfg.weights_chunk_kb << 10
-        self.chunks = _ChunkServicer(self._holding, secret, cfg, self._covered)
+        # half the experience server's threads at most wait for a send slot
+        self.chunks = _ChunkServicer(self._holding, secret, cfg, max(1, cfg.grpc_server_threads // 2),
+                                     self._covered)
         self.stats = self.chunks.stats
         self._held: collections.OrderedDict[int, _Holding] = collections.OrderedDict()
         self._lock = threading.Lock()  # guards _held, _making, peers
@@ -423,6 +441,7 @@ class FetchStats:
     trainer_failures: int = 0
     duplicates: int = 0  # chunks that arrived twice (wasted bytes)
     redirects: int = 0  # trainer answers "live peers hold every chunk you asked for"
+    busy: int = 0  # requests a server refused because its send slots were taken (asked later)
     seconds: float = 0.0
 
 
@@ -460,7 +479,8 @@ class WeightFetcher:
         self.server = grpc.server(futures.ThreadPoolExecutor(self.cfg.weights_peer_threads,
                                                              thread_name_prefix="weights-peer"),
                                   options=_OPTIONS)
-        self.servicer = _ChunkServicer(self._held, self.secret, self.cfg)
+        self.servicer = _ChunkServicer(self._held, self.secret, self.cfg,
+                                       max(1, self.cfg.weights_peer_threads // 2))
         self.server.add_generic_rpc_handlers([self.servicer.handlers()])
         creds = server_credentials(self.cfg)
         address = f"{host}:{self.cfg.weights_peer_port}"
@@ -625,6 +645,7 @@ class _Transfer:
         self.inflight: dict[futures.Future, tuple[str, int | None]] = {}  # -> (source, chunk)
         self.bad: set[str] = set()
         self.failed: dict[str, float] = {}  # peer -> when it last failed
+        self.busy_until: dict[str, float] = {}  # peer -> when to ask it again (it was busy)
         self.trainer_retry_at = 0.0
         self.trainer_backoff = 0.2
         self.trainer_corrupt = 0
@@ -674,7 +695,8 @@ class _Transfer:
         busy = {i for _, i in self.inflight.values() if i is not None}
         now = time.monotonic()
         peers = [p for p in self.f.peers(self.version) if p.peer_id not in self.bad
-                 and now - self.failed.get(p.peer_id, -1e9) > self.cfg.weights_peer_ttl_s]
+                 and now - self.failed.get(p.peer_id, -1e9) > self.cfg.weights_peer_ttl_s
+                 and now >= self.busy_until.get(p.peer_id, 0.0)]
         held = {p.peer_id: from_bitmap(p.have, self.state.chunks.total) for p in peers}
         n_peer = sum(1 for s, _ in self.inflight.values() if s != TRAINER)
         while n_peer < self.cfg.weights_parallel:
@@ -782,6 +804,14 @@ class _Transfer:
 
     def _failed(self, source: str, e: Exception) -> None:
         code = e.code() if isinstance(e, grpc.RpcError) else None
+        if code == grpc.StatusCode.RESOURCE_EXHAUSTED:  # its link is full: ask again shortly
+            self.stats.busy += 1
+            again = time.monotonic() + self.cfg.weights_peer_refresh_s
+            if source == TRAINER:
+                self.trainer_retry_at = again
+            else:
+                self.busy_until[source] = again
+            return
         if source != TRAINER:
             self.stats.peer_failures += 1
             self.failed[source] = time.monotonic()
