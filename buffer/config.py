@@ -99,6 +99,10 @@ class BufferConfig:
     weights_upload_mb_s: float = F(0.0, "cap on the rate (MB/s, 1e6 bytes) at which a server "
                                    "(the trainer's, or a worker's peer server) sends weight "
                                    "chunks, all requests together; 0: no cap", ge=0)
+    weights_send_slots: int = F(2, "chunks a weight server (the trainer's, a worker's peer "
+                                "server) sends at once; more requests wait their turn, so chunks "
+                                "reach workers one after another instead of all together late",
+                                ge=1)
     weights_serve_versions: int = F(2, "worker: weight versions it keeps serving to peers after "
                                     "fetching them (the newest ones)", ge=1)
 

@@ -51,7 +51,9 @@ from protocol.weights_wire import (CHUNK_LIST_METHOD, CHUNK_METHOD, PEERS_METHOD
                                    from_bitmap, to_bitmap)
 
 log = logging.getLogger(__name__)
-_OPTIONS = [("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+# Chunks (<= 4 MiB) fit the experience stream's limit; a chunk list (32 bytes a chunk: 2 MiB
+# for 256 GB in 4 MiB chunks) is the largest message a worker receives.
+_OPTIONS = [("grpc.max_receive_message_length", 64 << 20),
             ("grpc.max_send_message_length", MAX_MESSAGE_BYTES)]
 CACHED_VERSIONS = 4  # chunk lists the trainer keeps in memory (the newest versions' are asked)
 NOTE_EVERY_S = 30.0  # a waiting fetch logs what it waits for this often
@@ -59,6 +61,7 @@ _PACE_BYTES = 256 << 10  # the uplink model's packet: concurrent replies interle
 _CHUNKS_FILE = SIDECAR_PREFIX + "chunks"
 _VERIFIED_FILE = SIDECAR_PREFIX + "verified"
 TRAINER = "trainer"  # the source name of chunks from the trainer in FetchStats
+REDIRECT = -1  # a ChunkReply's index: every chunk asked for is with live peers, ask them
 
 
 class _Uplink:
@@ -114,17 +117,28 @@ class _Holding:
         finally:
             os.close(fd)
 
-    def pick(self, want: set[int], peer: str, window_s: float) -> int | None:
+    def pick(self, want: set[int], peer: str, window_s: float,
+             covered: Callable[[], set[int]] = set) -> int | None:
         """The chunk of `want` this holder has sent least often, preferring those not sent to
-        `peer` within `window_s` (its request for them may still be on the way back)."""
+        `peer` within `window_s` (its request for them may still be on the way back). A chunk
+        sent before is only sent again when it is not in `covered()` (held by, or just sent
+        to, a live peer the requester can use); REDIRECT when every one is."""
         now = time.monotonic()
         with self.lock:
+            for who, sent in list(self.recent.items()):
+                for k in [k for k, t in sent.items() if now - t > window_s]:
+                    del sent[k]
+                if not sent:
+                    del self.recent[who]
             sent = self.recent.setdefault(peer, {})
-            for k in [k for k, t in sent.items() if now - t > window_s]:
-                del sent[k]
             options = [i for i in want if i in self.have]
             if not options:
                 return None
+            if all(self.served[i] for i in options):
+                elsewhere = covered()
+                options = [i for i in options if i not in elsewhere]
+                if not options:
+                    return REDIRECT
             best = min(options, key=lambda i: (i in sent, self.served[i], random.random()))
             self.served[best] += 1
             sent[best] = now
@@ -134,24 +148,67 @@ class _Holding:
 class _ChunkServicer:
     """The Chunk method, served from `holding(version)`; shared by the trainer and the peers."""
 
-    def __init__(self, holding: Callable[[int], _Holding | None], secret: str, cfg: BufferConfig):
+    def __init__(self, holding: Callable[[int], _Holding | None], secret: str, cfg: BufferConfig,
+                 max_waiting: int, covered=None):
         self.holding = holding
+        self.max_waiting, self.waiting = max_waiting, 0
+        self.covered = covered  # (version, requester, its peers to avoid) -> chunks peers cover
         self.expected = f"Bearer {secret}".encode()
         self.cfg = cfg
         self.uplink = _Uplink(cfg.weights_upload_mb_s * 1e6)
+        self.slots = threading.BoundedSemaphore(cfg.weights_send_slots)
         self.stats = collections.Counter()
+        self.stats_lock = threading.Lock()  # handlers run concurrently: += alone loses counts
+
+    def count(self, **add: int) -> None:
+        with self.stats_lock:
+            self.stats.update(add)
 
     def Chunk(self, raw: bytes, context) -> bytes:
+        """A chunk, sent in one of weights_send_slots slots: few chunks at a time, each at a
+        good share of the uplink, so they reach peers early one after another (all at once,
+        every one would arrive late). The chunk is picked when the slot is free."""
         _check_token(context, self.expected)
         req = _decode(ChunkRequest, raw, context)
+        if not self._take_slot():
+            self.count(busy=1)
+            context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, "weight send slots busy: retry later")
+        try:
+            return self._send(req, context)
+        finally:
+            self.slots.release()
+
+    def _take_slot(self) -> bool:
+        """A send slot; waits (at most weights_chunk_timeout_s / 2) only while fewer than
+        `max_waiting` handlers wait already: a waiting handler holds one of the server's
+        threads, which on the trainer serve experience pushes too."""
+        if self.slots.acquire(blocking=False):
+            return True
+        with self.stats_lock:
+            if self.waiting >= self.max_waiting:
+                return False
+            self.waiting += 1
+        try:
+            return self.slots.acquire(timeout=self.cfg.weights_chunk_timeout_s / 2)
+        finally:
+            with self.stats_lock:
+                self.waiting -= 1
+
+    def _send(self, req: ChunkRequest, context) -> bytes:
         held = self.holding(req.version)
         if held is None:
             context.abort(grpc.StatusCode.NOT_FOUND, f"weight version {req.version} not held here")
         if req.index >= 0:
             index = req.index if req.index in held.have else None
         else:
+            covered = set
+            if self.covered is not None and req.peers:
+                covered = lambda: self.covered(req.version, req.peer_id, set(req.avoid))  # noqa: E731
             index = held.pick(from_bitmap(req.want, held.chunks.total), req.peer_id,
-                              self.cfg.weights_chunk_timeout_s)
+                              self.cfg.weights_chunk_timeout_s, covered)
+            if index == REDIRECT:
+                self.count(redirects=1)
+                return ChunkReply(req.version, REDIRECT, b"").encode()
         if index is None:
             context.abort(grpc.StatusCode.NOT_FOUND, f"v{req.version}: no chunk asked for is held here")
         try:
@@ -159,8 +216,7 @@ class _ChunkServicer:
         except OSError as e:  # pruned meanwhile (trainer) or the folder went away (peer)
             context.abort(grpc.StatusCode.NOT_FOUND, f"v{req.version} chunk {index}: {e}")
         self.uplink.send(len(data))
-        self.stats["chunks"] += 1
-        self.stats["bytes"] += len(data)
+        self.count(chunks=1, bytes=len(data))
         return ChunkReply(req.version, index, data).encode()
 
     def handlers(self, **more) -> grpc.GenericRpcHandler:
@@ -186,7 +242,9 @@ class WeightService:
     def __init__(self, version_dir: Callable[[int], str | None], secret: str, cfg: BufferConfig):
         self.version_dir, self.cfg = version_dir, cfg
         self.chunk_bytes = cfg.weights_chunk_kb << 10
-        self.chunks = _ChunkServicer(self._holding, secret, cfg)
+        # half the experience server's threads at most wait for a send slot
+        self.chunks = _ChunkServicer(self._holding, secret, cfg, max(1, cfg.grpc_server_threads // 2),
+                                     self._covered)
         self.stats = self.chunks.stats
         self._held: collections.OrderedDict[int, _Holding] = collections.OrderedDict()
         self._lock = threading.Lock()  # guards _held, _making, peers
@@ -228,6 +286,23 @@ class WeightService:
                 self._making.pop(version, None)
             return held
 
+    def _covered(self, version: int, requester: str, avoid: set[str]) -> set[int]:
+        """Chunks that live peers (heard from within weights_peer_ttl_s, not the requester nor
+        one it avoids) hold, or were sent within weights_chunk_timeout_s."""
+        now, ttl = time.monotonic(), self.cfg.weights_peer_ttl_s
+        held = self._held.get(version)
+        with self._lock:
+            live = [(p, e.have) for p, e in self.peers.get(version, {}).items()
+                    if now - e.seen <= ttl and p != requester and p not in avoid]
+        bits = 0
+        for _, have in live:
+            bits |= int.from_bytes(have, "little")
+        out = from_bitmap(bits.to_bytes((bits.bit_length() + 7) // 8, "little"), bits.bit_length())
+        if held is not None:  # called under held.lock
+            for p, _ in live:
+                out.update(held.recent.get(p, ()))
+        return out
+
     def ChunkList(self, raw: bytes, context) -> bytes:
         _check_token(context, self.chunks.expected)
         req = _decode(ChunkListRequest, raw, context)
@@ -243,7 +318,8 @@ class WeightService:
 
     def Peers(self, raw: bytes, context) -> bytes:
         """Record the caller's holdings; answer with up to weights_max_peers live peers that
-        hold chunks it lacks (random among them, so load spreads)."""
+        hold chunks it lacks: in random order (load spreads), first those that add chunks the
+        ones before do not hold (the answer covers what the registry knows), then others."""
         _check_token(context, self.chunks.expected)
         rep = _decode(PeerReport, raw, context)
         now, ttl = time.monotonic(), self.cfg.weights_peer_ttl_s
@@ -259,7 +335,12 @@ class WeightService:
             useful = [PeerInfo(p, e.address, e.have) for p, e in table.items()
                       if p != rep.peer_id and int.from_bytes(e.have, "little") & lacks]
         random.shuffle(useful)
-        return PeerList(rep.version, useful[:self.cfg.weights_max_peers]).encode()
+        first, rest = [], []
+        for peer in useful:
+            adds = int.from_bytes(peer.have, "little") & lacks
+            (first if adds else rest).append(peer)
+            lacks &= ~adds
+        return PeerList(rep.version, (first + rest)[:self.cfg.weights_max_peers]).encode()
 
 
 def add_weight_service(server: grpc.Server, version_dir: Callable[[int], str | None], secret: str,
@@ -358,6 +439,8 @@ class FetchStats:
     peer_failures: int = 0  # requests to peers that failed (timeout, gone, not held)
     trainer_failures: int = 0
     duplicates: int = 0  # chunks that arrived twice (wasted bytes)
+    redirects: int = 0  # trainer answers "live peers hold every chunk you asked for"
+    busy: int = 0  # requests a server refused because its send slots were taken (asked later)
     seconds: float = 0.0
 
 
@@ -395,7 +478,8 @@ class WeightFetcher:
         self.server = grpc.server(futures.ThreadPoolExecutor(self.cfg.weights_peer_threads,
                                                              thread_name_prefix="weights-peer"),
                                   options=_OPTIONS)
-        self.servicer = _ChunkServicer(self._held, self.secret, self.cfg)
+        self.servicer = _ChunkServicer(self._held, self.secret, self.cfg,
+                                       max(1, self.cfg.weights_peer_threads // 2))
         self.server.add_generic_rpc_handlers([self.servicer.handlers()])
         creds = server_credentials(self.cfg)
         address = f"{host}:{self.cfg.weights_peer_port}"
@@ -468,15 +552,16 @@ class WeightFetcher:
         """Version `version` as a verified folder at `dest_dir` (returned): what is there
         already if it verifies against its manifest, else fetched, resuming `<dest>.partial/`."""
         dest = os.path.abspath(dest_dir)
-        if os.path.isdir(dest):
-            problem = _folder_problem(dest)
-            if problem is None:
-                return dest_dir
-            log.warning("%s: %s; fetching version %d again", dest, problem, version)
-            shutil.rmtree(dest)
         partial = dest + ".partial"
         os.makedirs(os.path.dirname(dest), exist_ok=True)
         with _flock(partial + ".lock", self.cfg.weights_stall_timeout_s):
+            if os.path.isdir(dest):
+                problem = _folder_problem(dest)
+                if problem is None:  # fetched before (this process or an earlier one)
+                    self._serve_cached(version, dest)
+                    return dest_dir
+                log.warning("%s: %s; fetching version %d again", dest, problem, version)
+                shutil.rmtree(dest)
             chunks = self._chunk_list(version)
             state = _Partial(partial, chunks)
             try:
@@ -494,6 +579,20 @@ class WeightFetcher:
         with contextlib.suppress(FileNotFoundError):
             os.remove(partial + ".lock")
         return dest_dir
+
+    def _serve_cached(self, version: int, dest: str) -> None:
+        """Serve a verified folder found on disk to peers, if the trainer (one try) still has
+        the version's chunk list; the folder is usable either way."""
+        if self.server is None or self._held(version) is not None:
+            return
+        try:
+            chunks = ChunkList.decode(self._calls["ChunkList"](
+                ChunkListRequest(version).encode(), timeout=self.cfg.weights_chunk_timeout_s,
+                metadata=self.metadata))
+        except (grpc.RpcError, WireError) as e:
+            log.info("not serving cached weight version %d to peers: %s", version, _why(e))
+            return
+        self._hold(version, _Holding(chunks, dest, set(range(chunks.total))))
 
     def _chunk_list(self, version: int) -> ChunkList:
         deadline = time.monotonic() + self.cfg.weights_stall_timeout_s
@@ -519,8 +618,9 @@ class WeightFetcher:
             f.write(chunks.manifest)
             f.flush()
             os.fsync(f.fileno())
-        for name in (_CHUNKS_FILE, _VERIFIED_FILE):
-            os.remove(os.path.join(state.folder, name))
+        for name in os.listdir(state.folder):  # the sidecars (and a temporary of one)
+            if name.startswith(SIDECAR_PREFIX):
+                os.remove(os.path.join(state.folder, name))
         with holding.lock:
             os.rename(state.folder, dest)
             holding.folder = dest
@@ -544,6 +644,7 @@ class _Transfer:
         self.inflight: dict[futures.Future, tuple[str, int | None]] = {}  # -> (source, chunk)
         self.bad: set[str] = set()
         self.failed: dict[str, float] = {}  # peer -> when it last failed
+        self.busy_until: dict[str, float] = {}  # peer -> when to ask it again (it was busy)
         self.trainer_retry_at = 0.0
         self.trainer_backoff = 0.2
         self.trainer_corrupt = 0
@@ -593,7 +694,8 @@ class _Transfer:
         busy = {i for _, i in self.inflight.values() if i is not None}
         now = time.monotonic()
         peers = [p for p in self.f.peers(self.version) if p.peer_id not in self.bad
-                 and now - self.failed.get(p.peer_id, -1e9) > self.cfg.weights_peer_ttl_s]
+                 and now - self.failed.get(p.peer_id, -1e9) > self.cfg.weights_peer_ttl_s
+                 and now >= self.busy_until.get(p.peer_id, 0.0)]
         held = {p.peer_id: from_bitmap(p.have, self.state.chunks.total) for p in peers}
         n_peer = sum(1 for s, _ in self.inflight.values() if s != TRAINER)
         while n_peer < self.cfg.weights_parallel:
@@ -611,8 +713,11 @@ class _Transfer:
         if n_trainer >= self.cfg.weights_trainer_streams or now < self.trainer_retry_at:
             return
         want = self.missing - busy - set().union(*held.values())
-        for _ in range(self.cfg.weights_trainer_streams - n_trainer if want else 0):
-            self._submit(TRAINER, None, self._from_trainer, want)
+        avoid = sorted(self.bad | {p for p, t in self.failed.items()
+                                   if now - t <= self.cfg.weights_peer_ttl_s})
+        # no more requests than chunks: each outstanding one may be bringing one of `want`
+        for _ in range(min(self.cfg.weights_trainer_streams, len(want)) - n_trainer):
+            self._submit(TRAINER, None, self._from_trainer, want, avoid)
 
     def _submit(self, source: str, index: int | None, fn, *args) -> None:
         self.inflight[self.pool.submit(fn, *args)] = (source, index)
@@ -639,12 +744,14 @@ class _Transfer:
             raise _Corrupt(f"asked for chunk {index}, got {reply.index}")
         return self._store(reply), len(reply.data)
 
-    def _from_trainer(self, want: set[int]) -> tuple[int, int]:
+    def _from_trainer(self, want: set[int], avoid: list[str]) -> tuple[int, int]:
         raw = self.f._calls["Chunk"](
-            ChunkRequest(self.version, self.f.peer_id,
-                         want=to_bitmap(want, self.state.chunks.total)).encode(),
+            ChunkRequest(self.version, self.f.peer_id, want=to_bitmap(want, self.state.chunks.total),
+                         peers=self.cfg.weights_peer_fanout, avoid=avoid).encode(),
             timeout=self.cfg.weights_chunk_timeout_s, metadata=self.f.metadata)
         reply = ChunkReply.decode(raw)
+        if reply.index == REDIRECT:
+            return REDIRECT, 0
         if reply.index not in want:
             raise _Corrupt(f"got chunk {reply.index}, not one asked for")
         return self._store(reply), len(reply.data)
@@ -674,6 +781,10 @@ class _Transfer:
         except (grpc.RpcError, WireError) as e:
             self._failed(source, e)
             return False
+        if index == REDIRECT:  # live peers hold all we asked for: the next peer list has them
+            self.stats.redirects += 1
+            self.trainer_retry_at = time.monotonic() + self.cfg.weights_peer_refresh_s
+            return False
         if index not in self.missing:
             self.stats.duplicates += 1
             return False
@@ -692,6 +803,14 @@ class _Transfer:
 
     def _failed(self, source: str, e: Exception) -> None:
         code = e.code() if isinstance(e, grpc.RpcError) else None
+        if code == grpc.StatusCode.RESOURCE_EXHAUSTED:  # its link is full: ask again shortly
+            self.stats.busy += 1
+            again = time.monotonic() + self.cfg.weights_peer_refresh_s
+            if source == TRAINER:
+                self.trainer_retry_at = again
+            else:
+                self.busy_until[source] = again
+            return
         if source != TRAINER:
             self.stats.peer_failures += 1
             self.failed[source] = time.monotonic()
@@ -743,7 +862,7 @@ def _flock(path: str, timeout_s: float):
     released it). Waits up to `timeout_s`, saying so."""
     fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
     try:
-        start, noted = time.monotonic(), 0.0
+        start, noted = time.monotonic(), -NOTE_EVERY_S
         while True:
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -753,9 +872,9 @@ def _flock(path: str, timeout_s: float):
                 if waited > timeout_s:
                     raise TimeoutError(f"{path}: another fetch of this version held the lock "
                                        f"for {waited:.0f} s") from None
-                if waited - noted >= NOTE_EVERY_S or not noted:
+                if waited - noted >= NOTE_EVERY_S:
                     log.info("waiting for another fetch into %s to finish (%.0f s)", path, waited)
-                    noted = waited or 1e-9
+                    noted = waited
                 time.sleep(0.2)
         yield
     finally:

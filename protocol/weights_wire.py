@@ -135,10 +135,6 @@ class ChunkList(_Message):
     def chunks_of(self, file_pos: int) -> range:
         return range(self._starts[file_pos], self._starts[file_pos] + len(self.files[file_pos].chunks))
 
-    @property
-    def nbytes(self) -> int:
-        return sum(f.bytes for f in self.files)
-
     def encode(self) -> bytes:
         return msgpack.packb({"version": self.version, "chunk_bytes": self.chunk_bytes,
                               "manifest": self.manifest,
@@ -178,15 +174,27 @@ def _chunk_digests(path: str, entry: FileEntry, chunk_bytes: int) -> list[bytes]
 @dataclasses.dataclass
 class ChunkRequest(_Message):
     """One chunk: `index`, or (index -1) any chunk of the bitmap `want`, the server's choice
-    (the trainer sends the one it has sent least often: each chunk leaves it about once)."""
+    (the trainer sends the one it has sent least often: each chunk leaves it about once).
+    `peers`: the requester takes chunks from peers, except those in `avoid` (so the trainer
+    may answer REDIRECT, index -1, when live peers hold every chunk of `want`)."""
     version: int
     peer_id: str
     index: int = -1
     want: bytes = b""
+    peers: bool = False
+    avoid: list[str] = dataclasses.field(default_factory=list)
+
+    @classmethod
+    def _build(cls, d: dict):
+        out = super()._build(d)
+        if not isinstance(out.avoid, list) or not all(isinstance(a, str) for a in out.avoid):
+            raise TypeError("field avoid: a list of peer ids (strings)")
+        return out
 
 
 @dataclasses.dataclass
 class ChunkReply(_Message):
+    """`index` -1 (no data): every chunk asked for is with live peers; ask them."""
     version: int
     index: int
     data: bytes

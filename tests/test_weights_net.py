@@ -10,17 +10,19 @@ import threading
 import time
 
 import grpc
+import msgpack
 import pytest
 import torch
 from safetensors.torch import save_file
 
 from buffer.config import BufferConfig
 from buffer.grpc_transport import ShardServer
-from buffer.weights import WeightStore
+from buffer.stores.weights import WeightStore
 from buffer.weights_net import WeightFetcher, add_weight_service
 from conftest import free_port, subprocess_env
 from protocol.weights import verify_files
-from protocol.weights_wire import CHUNK_METHOD, ChunkRequest, from_bitmap
+from protocol.weights_wire import (CHUNK_LIST_METHOD, CHUNK_METHOD, PEERS_METHOD, ChunkList,
+                                   ChunkRequest, FileChunks, WireError, from_bitmap)
 
 TOKEN = "weights-token"
 CHUNK_KB = 64  # 64 KiB chunks: a 3 MB version is ~50 chunks, enough to interrupt mid-way
@@ -108,6 +110,12 @@ def test_full_fetch_verified(tmp_path, trainer):
         stats = f.stats[1]
         assert stats.from_trainer == stats.chunks and stats.corrupt == 0 and stats.resumed == 0
         assert f.fetch(1, dest) == dest  # there already: verified, nothing fetched
+        again = WeightFetcher(t.shards.servicer.cfg.grpc_address, TOKEN, t.shards.servicer.cfg, "w0b")
+        try:  # a restarted worker finds the folder, fetches nothing, and serves it to peers
+            assert again.fetch(1, dest) == dest and 1 not in again.stats
+            assert again._held(1).have == set(range(stats.chunks))
+        finally:
+            again.close()
     finally:
         f.close()
 
@@ -186,6 +194,50 @@ def test_worker_killed_mid_download_resumes(tmp_path, trainer):
     resumed, fetched, chunks = map(int, line.split()[1:])
     assert (resumed, fetched, chunks) == (kept, total - kept, total)
     assert _verified(dest, t.store)
+
+
+_PEER = """
+import logging, sys
+logging.basicConfig(level=logging.INFO)
+from buffer.config import BufferConfig
+from buffer.weights_net import WeightFetcher
+cfg = BufferConfig(**{cfg!r})
+f = WeightFetcher(cfg.grpc_address, {token!r}, cfg, "doomed")
+f.fetch(1, {dest!r})
+print("SERVING", flush=True)
+sys.stdin.readline()
+"""
+
+
+def test_peer_dying_mid_transfer(tmp_path, trainer):
+    """A worker fetches from a peer (another process, slow uplink) that is SIGKILLed mid-way:
+    its requests fail, the peer is skipped, and the rest comes from the trainer, verified."""
+    t = trainer()
+    cfg = t.shards.servicer.cfg
+    fields = {k: getattr(cfg, k) for k in cfg.__dataclass_fields__}
+    fields["weights_upload_mb_s"] = 0.5  # the peer's uplink: ~6 s for the version
+    script = _PEER.format(cfg=fields, token=TOKEN, dest=str(tmp_path / "peer" / "v1"))
+    peer = subprocess.Popen([sys.executable, "-c", script], env=subprocess_env(), text=True,
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
+    q = WeightFetcher(cfg.grpc_address, TOKEN, cfg, "survivor")
+    result = {}
+    try:
+        assert peer.stdout.readline().strip() == "SERVING"
+        th = threading.Thread(target=lambda: result.update(dest=q.fetch(1, str(tmp_path / "q" / "v1"))))
+        th.start()
+        _wait(lambda: 1 in q.stats and q.stats[1].from_peers >= 2, 120, "2 chunks from the peer")
+        os.kill(peer.pid, signal.SIGKILL)
+        peer.wait(timeout=30)
+        th.join(timeout=180)
+        assert not th.is_alive() and "dest" in result, "the fetch did not complete"
+        s = q.stats[1]
+        assert s.peer_failures >= 1 and s.from_trainer >= 1 and s.from_peers >= 2
+        assert s.from_peers + s.from_trainer == s.chunks
+        assert _verified(result["dest"], t.store)
+    finally:
+        if peer.poll() is None:
+            peer.kill()
+        q.close()
 
 
 def test_corrupted_peer_detected_and_chunk_refetched(tmp_path, trainer):
@@ -278,3 +330,21 @@ def test_peer_fanout_used(tmp_path, trainer):
     finally:
         for f in fetchers:
             f.close()
+
+
+def test_malformed_messages_refused(tmp_path, trainer):
+    """Bytes that are not the expected message are INVALID_ARGUMENT (never a crash in the
+    handler); a chunk list naming a path outside the fetch's folder is refused by the worker."""
+    t = trainer()
+    with grpc.insecure_channel(t.shards.servicer.cfg.grpc_address) as ch:
+        for method in (CHUNK_METHOD, CHUNK_LIST_METHOD, PEERS_METHOD):
+            call = ch.unary_unary(method)
+            for raw in (b"\xc1garbage", msgpack.packb([1, 2]), msgpack.packb({"version": "1"}),
+                        ChunkRequest(1, "x", avoid=[7]).encode()):
+                with pytest.raises(grpc.RpcError) as e:
+                    call(raw, timeout=30, metadata=[("authorization", f"Bearer {TOKEN}")])
+                assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT, (method, raw)
+    for name in ("../evil", "a/b", ".tandem-verified", "manifest.json", ""):
+        bad = ChunkList(1, 64, "{}", [FileChunks(name, 10, "0" * 64, [bytes(32)])])
+        with pytest.raises(WireError, match="refused"):
+            ChunkList.decode(bad.encode())
