@@ -24,6 +24,7 @@ import contextlib
 import dataclasses
 import errno
 import functools
+import json
 import logging
 import os
 import shutil
@@ -34,13 +35,16 @@ from typing import Callable
 import grpc
 
 from buffer.config import BufferConfig
-from buffer.grpc_transport import MAX_MESSAGE_BYTES, WRITER_KEY, open_channel, token
+from buffer.grpc_transport import (MAX_MESSAGE_BYTES, WRITER_KEY, GrpcSink, ShardServer,
+                                   open_channel, token)
 from buffer.layout import RunLayout
 from buffer.run import Run, register
+from buffer.run_service import RunService
 from buffer.storage import is_local
 from buffer.stores.base import (ControlStore, HeartbeatStore, ProgressStore, RunState, SyncClaims,
                                 ValidationStore, WeightSource)
 from buffer.stores.fs_run import FsRun
+from buffer.weights_net import WeightFetcher, add_weight_service
 from protocol import run_service as rs
 from protocol.control import Command
 from protocol.validation import ValidationRequest, ValidationResult
@@ -64,9 +68,9 @@ def _trainer_only(what: str):
 
 
 class RunClient:
-    """One channel to the run service at buffer.grpc_address; `call` and `stream` with
-    deadlines and retries. `writer` (sent with every call) is this process's claim on the
-    worker id whose heartbeat it writes."""
+    """One channel to the run service at buffer.grpc_address; `call` with a deadline and
+    retries. Every call carries the token, the schema and this process's writer key (its claim
+    on the worker id whose heartbeat it writes)."""
 
     def __init__(self, cfg: BufferConfig):
         self.cfg = cfg
@@ -88,10 +92,10 @@ class RunClient:
         """The reply to one unary call, retried while the trainer is unreachable or busy."""
         request = rs.RPCS[name].request() if request is None else request
         stub = self._stub(name)
-        return self.retrying(name, lambda: stub(request, timeout=self.cfg.grpc_call_timeout_s,
+        return self._retrying(name, lambda: stub(request, timeout=self.cfg.grpc_call_timeout_s,
                                                 metadata=self.metadata))
 
-    def retrying(self, what: str, attempt: Callable[[], object]):
+    def _retrying(self, what: str, attempt: Callable[[], object]):
         """`attempt()`, again after each retryable failure (backoff, a line every NOTE_S s),
         for at most buffer.grpc_trainer_wait_s."""
         start = noted = None
@@ -133,9 +137,6 @@ class RunClient:
         if code == grpc.StatusCode.UNIMPLEMENTED:
             text += " (a trainer older than this worker: upgrade it, or use buffer.transport=fs)"
         return RunServiceError(text)
-
-    def close(self) -> None:
-        self.channel.close()
 
 
 class NetHeartbeats(HeartbeatStore):
@@ -261,7 +262,8 @@ class NetValidation(ValidationStore):
         return [r.version for r in self.requests()]
 
     def requests(self) -> list[ValidationRequest]:
-        return [ValidationRequest(**d) for d in self.client.call("ValidationRequests").docs]
+        return [ValidationRequest.from_json(json.dumps(d), where=f"a request from {self.client.address}")
+                for d in self.client.call("ValidationRequests").docs]
 
     def answer(self, result: ValidationResult) -> None:
         self.client.call("ValidationAnswer", rs.ValidationAnswer(dataclasses.asdict(result),
@@ -302,7 +304,6 @@ class NetWeightSource(WeightSource):
         if version in self._verified and os.path.isdir(folder):
             return folder
         if self._fetcher is None:
-            from buffer.weights_net import WeightFetcher
             self._fetcher = WeightFetcher(self.client.address, token(self.client.cfg), self.client.cfg)
         t0 = time.monotonic()
         self._fetcher.fetch(version, folder)  # a folder already there is checked, else fetched
@@ -330,10 +331,6 @@ class NetWeightSource(WeightSource):
                     os.remove(path)
             self._verified.discard(version)
 
-    def close(self) -> None:
-        if self._fetcher is not None:
-            self._fetcher.close()
-
 
 def open_net_run(root: str, buffer: BufferConfig) -> Run:
     """The Run of a worker, validator or pool with only its own folder `root` (local)."""
@@ -345,8 +342,7 @@ def open_net_run(root: str, buffer: BufferConfig) -> Run:
     client = RunClient(buffer)
     state = NetRunState(client)
 
-    def make_sink(worker_id: str):
-        from buffer.grpc_transport import GrpcSink  # shards: pushed, claim file in `root`
+    def make_sink(worker_id: str) -> GrpcSink:  # shards pushed; the claim file in `root`
         return GrpcSink(local.make_sink(worker_id), buffer, state)
     return Run(root=root, transport="grpc",
                weights=NetWeightSource(client, local, buffer.grpc_cache_versions),
@@ -363,9 +359,6 @@ class RunServer:
     lingers after the run's end (buffer.grpc_linger_s), so that workers learn of it."""
 
     def __init__(self, run: FsRun, buffer: BufferConfig, **hooks):
-        from buffer.grpc_transport import ShardServer
-        from buffer.run_service import RunService
-        from buffer.weights_net import add_weight_service
         secret = token(buffer)
         self.run_service = RunService(run, buffer, secret)
         self.weights = None
