@@ -159,12 +159,14 @@ def test_a_worker_started_before_the_trainer_waits_then_works(tmp_path, inputs):
         codes = _end(procs, timeout_s=400)
     finally:
         _end(procs, timeout_s=1)
-    assert codes == [0, 0], _text(trainer_root / "trainer.out")[-2000:] + _text(worker_root / "worker.out")[-2000:]
+    logs = _text(trainer_root / "trainer.out")[-2000:] + _text(worker_root / "worker.out")[-2000:]
+    assert codes == [0, 0], logs
     assert _steps(trainer_root) == 3
     assert "answers again" in _text(worker_root / "worker.out")
     beat = json.loads((trainer_root / "workers" / "w0.json").read_text())
     assert beat["state"] == "stopped" and beat["samples_written"] > 0
-    assert (worker_root / "workers" / "w0.claim").exists() and not (worker_root / "workers" / "w0.json").exists()
+    own = worker_root / "workers"
+    assert (own / "w0.claim").exists() and not (own / "w0.json").exists()  # the heartbeat: the trainer's
 
 
 def test_a_trainer_killed_and_resumed_mid_run_does_not_crash_the_worker(tmp_path, inputs):
@@ -201,8 +203,8 @@ def test_a_worker_with_a_wrong_token_is_refused_and_says_so(tmp_path, inputs):
     trainer = _trainer(tmp_path / "trainer", inputs, port, 1)
     worker_root = tmp_path / "worker"
     try:
-        _wait_for("the server", lambda: "run service and weight service on port" in _text(tmp_path / "trainer" / "trainer.out"),
-                  [trainer], timeout_s=300)
+        _wait_for("the server", lambda: "run service and weight service on port"
+                  in _text(tmp_path / "trainer" / "trainer.out"), [trainer], timeout_s=300)
         (worker_root / "data").mkdir(parents=True)
         (worker_root / "data" / "train.parquet").write_bytes((inputs / "rl_train.parquet").read_bytes())
         p = subprocess.run(
