@@ -738,9 +738,16 @@ def test_a_trainer_killed_before_its_first_checkpoint_starts_again(experience):
     finally:
         _stop_group(p)
     versions_before = max(int(n[1:]) for n in os.listdir(root / "weights") if n[1:].isdigit())
+    # What a kill in the middle of a publish leaves (the kill above may or may not have hit
+    # one): a staging folder with a partial weight file, which would fill a small disk again.
+    debris = RunLayout(str(root)).version_tmp(versions_before + 1, 4242)
+    os.makedirs(debris, exist_ok=True)
+    with open(os.path.join(debris, "model.safetensors"), "wb") as f:
+        f.write(b"\0" * 4096)
     p = trainer_proc(root, experience / "model", 1, "trainer.log_sample_ids=true")
     out, _ = p.communicate(timeout=600)
     assert p.returncode == 0, out[-3000:]
+    assert not [n for n in os.listdir(root / "weights") if ".tmp-" in n]  # debris removed
     rows = [json.loads(line) for line in (root / "metrics.jsonl").read_text().splitlines()]
     final = {r["step"]: r for r in rows}  # the later line of a step is the final timeline's
     assert sorted(final) == list(range(1, STEPS + 1))
