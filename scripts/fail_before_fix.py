@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -73,7 +74,7 @@ CASES = [
          [F + "test_grpc_spool_stops_growing_while_the_trainer_does_not_consume"]),
     Case("6b", "the reader ingests every discovered shard, not just one step's",
          [("buffer/reader.py", "if len(self.pool) >= num_groups:\n"
-           "                    break  # the rest waits on disk", "if False:\n                    break")],
+           "                    break  # the rest", "if False:\n                    break  # the rest")],
          [F + "test_reader_reads_no_further_than_a_step_needs"]),
     Case("7", "maybe_reload catches FileNotFoundError only, not ManifestError",
          [("rollout/worker.py", "except (FileNotFoundError, ManifestError) as e:",
@@ -135,16 +136,15 @@ def restore(originals: dict[Path, str]) -> None:
         path.write_text(text)
 
 
-def run_pytest(tests: list[str], timeout_s: float) -> dict[str, tuple[str, str, float]]:
+def run_pytest(tests: list[str], timeout_s: float, log: Path) -> dict[str, tuple[str, str, float]]:
     """{test: (outcome, first line of the message, seconds)}; outcome passed, failed, error,
-    skipped, or timeout/missing."""
-    with tempfile.TemporaryDirectory() as tmp:
+    skipped, or timeout/missing. pytest's output goes to `log`."""
+    with tempfile.TemporaryDirectory() as tmp, open(log, "w") as out:
         xml = os.path.join(tmp, "junit.xml")
         env = dict(os.environ, PYTHONPATH=str(REPO), PYTHONDONTWRITEBYTECODE="1")
         p = subprocess.Popen([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
                               f"--junitxml={xml}", *tests], cwd=REPO, env=env,
-                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                             start_new_session=True)
+                             stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
         try:
             p.wait(timeout=timeout_s)
         except subprocess.TimeoutExpired:
@@ -156,7 +156,8 @@ def run_pytest(tests: list[str], timeout_s: float) -> dict[str, tuple[str, str, 
                 os.killpg(p.pid, signal.SIGKILL)
                 p.wait()
         return _outcomes(xml, tests) if os.path.exists(xml) else {
-            t: ("missing", f"pytest exited {p.returncode} without a report", 0.0) for t in tests}
+            t: ("missing", f"pytest exited {p.returncode} without a report ({log})", 0.0)
+            for t in tests}
 
 
 def _outcomes(xml: str, tests: list[str]) -> dict[str, tuple[str, str, float]]:
@@ -171,7 +172,7 @@ def _outcomes(xml: str, tests: list[str]) -> dict[str, tuple[str, str, float]]:
                 message = (el.get("message") or el.text or "").strip()
                 break
         got[name] = (outcome, _line(message), float(case.get("time", 0)))
-    return {t: got.get(t.rsplit("::", 1)[-1], ("missing", "not in pytest's report", 0.0))
+    return {t: got.get(t.rsplit("::", 1)[-1], ("missing", f"not in pytest's report ({xml})", 0.0))
             for t in tests}
 
 
@@ -179,7 +180,7 @@ def _line(message: str) -> str:
     """The message's first informative line, short and safe in a markdown table."""
     lines = [x.strip() for x in message.splitlines() if x.strip()]
     line = next((x for x in lines if not x.startswith(("assert ", "+", "where "))), "")
-    line = line or (lines[0] if lines else "")
+    line = re.sub(r"/tmp/pytest-of-[^/]+/pytest-\d+/", "", line or (lines[0] if lines else ""))
     return (line[:160] + ("..." if len(line) > 160 else "")).replace("|", "\\|")
 
 
@@ -188,6 +189,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--only", default="", help="comma-separated case keys (e.g. 2,5b); default all")
     p.add_argument("--no-pass-run", action="store_true", help="skip the run with every fix in place")
     p.add_argument("--timeout", type=float, default=1800, help="seconds per pytest run")
+    p.add_argument("--logs", default=None, help="folder for pytest's output per run (default: a "
+                   "new temporary folder, printed)")
     p.add_argument("--check", action="store_true",
                    help="only check that every anchor occurs once (changes nothing)")
     args = p.parse_args(argv)
@@ -201,6 +204,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"refusing to run: the tree is dirty (commit or stash first):\n{dirty()}", file=sys.stderr)
         return 2
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # the finally restores the files
+    logs = Path(args.logs or tempfile.mkdtemp(prefix="fail_before_fix-"))
+    logs.mkdir(parents=True, exist_ok=True)
+    print(f"pytest's output: {logs}/<item>.log", flush=True)
     only = set(filter(None, args.only.split(",")))
     cases = [c for c in CASES if not only or c.key in only]
     without: dict[tuple[str, str], tuple[str, str, float]] = {}
@@ -209,7 +215,7 @@ def main(argv: list[str] | None = None) -> int:
         originals: dict[Path, str] = {}
         try:
             apply(case.edits, originals)
-            got = run_pytest(case.tests, args.timeout)
+            got = run_pytest(case.tests, args.timeout, logs / f"{case.key}.log")
         finally:
             restore(originals)
         for test, result in got.items():
@@ -222,7 +228,7 @@ def main(argv: list[str] | None = None) -> int:
     if not args.no_pass_run:
         tests = list(dict.fromkeys(t for c in cases for t in c.tests))
         print(f"[{time.strftime('%H:%M:%S')}] every fix in place: {len(tests)} tests", flush=True)
-        with_fix = run_pytest(tests, args.timeout * 2)
+        with_fix = run_pytest(tests, args.timeout * 2, logs / "with-the-fixes.log")
     bad = 0
     print("\n| item | fix removed (file: edit) | test | without the fix | with the fix |")
     print("| --- | --- | --- | --- | --- |")
