@@ -177,9 +177,15 @@ def _outcomes(xml: str, tests: list[str]) -> dict[str, tuple[str, str, float]]:
 
 
 def _line(message: str) -> str:
-    """The message's first informative line, short and safe in a markdown table."""
+    """The message's first informative line, short and safe in a markdown table. An assertion
+    whose message is a process's output tail: the last exception named there (not torchrun's
+    ChildFailedError), else its last line."""
     lines = [x.strip() for x in message.splitlines() if x.strip()]
     line = next((x for x in lines if not x.startswith(("assert ", "+", "where "))), "")
+    if line.rstrip(":") == "AssertionError":
+        raised = [x for x in lines[1:] if re.search(r"\w(Error|Exception): \S", x)
+                  and "ChildFailedError" not in x]
+        line = raised[-1] if raised else lines[-1]
     line = re.sub(r"/tmp/pytest-of-[^/]+/pytest-\d+/", "", line or (lines[0] if lines else ""))
     return (line[:160] + ("..." if len(line) > 160 else "")).replace("|", "\\|")
 

@@ -308,7 +308,7 @@ def test_a_second_trainer_on_the_run_folder_is_refused_naming_the_first(experien
         assert first.poll() is None, "the first trainer must be unharmed"
     finally:
         _stop_group(first)
-    assert second.returncode != 0
+    assert second.returncode != 0, "a second trainer ran on the folder the first holds:\n" + out[-2000:]
     held = re.search(r"held by the trainer pid (\d+) on host (\S+)", out)
     assert held, out[-3000:]
     pid, host = int(held.group(1)), held.group(2).rstrip(",;:")
@@ -728,7 +728,8 @@ def test_a_trainer_killed_before_its_first_checkpoint_starts_again(experience):
 
     from conftest import STEPS, run_folder, trainer_proc
     from trainer.config import TrainerConfig
-    assert TrainerConfig.__dataclass_fields__["trainer"].default_factory().save_freq > 0
+    save_freq = TrainerConfig.__dataclass_fields__["trainer"].default_factory().save_freq
+    assert save_freq > 0, f"trainer.save_freq defaults to {save_freq}: a killed run cannot resume"
     root = run_folder(experience, "early_kill")
     p = trainer_proc(root, experience / "model", 2, "trainer.log_sample_ids=true",
                      "trainer.save_freq=100")
@@ -778,7 +779,8 @@ def test_a_stop_request_checkpoints_and_a_restart_resumes(experience):
     finally:
         _stop_group(p)
     assert p.returncode == 0, out[-3000:]
-    assert not (root / "DONE").exists() and not (root / "trainer.stop").exists()
+    assert not (root / "DONE").exists(), "the trainer ran on to DONE: the stop request was ignored"
+    assert not (root / "trainer.stop").exists()
     from trainer.checkpoint import latest_complete
     assert latest_complete(layout) is not None, "no checkpoint on the way out"
     p = trainer_proc(root, experience / "model", 2, "trainer.log_sample_ids=true")
