@@ -169,7 +169,9 @@ def _outcomes(xml: str, tests: list[str]) -> dict[str, tuple[str, str, float]]:
             el = case.find(kind)
             if el is not None:
                 outcome = {"failure": "failed"}.get(kind, kind)
-                message = (el.get("message") or el.text or "").strip()
+                # pytest's "E" lines of the report (the message attribute is cut at a newline)
+                report = [x[1:] for x in (el.text or "").splitlines() if x.startswith("E ")]
+                message = "\n".join(report) or el.get("message") or ""
                 break
         got[name] = (outcome, _line(message), float(case.get("time", 0)))
     return {t: got.get(t.rsplit("::", 1)[-1], ("missing", f"not in pytest's report ({xml})", 0.0))
@@ -181,12 +183,13 @@ def _line(message: str) -> str:
     whose message is a process's output tail: the last exception named there (not torchrun's
     ChildFailedError), else its last line."""
     lines = [x.strip() for x in message.splitlines() if x.strip()]
-    line = next((x for x in lines if not x.startswith(("assert ", "+", "where "))), "")
-    if line.rstrip(":") == "AssertionError":
-        raised = [x for x in lines[1:] if re.search(r"\w(Error|Exception): \S", x)
+    told = [x for x in lines if not x.startswith(("assert ", "+", "where "))] or lines or [""]
+    line = told[0]
+    if line.rstrip(":") == "AssertionError" and len(told) > 1:
+        raised = [x for x in told[1:] if re.search(r"\w(Error|Exception): \S", x)
                   and "ChildFailedError" not in x]
-        line = raised[-1] if raised else lines[-1]
-    line = re.sub(r"/tmp/pytest-of-[^/]+/pytest-\d+/", "", line or (lines[0] if lines else ""))
+        line = raised[-1] if raised else told[-1]
+    line = re.sub(r"/tmp/pytest-of-[^/]+/pytest-\d+/", "", line)
     return (line[:160] + ("..." if len(line) > 160 else "")).replace("|", "\\|")
 
 
