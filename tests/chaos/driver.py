@@ -64,12 +64,16 @@ def alive(pid: int) -> bool:
         return False
 
 
-def wait_until(cond, what: str, timeout_s: float, check=lambda: None) -> None:
-    deadline = time.monotonic() + timeout_s
+def wait_until(cond, what: str, timeout_s: float, check=lambda: None, note_every_s: float = 60) -> None:
+    start = noted = time.monotonic()
     while not cond():
         check()
-        if time.monotonic() > deadline:
+        now = time.monotonic()
+        if now - start > timeout_s:
             raise Failure(f"timed out after {timeout_s:.0f} s waiting for {what}")
+        if now - noted >= note_every_s:
+            print(f"chaos: waiting for {what}: {now - start:.0f} s of {timeout_s:.0f}", flush=True)
+            noted = now
         time.sleep(0.2)
 
 
