@@ -40,7 +40,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import pyarrow as pa  # noqa: E402
 
 from buffer.config import BufferConfig  # noqa: E402
-from buffer.reader import ExperienceReader  # noqa: E402
+from buffer.stores.reader import ExperienceReader  # noqa: E402
 from buffer.writer import ShardWriter  # noqa: E402
 from protocol.experience import Sample, from_table, to_table  # noqa: E402
 
@@ -71,7 +71,7 @@ def run_tandem(root: str, groups: list[list[Sample]], n: int, shard_samples: int
     cfg = BufferConfig(flush_samples=shard_samples, flush_interval=3600.0, discovery="poll",
                        poll_interval=0.01)
     t0 = time.perf_counter()
-    w = ShardWriter(root, "bench", cfg)
+    w = ShardWriter.at(root, "bench", cfg)
     for g in groups:
         w.add_group(list(g))
     w.flush()
@@ -228,7 +228,7 @@ def concurrency(args, discovery: str) -> dict:
             try:
                 wid = f"w{i:05d}"
                 rng = random.Random(i)
-                w = ShardWriter(root, wid, BufferConfig(flush_samples=1, flush_interval=3600.0))
+                w = ShardWriter.at(root, wid, BufferConfig(flush_samples=1, flush_interval=3600.0))
                 groups = make_samples(wid, args.shards, 2, 16, 32, seed=i)
                 start.wait(timeout=120)
                 for g in groups:

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Everything the GPU issues need, in one device call. Usage: bash benchmarks/gpu_all.sh OUT_DIR [tests|bench|e2e]...
+# Everything the GPU issues need, in one device call. Usage: bash benchmarks/gpu_all.sh OUT_DIR [tests|bench|e2e|e2e-remote]...
 set -uo pipefail
 out=${1:?OUT_DIR}; shift
 export PYTHONPATH=$PWD:${PYTHONPATH:-}
@@ -8,6 +8,8 @@ for what in "$@"; do
     tests) timeout 300 python -m pytest -m gpu tests/gpu -rA -s -p no:cacheprovider > "$out/gpu_tests.txt" 2>&1 ;;
     bench) timeout 420 python benchmarks/rollout_bench.py --out "$out/rollout_bench.json" > "$out/rollout_bench.log" 2>&1 ;;
     e2e) timeout 400 bash benchmarks/gpu_e2e.sh "$out" > "$out/e2e.log" 2>&1 ;;
+    e2e-remote) mkdir -p "$out/remote" && timeout 400 bash benchmarks/gpu_e2e.sh "$out/remote" \
+                --remote-workers > "$out/remote/e2e.log" 2>&1 ;;
     trainer1) timeout 250 torchrun --standalone --nproc_per_node 1 benchmarks/trainer_bench.py \
                 --out "$out/trainer_bench_1gpu.json" > "$out/trainer_bench_1gpu.log" 2>&1 ;;
     trainer1m16) timeout 250 torchrun --standalone --nproc_per_node 1 benchmarks/trainer_bench.py \

@@ -2,7 +2,7 @@
 
     python benchmarks/grpc_bench.py [--shards 150] [--samples 2048] [--rounds 5] [--out results.json]
 
-tandem: GrpcShardWriter's push path (shards already encoded, streamed in chunks, at most
+tandem: the gRPC ExperienceSink's push path (shards already encoded, streamed in chunks, at most
 `--inflight` unacknowledged) -> ShardServer in another process (token check, sha256 while
 writing, fsync + rename, then ack). Baselines, same shard bytes, same machine, same run, receiver
 in another process too: a raw socket copy into memory, and a raw socket copy that also writes and
@@ -81,18 +81,18 @@ def _grpc_server(root: str, cfg, ready, stop, stats_q) -> None:
 
 
 def grpc_copy(payloads: list[bytes], cfg, root: str) -> float:
-    """Seconds for GrpcShardWriter's push path (after encoding) to get every shard acknowledged
+    """Seconds for the gRPC ExperienceSink's push path (after encoding) to get every shard acknowledged
     by a ShardServer in another process."""
-    from buffer.grpc_transport import GrpcShardWriter
+    from buffer.writer import ShardWriter
     ctx = mp.get_context("spawn")
     ready, stop, stats_q = ctx.Event(), ctx.Event(), ctx.Queue()
     proc = ctx.Process(target=_grpc_server, args=(os.path.join(root, "trainer"), cfg, ready, stop, stats_q))
     proc.start()
     assert ready.wait(timeout=60), "gRPC server did not start"
-    writer = GrpcShardWriter(os.path.join(root, "worker"), "w0", cfg)
+    writer = ShardWriter.at(os.path.join(root, "worker"), "w0", cfg)
     t0 = time.perf_counter()
     for seq, data in enumerate(payloads):
-        writer._publish(seq, data)  # the writer's flush path after encoding
+        writer.sink.publish(seq, data)  # the writer's flush path after encoding
     writer.close(timeout_s=600)
     dt = time.perf_counter() - t0
     stop.set()

@@ -27,8 +27,7 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from buffer.layout import RunLayout  # noqa: E402
-from buffer.storage import filesystem  # noqa: E402
+from buffer.run import Run  # noqa: E402
 from launch import status  # noqa: E402
 
 LAST_POINTS = 3  # accuracy at equal samples: mean of each run's last this many validations
@@ -38,12 +37,12 @@ def load_run(root: str, label: str | None = None) -> dict:
     """One run's series, wall-clock in seconds since its start: the first rollout batch began
     (engine start-up, the same in every mode, is not counted), or without worker heartbeats the
     first trainer step began."""
-    fs, path = filesystem(root)
-    layout = RunLayout(path)
-    rows, vals = status.split_metrics(status.read_metrics(fs, layout))
+    run = Run.local(root)
+    path = run.files.root
+    rows, vals = status.split_metrics(status.read_metrics(run))
     if not rows:
-        raise SystemExit(f"plot_learning: {root}: no trainer rows in {layout.metrics}")
-    beats = [b for b in status.read_heartbeats(fs, layout).values() if b.get("history")]
+        raise SystemExit(f"plot_learning: {root}: no trainer rows in {run.files.metrics}")
+    beats = [b for b in status.read_heartbeats(run).values() if b.get("history")]
     # history rows: [end unix, version, samples, tokens, generate seconds] per batch; a long
     # run's history is thinned (rollout/worker.py), so totals use the batch count of the beat
     t0 = (min(h[0] - h[4] for b in beats for h in b["history"]) if beats

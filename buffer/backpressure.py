@@ -5,7 +5,7 @@ backlog = (samples all workers have published, from their heartbeats)
            their shard; from progress.json)
 Reading one small file per worker keeps the cost proportional to the number of workers.
 
-The trainer rewrites progress.json while it waits for experience too (`write_progress`), not
+The trainer rewrites progress.json while it waits for experience too (`progress_report`), not
 only per step: samples it drops as stale or quarantines while waiting must free room at once,
 or workers wait for the trainer while the trainer waits for them. It also records the groups
 one step takes (`batch_groups`): a worker's cap is never below one step's worth of its own
@@ -13,13 +13,11 @@ groups, so a step larger than `buffer.max_backlog_samples` still fills.
 """
 from __future__ import annotations
 
-import json
 import logging
 import time
-from typing import Callable, Iterator
+from typing import Callable
 
-from buffer.layout import RunLayout
-from buffer.storage import atomic_write_json, read_json
+from buffer.stores.base import HeartbeatStore, ProgressStore
 
 log = logging.getLogger(__name__)
 NOTE_EVERY_S = 30.0  # a waiting side says why at least this often
@@ -31,45 +29,30 @@ def retired(stats) -> int:
             + stats["quarantined_samples"])
 
 
-def write_progress(fs, layout: RunLayout, stats, version: int, batch_groups: int,
-                   step: int | None = None, total_steps: int | None = None) -> None:
-    """`step`, `total_steps`: the trainer's, for launch.status."""
-    atomic_write_json(fs, layout.progress, {
-        "samples_retired": retired(stats), "version": version, "batch_groups": batch_groups,
-        "time": time.time(), "step": step, "total_steps": total_steps})
+def progress_report(stats, version: int, batch_groups: int, step: int | None = None,
+                    total_steps: int | None = None) -> dict:
+    """The trainer's ProgressStore entry; `step`, `total_steps`: the trainer's, for launch.status."""
+    return {"samples_retired": retired(stats), "version": version, "batch_groups": batch_groups,
+            "time": time.time(), "step": step, "total_steps": total_steps}
 
 
-def heartbeats(fs, layout: RunLayout) -> Iterator[dict]:
-    """Every worker's last heartbeat (workers/<id>.json, one small file each) that can be read now."""
-    if fs.exists(layout.workers_dir):
-        for path in sorted(fs.ls(layout.workers_dir, detail=False)):
-            if path.endswith(".json"):
-                try:
-                    beat = json.loads(fs.cat_file(path))
-                except (FileNotFoundError, ValueError):
-                    continue  # a heartbeat being replaced or removed; the next look sees it
-                if isinstance(beat, dict):
-                    yield beat
-
-
-def describe_workers(fs, layout: RunLayout, now: float | None = None) -> str:
+def describe_workers(heartbeats: HeartbeatStore, now: float | None = None) -> str:
     """One phrase per worker for wait messages: id, state, age of its last heartbeat."""
     now = time.time() if now is None else now
     parts = [f"{b.get('worker_id', '?')} {b.get('state', '?')} (heartbeat "
-             f"{now - float(b.get('last_beat', 0)):.0f} s ago)" for b in heartbeats(fs, layout)]
-    return ", ".join(parts) if parts else f"no heartbeats in {layout.workers_dir}"
+             f"{now - float(b.get('last_beat', 0)):.0f} s ago)" for b in heartbeats.all()]
+    return ", ".join(parts) if parts else f"no heartbeats in {heartbeats.where()}"
 
 
-def _written(fs, layout: RunLayout) -> int:
-    return sum(int(b.get("samples_written", 0)) for b in heartbeats(fs, layout))
+def _written(heartbeats: HeartbeatStore) -> int:
+    return sum(int(b.get("samples_written", 0)) for b in heartbeats.all())
 
 
-def backlog(fs, layout: RunLayout) -> int:
-    progress = read_json(fs, layout.progress) or {}
-    return _written(fs, layout) - int(progress.get("samples_retired", 0))
+def backlog(heartbeats: HeartbeatStore, progress: ProgressStore) -> int:
+    return _written(heartbeats) - int((progress.read() or {}).get("samples_retired", 0))
 
 
-def wait_for_room(fs, layout: RunLayout, limit: int, timeout_s: float,
+def wait_for_room(heartbeats: HeartbeatStore, progress: ProgressStore, limit: int, timeout_s: float,
                   should_stop: Callable[[], bool], poll_s: float = 0.5,
                   on_wait: Callable[[], object] = lambda: None, group_size: int = 1) -> float:
     """Block while the backlog exceeds the cap: `limit`, or one trainer step of `group_size`
@@ -78,17 +61,17 @@ def wait_for_room(fs, layout: RunLayout, limit: int, timeout_s: float,
     start = last_note = time.monotonic()
     first = True
     while not should_stop():
-        progress = read_json(fs, layout.progress) or {}
-        written, gone = _written(fs, layout), int(progress.get("samples_retired", 0))
-        cap = max(limit, int(progress.get("batch_groups", 0)) * group_size)
+        report = progress.read() or {}
+        written, gone = _written(heartbeats), int(report.get("samples_retired", 0))
+        cap = max(limit, int(report.get("batch_groups", 0)) * group_size)
         if written - gone <= cap:
             break
         now = time.monotonic()
         why = (f"backlog {written - gone} samples > {cap} (buffer.max_backlog_samples={limit}, "
-               f"one trainer step: {progress.get('batch_groups', '?')} groups of {group_size}): "
+               f"one trainer step: {report.get('batch_groups', '?')} groups of {group_size}): "
                f"{written} written by all workers, {gone} retired by the trainer, whose last "
-               f"progress ({layout.progress}, version {progress.get('version', '-')}) is "
-               + (f"{time.time() - progress['time']:.0f} s old" if "time" in progress
+               f"progress ({progress.where()}, version {report.get('version', '-')}) is "
+               + (f"{time.time() - report['time']:.0f} s old" if "time" in report
                   else "not there yet"))
         if now - start > timeout_s:
             raise TimeoutError(f"{why}; waited {timeout_s:.0f} s (buffer.backlog_timeout_s): is "

@@ -58,6 +58,53 @@ class BufferConfig:
                                 "last until this many seconds after its last push; another "
                                 "writer using the id meanwhile is refused (ABORTED, resent: a "
                                 "restarted worker takes over after this)", gt=0)
+    grpc_call_timeout_s: float = F(30.0, "deadline of one run-service call (a heartbeat, the "
+                                   "weights pointer, a claim, ...); a call past it is retried",
+                                   gt=0)
+    grpc_trainer_wait_s: float = F(1800.0, "a worker, validator or pool without the run folder "
+                                   "(transport grpc) waits this long for an unreachable trainer "
+                                   "(not started yet, restarting), saying so every 30 s, before "
+                                   "it fails", gt=0)
+    grpc_linger_s: float = F(60.0, "trainer: after its last step it goes on serving the run "
+                             "service, at most this long, until every worker's heartbeat says "
+                             "stopped (so that workers without the run folder learn the run "
+                             "ended)", ge=0)
+    grpc_cache_versions: int = F(2, "worker (transport grpc): weight versions kept in the cache "
+                                 "in its own folder (ROOT/weights)", ge=1)
+
+    # --- weight versions over the network (buffer/weights_net.py) ---
+    weights_chunk_kb: int = F(4096, "trainer: weight files are served in chunks of this many KiB, "
+                              "each with its sha256 in the version's chunk list", ge=64, le=4096)
+    weights_parallel: int = F(4, "worker: chunk requests to other workers (peers) in flight at "
+                              "once", ge=1)
+    weights_trainer_streams: int = F(2, "worker: chunk requests to the trainer in flight at once",
+                                     ge=1)
+    weights_peer_fanout: bool = F(True, "worker: fetch weight chunks from other workers that "
+                                  "hold them, and serve the chunks it holds (the trainer sends "
+                                  "each chunk about once); false: every chunk from the trainer")
+    weights_peer_host: str | None = F(None, "worker: the host other workers reach its peer "
+                                      "server at (default: this node's address, as its hostname "
+                                      "resolves)")
+    weights_peer_port: int = F(0, "worker: port of its peer server (0: a free one)", ge=0, le=65535)
+    weights_peer_threads: int = F(8, "worker: chunk requests its peer server handles at once", ge=1)
+    weights_max_peers: int = F(16, "trainer: peers handed to a worker per request", ge=1)
+    weights_peer_refresh_s: float = F(1.0, "worker: seconds between reports of the chunks it holds "
+                                      "to the trainer, which answers with peers", gt=0)
+    weights_peer_ttl_s: float = F(10.0, "trainer: a peer not heard from for this long is no longer "
+                                  "handed out; worker: a peer that failed a request is not asked "
+                                  "again for this long", gt=0)
+    weights_chunk_timeout_s: float = F(60.0, "worker: seconds one chunk request may take", gt=0)
+    weights_stall_timeout_s: float = F(600.0, "worker: a weight fetch that verifies no chunk for "
+                                       "this long fails", gt=0)
+    weights_upload_mb_s: float = F(0.0, "cap on the rate (MB/s, 1e6 bytes) at which a server "
+                                   "(the trainer's, or a worker's peer server) sends weight "
+                                   "chunks, all requests together; 0: no cap", ge=0)
+    weights_send_slots: int = F(2, "chunks a weight server (the trainer's, a worker's peer "
+                                "server) sends at once; more requests wait their turn, so chunks "
+                                "reach workers one after another instead of all together late",
+                                ge=1)
+    weights_serve_versions: int = F(2, "worker: weight versions it keeps serving to peers after "
+                                    "fetching them (the newest ones)", ge=1)
 
     def check(self) -> None:
         if bool(self.grpc_tls_cert) != bool(self.grpc_tls_key):

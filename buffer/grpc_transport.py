@@ -8,7 +8,7 @@ then it acknowledges. The filesystem reader consumes the spool, so
 both transports share one reader and its exactly-once ledger; a trainer crash loses nothing it
 acknowledged.
 
-Worker side, `GrpcShardWriter`: the `ShardWriter` interface; published shards are pushed
+Worker side, `GrpcSink`: the network ExperienceSink of `buffer.writer.ShardWriter`; shards are pushed
 concurrently by an owned pool of `grpc_max_inflight` sender threads, at most that many
 unacknowledged at a time (the writer blocks beyond that: flow control), each resent with the same
 (worker, seq) after any failure, with backoff, until acknowledged. Resends are idempotent on the
@@ -35,9 +35,10 @@ import grpc
 import pyarrow as pa
 
 from buffer.config import BufferConfig
-from buffer.layout import RunLayout
-from buffer.storage import atomic_writer, filesystem, is_disk_full
-from buffer.writer import ShardWriter
+from buffer.ledger import shard_key
+from buffer.run import Run
+from buffer.storage import is_disk_full
+from buffer.stores.base import ExperienceSink, RunState
 from protocol import experience_pb2 as pb
 from protocol.experience import SCHEMA_VERSION, IntegrityError, StreamVerifier
 from protocol.shard_stream import (PUSH_METHOD, SERVICE, Undecodable, chunk_data, decode_chunk,
@@ -53,6 +54,7 @@ MAX_MESSAGE_BYTES = (4 << 20) + (64 << 10)
 _REFUSALS = (grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.FAILED_PRECONDITION,
              grpc.StatusCode.INVALID_ARGUMENT)  # resending the same bytes cannot help
 DAMAGED_RESENDS = 3
+RECONNECT_MAX_MS = 2000
 
 
 def token(cfg: BufferConfig) -> str:
@@ -73,6 +75,33 @@ def _read(path: str | None) -> bytes | None:
         return None
     with open(path, "rb") as f:
         return f.read()
+
+
+def authorized(context, expected: bytes) -> bool:
+    """Whether a call carries `expected` (b"Bearer <token>") as its authorization, compared
+    in constant time."""
+    given = dict(context.invocation_metadata()).get("authorization", "")
+    return hmac.compare_digest(given.encode(), expected)
+
+
+def open_channel(cfg: BufferConfig, address: str, options: list | None = None) -> grpc.Channel:
+    """A channel to `address` (the trainer's buffer.grpc_address, or a peer's), TLS-verified
+    against buffer.grpc_tls_ca when it is set. It reconnects by itself, at most RECONNECT_MAX_MS
+    apart: a restarted trainer is found again within seconds (gRPC's default backoff grows to
+    two minutes)."""
+    options = [*(options or []), ("grpc.initial_reconnect_backoff_ms", 200),
+               ("grpc.min_reconnect_backoff_ms", 200), ("grpc.max_reconnect_backoff_ms", RECONNECT_MAX_MS)]
+    if cfg.grpc_tls_ca:
+        creds = grpc.ssl_channel_credentials(root_certificates=_read(cfg.grpc_tls_ca))
+        return grpc.secure_channel(address, creds, options)
+    return grpc.insecure_channel(address, options)
+
+
+def server_credentials(cfg: BufferConfig) -> grpc.ServerCredentials | None:
+    """TLS credentials of a server from buffer.grpc_tls_cert/key, None without TLS."""
+    if not cfg.grpc_tls_cert:
+        return None
+    return grpc.ssl_server_credentials([(_read(cfg.grpc_tls_key), _read(cfg.grpc_tls_cert))])
 
 
 class _KeyLocks:
@@ -122,8 +151,7 @@ class _Claim:
 class _Servicer:
     def __init__(self, root: str, secret: str, cfg: BufferConfig, consumed, retired=None,
                  cap=lambda: 0):
-        self.fs, root_path = filesystem(root)
-        self.layout = RunLayout(root_path)
+        self.spool = Run.local(root).spool
         self.expected = f"Bearer {secret}".encode()
         self.max_shard_bytes = cfg.grpc_max_shard_mb << 20
         self.cfg = cfg
@@ -134,14 +162,14 @@ class _Servicer:
         self.spooled_samples = retired() if retired is not None else 0
         self.key_locks = _KeyLocks()
         self._push_ids = itertools.count()
-        self.lock = threading.Lock()  # guards claims, streams, spooled_samples
+        self.lock = threading.Lock()  # guards claims, streams, spooled_samples, highest
+        self.highest: dict[str, int] = {}  # worker -> its highest shard number spooled here
         self.claims: dict[str, _Claim] = {}
         self.streams: set[_Stream] = set()
         self.stats = collections.Counter()
 
     def Push(self, request_iterator, context):
-        given = dict(context.invocation_metadata()).get("authorization", "")
-        if not hmac.compare_digest(given.encode(), self.expected):  # constant time
+        if not authorized(context, self.expected):
             self.stats["refused"] += 1
             context.abort(grpc.StatusCode.UNAUTHENTICATED, "missing or wrong token")
         stream = _Stream(context, time.monotonic(), waiting=True)
@@ -233,7 +261,7 @@ class _Servicer:
         return release
 
     def _locked_spool(self, head: pb.ShardHeader, chunks, context) -> bool:
-        key = RunLayout.shard_key(head.worker_id, head.seq)
+        key = shard_key(head.worker_id, head.seq)
         with self.key_locks.hold(key):  # one push per (worker, seq) at a time; others in parallel
             return self._spool(head, key, chunks, context)
 
@@ -250,7 +278,7 @@ class _Servicer:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT,
                           f"shard of {head.size} bytes over buffer.grpc_max_shard_mb")
         try:
-            self.layout.shard(head.worker_id, head.seq)
+            self.spool.path(head.worker_id, head.seq)
         except ValueError as e:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         return head
@@ -259,16 +287,16 @@ class _Servicer:
         """Write the chunks through a temporary file, hashing as they arrive; publish (fsync +
         rename) only a whole, undamaged shard. Column checks are the reader's, as for shards in
         a shared folder: one validation per shard, and bad content is quarantined the same way."""
-        path = self.layout.shard(head.worker_id, head.seq)
-        if key in self.consumed() or self.fs.exists(path):
+        path = self.spool.path(head.worker_id, head.seq)
+        if key in self.consumed() or self.spool.has(head.worker_id, head.seq):
             self.stats["duplicates"] += 1
             return True
-        self._backpressure(key, context)
+        self._backpressure(head, key, context)
         verifier = StreamVerifier()
         try:  # spooled beside experience/<worker>/ (that folder appears with the first good
             # shard), under a temporary name of this push alone: a stray writer never truncates it
-            tmp = self.layout.spool_tmp(head.worker_id, head.seq, f"{os.getpid()}.{next(self._push_ids)}")
-            with atomic_writer(self.fs, path, tmp) as f:
+            push = f"{os.getpid()}.{next(self._push_ids)}"
+            with self.spool.writer(head.worker_id, head.seq, push) as f:
                 for chunk in chunks:
                     if isinstance(chunk, Undecodable):
                         raise _Refused(chunk.reason)
@@ -299,14 +327,18 @@ class _Servicer:
         samples = _declared_samples(path)
         with self.lock:  # handlers finish concurrently: an unlocked += loses counts (and the cap)
             self.spooled_samples += samples
+            self.highest[head.worker_id] = max(head.seq, self.highest.get(head.worker_id, -1))
         return False
 
-    def _backpressure(self, key: str, context) -> None:
+    def _backpressure(self, head: pb.ShardHeader, key: str, context) -> None:
         """Refuse a new shard (RESOURCE_EXHAUSTED: the worker retries later) while the trainer
         has more samples spooled and not yet retired than the cap, as workers writing to a
         shared folder wait (buffer/backpressure.py): a trainer that stops consuming must stop
-        the spool growing."""
-        if self.retired is None:
+        the spool growing. A shard below one of its worker's spooled shards is always taken:
+        the reader reads a worker's shards in order, so refusing it would hold back every
+        shard after it until the reader's next full scan (buffer.full_scan_interval), and
+        the spool's backlog with them (concurrent pushes arrive out of order)."""
+        if self.retired is None or head.seq < self.highest.get(head.worker_id, -1):
             return
         backlog, cap = self.spooled_samples - self.retired(), self.cap()
         if backlog > cap:
@@ -332,7 +364,7 @@ class ShardServer:
     `step_samples()`) spooled samples are not retired yet."""
 
     def __init__(self, root: str, cfg: BufferConfig, consumed=lambda: (), retired=None,
-                 step_samples=lambda: 0):
+                 step_samples=lambda: 0, services=()):
         self.servicer = _Servicer(root, token(cfg), cfg, consumed, retired,
                                   lambda: max(cfg.max_backlog_samples, step_samples()))
         self.server = grpc.server(futures.ThreadPoolExecutor(max_workers=cfg.grpc_server_threads,
@@ -341,8 +373,9 @@ class ShardServer:
         push = grpc.stream_unary_rpc_method_handler(self.servicer.Push, request_deserializer=decode_chunk,
                                                     response_serializer=pb.Ack.SerializeToString)
         self.server.add_generic_rpc_handlers([grpc.method_handlers_generic_handler(SERVICE, {"Push": push})])
-        creds = (grpc.ssl_server_credentials([(_read(cfg.grpc_tls_key), _read(cfg.grpc_tls_cert))])
-                 if cfg.grpc_tls_cert else None)
+        for add in services:  # more services on this server and port (buffer/stores/net.py)
+            add(self.server)  # before it starts: no client ever finds them missing
+        creds = server_credentials(cfg)
         self.port = 0
         for host in bind_hosts(cfg.grpc_bind):
             port = cfg.grpc_bind.rpartition(":")[2] if not self.port else str(self.port)
@@ -395,11 +428,14 @@ def _is_loopback(host: str) -> bool:
             return False
 
 
-class GrpcShardWriter(ShardWriter):
-    """A ShardWriter whose shards go to the trainer over gRPC instead of a shared folder."""
+class GrpcSink(ExperienceSink):
+    """The network ExperienceSink: shards go to the trainer over gRPC. Published shards are
+    pushed concurrently by an owned pool of `grpc_max_inflight` sender threads; the claim, the
+    resume listing and `has` are the worker's own folder's (`local`)."""
 
-    def __init__(self, root: str, worker_id: str, cfg: BufferConfig, resume: dict | None = None):
-        super().__init__(root, worker_id, cfg, resume)
+    def __init__(self, local: ExperienceSink, cfg: BufferConfig, run: RunState):
+        self.local, self.cfg, self.run = local, cfg, run
+        self.worker_id = local.worker_id
         self.secret = token(cfg)
         self.writer_key = uuid.uuid4().hex  # this writer's claim on its worker id
         self.unacked: collections.OrderedDict[int, bytes] = collections.OrderedDict()
@@ -412,23 +448,19 @@ class GrpcShardWriter(ShardWriter):
         self.senders = futures.ThreadPoolExecutor(cfg.grpc_max_inflight, thread_name_prefix="grpc-push")
 
     def _connect(self):
-        options = [("grpc.max_send_message_length", MAX_MESSAGE_BYTES)]
-        if self.cfg.grpc_tls_ca:
-            creds = grpc.ssl_channel_credentials(root_certificates=_read(self.cfg.grpc_tls_ca))
-            self.channel = grpc.secure_channel(self.cfg.grpc_address, creds, options)
-        else:
-            self.channel = grpc.insecure_channel(self.cfg.grpc_address, options)
+        self.channel = open_channel(self.cfg, self.cfg.grpc_address,
+                                    [("grpc.max_send_message_length", MAX_MESSAGE_BYTES)])
         return self.channel.stream_unary(PUSH_METHOD, request_serializer=encode_chunk,
                                          response_deserializer=pb.Ack.FromString)
 
-    def _publish(self, seq: int, data: bytes) -> str:
+    def publish(self, seq: int, data: bytes) -> str:
         """Hand the shard to a sender; block while `grpc_max_inflight` await acknowledgement."""
         deadline = time.monotonic() + self.cfg.backlog_timeout_s
         with self.cond:
             while len(self.unacked) >= self.cfg.grpc_max_inflight and not self.fatal:
-                if self._run_done():  # no trainer will take it: do not wait for one
+                if self.run.done():  # no trainer will take it: do not wait for one
                     log.warning("the run is finished (%s): shard %d not pushed",
-                                self.layout.done_marker, seq)
+                                self.run.where(), seq)
                     return f"grpc://{self.cfg.grpc_address}/{self.worker_id}/{seq} (not pushed)"
                 if time.monotonic() > deadline:
                     raise TimeoutError(f"{len(self.unacked)} shards unacknowledged by "
@@ -441,13 +473,32 @@ class GrpcShardWriter(ShardWriter):
         self.senders.submit(self._push_until_acked, seq, data)
         return f"grpc://{self.cfg.grpc_address}/{self.worker_id}/{seq}"
 
-    def _run_done(self) -> bool:
-        """The trainer has finished its steps: shards not yet acknowledged will never be read."""
-        return self.fs.exists(self.layout.done_marker)
-
-    def _unsure_from(self, seq: int) -> int:
+    def unsure_from(self, seq: int) -> int:
         with self.cond:  # a shard is published once acknowledged
             return min([seq, *self.unacked])
+
+    def published(self) -> list[int]:
+        return self.local.published()
+
+    def samples_in(self, seq: int) -> int:
+        return self.local.samples_in(seq)
+
+    def has(self, seq: int) -> bool:
+        return self.local.has(seq)
+
+    def read_claim(self) -> dict | None:
+        return self.local.read_claim()
+
+    def write_claim(self, claim: dict) -> None:
+        self.local.write_claim(claim)
+
+    def wait_for_room(self, limit: int, timeout_s: float, should_stop, on_wait=lambda: None,
+                      group_size: int = 1) -> float:
+        return 0.0  # unacknowledged pushes bound the worker (publish blocks), and the trainer
+        # refuses shards (RESOURCE_EXHAUSTED) while its own backlog is full
+
+    def where(self) -> str:
+        return f"grpc://{self.cfg.grpc_address}"
 
     def _chunks(self, seq: int, data: bytes):
         yield pb.ShardChunk(header=pb.ShardHeader(worker_id=self.worker_id, seq=seq, size=len(data),
@@ -493,16 +544,15 @@ class GrpcShardWriter(ShardWriter):
             return
 
     def close(self, timeout_s: float = 60.0) -> None:
-        """Flush, wait until every shard is acknowledged (bounded), stop the senders: always,
-        also when the flush fails (a sender left retrying would keep the process from exiting)."""
+        """Wait until every shard is acknowledged (bounded), then stop the senders: always (a
+        sender left retrying would keep the process from exiting)."""
         try:
-            self.flush()
             deadline = time.monotonic() + timeout_s
             with self.cond:
                 while self.unacked and not self.fatal and time.monotonic() < deadline:
-                    if self._run_done():
+                    if self.run.done():
                         log.warning("the run is finished (%s): %d shards not pushed",
-                                    self.layout.done_marker, len(self.unacked))
+                                    self.run.where(), len(self.unacked))
                         self.unacked.clear()
                         break
                     self.cond.wait(timeout=min(1.0, max(0.0, deadline - time.monotonic())))

@@ -21,10 +21,10 @@ import sys
 import pyarrow as pa
 
 from buffer.backpressure import backlog
-from buffer.layout import SHARD_SUFFIX, TMP_MARK, RunLayout, check_worker_id
-from buffer.reader import check_origin
-from buffer.run_id import read_run_id
-from buffer.storage import filesystem, read_json
+from buffer.layout import SHARD_SUFFIX, TMP_MARK, check_worker_id
+from buffer.run import Run
+from buffer.stores.reader import check_origin
+from buffer.storage import read_json
 from protocol.experience import SchemaError, from_table, load_shard
 
 
@@ -57,7 +57,7 @@ def _summary(fs, path: str) -> tuple[int, int | None, int | None]:
     return len(col), (min(col) if col else None), (max(col) if col else None)
 
 
-def _vocab_size(fs, layout: RunLayout, given: int | None) -> tuple[int | None, str]:
+def _vocab_size(fs, layout, given: int | None) -> tuple[int | None, str]:
     if given is not None:
         return given, "--vocab-size"
     cfg = read_json(fs, f"{layout.init_model}/config.json")
@@ -78,11 +78,11 @@ def verify_shard(fs, path: str, worker: str, seq: int, vocab_size: int | None,
 
 
 def report(root: str, verify: bool = False, vocab_size: int | None = None) -> dict:
-    fs, root_path = filesystem(root)
-    layout = RunLayout(root_path)
+    run = Run.local(root)
+    fs, layout = run.fs, run.files
     vocab, vocab_from = _vocab_size(fs, layout, vocab_size)
-    run_id = read_run_id(fs, layout)
-    out: dict = {"root": root_path, "workers": {}, "bad": [], "quarantine": [], "archive": {},
+    run_id = run.state.run_id()
+    out: dict = {"root": layout.root, "workers": {}, "bad": [], "quarantine": [], "archive": {},
                  "vocab_size": vocab, "vocab_from": vocab_from, "verified": verify}
     total = {"shards": 0, "samples": 0, "bytes": 0, "temporaries": 0, "min_version": None,
              "max_version": None, "other_files": 0}
@@ -92,7 +92,7 @@ def report(root: str, verify: bool = False, vocab_size: int | None = None) -> di
              "last_seq": None, "min_version": None, "max_version": None, "other_files": 0}
         for name in _names(fs, wdir):
             path = f"{wdir}/{name}"
-            seq = RunLayout.shard_seq(name)
+            seq = layout.shard_seq(name)
             if seq is None:
                 w["temporaries" if TMP_MARK in name else "other_files"] += 1
                 continue
@@ -113,7 +113,7 @@ def report(root: str, verify: bool = False, vocab_size: int | None = None) -> di
             for key, val, pick in (("min_version", lo, min), ("max_version", hi, max)):
                 if val is not None:
                     w[key] = val if w[key] is None else pick(w[key], val)
-        w["heartbeat"] = read_json(fs, layout.heartbeat(worker))
+        w["heartbeat"] = run.heartbeats.read(worker)
         out["workers"][worker] = w
         for key in ("shards", "samples", "bytes", "temporaries", "other_files"):
             total[key] += w[key]
@@ -121,8 +121,8 @@ def report(root: str, verify: bool = False, vocab_size: int | None = None) -> di
             if w[key] is not None:
                 total[key] = w[key] if total[key] is None else pick(total[key], w[key])
     out["total"] = total
-    progress = read_json(fs, layout.progress) or {}
-    out["backlog"] = {"samples": backlog(fs, layout),
+    progress = run.progress.read() or {}
+    out["backlog"] = {"samples": backlog(run.heartbeats, run.progress),
                       "retired": int(progress.get("samples_retired", 0)),
                       "trainer_version": progress.get("version")}
     out["backlog"]["written"] = out["backlog"]["samples"] + out["backlog"]["retired"]
@@ -190,8 +190,8 @@ def main(argv: list[str] | None = None) -> int:
                     help="token ids must be below this (default: init_model/config.json)")
     ap.add_argument("--json", action="store_true", help="print the report as JSON")
     args = ap.parse_args(argv)
-    fs, root_path = filesystem(args.root)
-    if not fs.isdir(root_path):
+    run = Run.local(args.root)
+    if not run.fs.isdir(run.files.root):
         print(f"python -m buffer.inspect: run folder {args.root} not found", file=sys.stderr)
         return 2
     r = report(args.root, verify=args.verify, vocab_size=args.vocab_size)

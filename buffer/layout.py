@@ -1,4 +1,6 @@
-"""The on-disk layout of a run. Every path of a run folder is computed here and nowhere else.
+"""The on-disk layout of a run. Every path of a run folder is computed here and nowhere else,
+and used only by the filesystem stores (buffer/stores/) and buffer/run.py: roles get stores from
+their Run and never see a path (tests/test_structure.py checks it).
 
     ROOT/
       init_model/                  the built-in tiny model (HF folder), when launch.local made it
@@ -26,12 +28,15 @@
       control.d/<id>.json          one pool command per file, created by launch.control
       pool/<supervisor>.json       a pool supervisor's applied commands, target and workers
       progress.json                the trainer's consumption count (for worker backpressure)
-      run.json                     the run id (buffer/run_id.py), stamped on every shard
+      run.json                     the run id (FsRunState, buffer/stores/fs.py), stamped on every shard
       checkpoints/step_<N>/        trainer checkpoints (DCP shards, trainer_state.json, pool.arrow)
       metrics.jsonl                one JSON object per trainer step and per validation result
       tensorboard/, swanlog/       trainer.logger backends' files (tensorboard, swanlab)
       report/                      launch.report's plots, index.html and data.json
       logs/<process>.log           per-process logs under launch.local
+      remote/<id>/                 launch.local --remote-workers: the own folder of each worker
+                                   and of the validator (a run folder layout of their own: weight
+                                   cache, shard claim, logs, data); nothing of the run's
       logs/slurm-<role>-%j.out     SLURM job output (launch.submit; %j/%A_%a filled in by SLURM)
       env/<node>.json              versions and checks recorded by launch.check_env on each node
       .check_env/                  launch.check_env's scratch files (removed after each check)
@@ -120,11 +125,6 @@ class RunLayout:
             return None
         stem = base[: -len(SHARD_SUFFIX)]
         return int(stem) if stem.isdigit() else None
-
-    @staticmethod
-    def shard_key(worker_id: str, seq: int) -> str:
-        """The consumption-ledger key of a shard ("<worker>/<seq>", as in ExperienceReader.consumed)."""
-        return f"{worker_id}/{seq}"
 
     @staticmethod
     def parse_shard_key(key: str) -> tuple[str, int] | None:
@@ -236,6 +236,10 @@ class RunLayout:
     def control_command(self, command_id: str) -> str:
         return self._p("control.d", f"{check_worker_id(command_id)}.json")
 
+    @property
+    def pool_dir(self) -> str:
+        return self._p("pool")
+
     def pool_state(self, supervisor_id: str) -> str:
         return self._p("pool", f"{check_worker_id(supervisor_id)}.json")
 
@@ -276,6 +280,10 @@ class RunLayout:
 
     def log(self, process: str) -> str:
         return self._p("logs", f"{process}.log")
+
+    def remote_root(self, role: str) -> str:
+        """launch.local --remote-workers: the own folder of a worker or the validator."""
+        return self._p("remote", check_worker_id(role))
 
     def slurm_output(self, role: str) -> str:
         """sbatch --output pattern of a role's jobs (SLURM fills in %j, or %A_%a for arrays)."""

@@ -20,11 +20,16 @@ from __future__ import annotations
 import itertools
 from collections.abc import Iterable, Iterator
 
-from buffer.layout import RunLayout, check_worker_id
+from buffer.layout import check_worker_id
+
+
+def shard_key(worker_id: str, seq: int) -> str:
+    """The ledger key of a shard: "<worker>/<seq>" (as in ExperienceReader.consumed)."""
+    return f"{worker_id}/{seq}"
 
 
 def parse_key(key) -> tuple[str, int]:
-    """(worker, seq) of a key exactly as RunLayout.shard_key writes it; ValueError otherwise."""
+    """(worker, seq) of a key exactly as `shard_key` writes it; ValueError otherwise."""
     if not isinstance(key, str) or "/" not in key:
         raise ValueError(f"ledger key {key!r}: expected a string '<worker>/<seq>'")
     worker, _, seq = key.rpartition("/")  # worker ids never contain '/', see layout._WORKER_ID
@@ -106,7 +111,7 @@ class Ledger:
         return entry is not None and _canonical_seq(seq) and int(seq) in entry
 
     def has(self, worker: str, seq: int) -> bool:
-        """`RunLayout.shard_key(worker, seq) in self` without building the key."""
+        """`shard_key(worker, seq) in self` without building the key."""
         entry = self._workers.get(worker)
         return entry is not None and seq in entry
 
@@ -117,7 +122,7 @@ class Ledger:
         for worker in sorted(self._workers):
             entry = self._workers[worker]
             for seq in itertools.chain(range(entry.below), sorted(entry.above)):
-                yield RunLayout.shard_key(worker, seq)
+                yield shard_key(worker, seq)
 
     def __repr__(self) -> str:
         return f"Ledger({len(self._workers)} workers, {self._count} shards)"

@@ -1,27 +1,28 @@
-"""Worker side of the filesystem transport: buffer whole groups, publish shards atomically."""
+"""Worker side of the experience transport: buffer whole groups, encode shards, hand them to the
+run's ExperienceSink (a shared folder or gRPC: buffer/stores/base.py)."""
 from __future__ import annotations
 
 import logging
-import os
 import threading
 import time
+import types
 
 import pyarrow as pa
 
 from buffer.config import BufferConfig
-from buffer.layout import RunLayout
-from buffer.run_id import read_run_id
-from buffer.storage import atomic_write, atomic_write_json, filesystem, read_json, when_space
+from buffer.stores.base import ExperienceSink
+from buffer.storage import when_space
 from protocol.experience import Sample, check_rows, encode, to_table
 
 log = logging.getLogger(__name__)
 
 
 class ShardWriter:
-    """Publishes `experience/<worker>/<seq>.arrow`, one shard per flush, seq contiguous.
+    """Publishes one worker's shards through its ExperienceSink, one per flush, seq contiguous.
 
-    Each shard is `protocol.experience.encode` output (IPC stream + sha256 trailer), written to a
-    temporary name, fsynced and renamed into place, so readers see all of it or nothing.
+    Each shard is `protocol.experience.encode` output (IPC stream + sha256 trailer); the sink
+    makes it reach the trainer whole or not at all (filesystem: temp, fsync, rename into
+    `experience/<worker>/<seq>.arrow`; gRPC: pushed until acknowledged).
 
     A flush is triggered by sample count or by age (`flush_interval`), checked whenever a group
     is added or `maybe_flush` is called. Groups are never split across shards. The writer names
@@ -29,7 +30,8 @@ class ShardWriter:
 
     Restarts never reuse a shard number, even one the trainer consumed and retention deleted
     (the trainer would skip the new shard as consumed: its samples lost). Before publishing shard
-    N the writer durably claims it in `workers/<worker>.claim`: `next_seq` N+1, `fill_from` the
+    N the writer durably claims it (the sink's claim, `workers/<worker>.claim` in the worker's own
+    folder): `next_seq` N+1, `fill_from` the
     lowest number that may still be unpublished (N; over gRPC the oldest unacknowledged shard)
     and `samples_before`. A restarted writer continues after the claim (for a run without one:
     after its last heartbeat `resume`, plus any shard published after it). A number in
@@ -40,34 +42,36 @@ class ShardWriter:
     sample ids are unique across restarts.
     """
 
-    def __init__(self, root: str, worker_id: str, cfg: BufferConfig, resume: dict | None = None):
-        self.fs, root_path = filesystem(root)
-        self.layout = RunLayout(root_path)
+    def __init__(self, sink: ExperienceSink, worker_id: str, cfg: BufferConfig,
+                 resume: dict | None = None, run_id: str | None = None):
+        self.sink = sink
         self.worker_id = worker_id
         self.cfg = cfg
-        self.dir = self.layout.worker_shard_dir(worker_id)
-        self.fs.makedirs(self.dir, exist_ok=True)
         self._lock = threading.RLock()  # the worker flushes by age from another thread
         self.pending: list[Sample] = []
         self.pending_groups = 0
         self.oldest_pending: float | None = None
         self.shards_written = 0
-        self.run_id = read_run_id(self.fs, self.layout)  # the worker sets it once the run exists
+        self.run_id = run_id  # stamped on every shard; the worker sets it once the run exists
         self._resume(resume or {})
 
+    @classmethod
+    def at(cls, root: str, worker_id: str, cfg: BufferConfig, resume: dict | None = None) -> "ShardWriter":
+        """A writer into the run at `root` over `cfg.transport` (tests, benchmarks)."""
+        from buffer.run import Run
+        run = Run.open(types.SimpleNamespace(root=root, buffer=cfg))
+        return cls(run.sink(worker_id), worker_id, cfg, resume, run_id=run.state.run_id())
+
     def _resume(self, beat: dict) -> None:
-        claim = read_json(self.fs, self.layout.seq_claim(self.worker_id)) or {}
+        claim = self.sink.read_claim() or {}
         if claim:  # samples before `base` are counted; shards from `base` on are listed
             base, counted = int(claim["fill_from"]), int(claim["samples_before"])
         else:
             base, counted = int(beat.get("next_seq", 0)), int(beat.get("samples_written", 0))
-        listed = [RunLayout.shard_seq(p) for p in self.fs.ls(self.dir, detail=False)]
-        listed = sorted(s for s in listed if s is not None and s >= base)
+        listed = [s for s in self.sink.published() if s >= base]
         for seq in listed:  # published after the claim or heartbeat, before a crash
             try:
-                with self.fs.open(self.layout.shard(self.worker_id, seq), "rb") as f:
-                    meta = pa.ipc.open_stream(f).schema.metadata
-                counted += int(meta[b"tandem.num_samples"])
+                counted += self.sink.samples_in(seq)
             except (OSError, pa.ArrowException, KeyError, ValueError, TypeError) as e:
                 # damaged, or quarantined/pruned meanwhile: never reuse its name, count nothing
                 log.warning("cannot count the samples of shard %d of %s: %s", seq, self.worker_id, e)
@@ -80,23 +84,17 @@ class ShardWriter:
 
     def _claim(self, seq: int) -> None:
         """Durably reserve `seq` before its shard can appear anywhere (see the class doc)."""
-        atomic_write_json(self.fs, self.layout.seq_claim(self.worker_id), {
-            "next_seq": seq + 1, "fill_from": self._unsure_from(seq),
-            "samples_before": self.samples_written})
-
-    def _unsure_from(self, seq: int) -> int:
-        """The lowest shard number that may still be unpublished once `seq` is being published."""
-        return seq
+        self.sink.write_claim({"next_seq": seq + 1, "fill_from": self.sink.unsure_from(seq),
+                               "samples_before": self.samples_written})
 
     def _fill_gaps(self) -> None:
         """Empty shards under the numbers a killed predecessor claimed but may not have
         published (see the class doc); before this writer's first own shard."""
         for seq in self._gaps:
-            if not any(self.fs.exists(p) for p in (self.layout.shard(self.worker_id, seq),
-                                                   self.layout.archive_shard(self.worker_id, seq))):
-                self._publish(seq, self._encode(seq, []))
-                log.info("published an empty shard %d of %s: claimed before a restart, not on "
-                         "disk", seq, self.worker_id)
+            if not self.sink.has(seq):
+                self.sink.publish(seq, self._encode(seq, []))
+                log.info("published an empty shard %d of %s: claimed before a restart, not "
+                         "published", seq, self.worker_id)
         self._gaps = []
 
     def add_group(self, group: list[Sample]) -> str | None:
@@ -123,14 +121,14 @@ class ShardWriter:
                 return self.flush()
             return None
 
-    def _publish(self, seq: int, data: bytes) -> str:
-        """Make one shard visible to the trainer; the gRPC writer overrides this."""
-        path = self.layout.shard(self.worker_id, seq)
-        atomic_write(self.fs, path, data, tmp=self.layout.shard_tmp(self.worker_id, seq, os.getpid()))
-        return path
-
-    def close(self) -> None:
-        self.flush()
+    def close(self, timeout_s: float = 60.0) -> None:
+        """Flush, then close the sink (over gRPC: wait up to `timeout_s` for the
+        acknowledgements), also when the flush fails (a sender left retrying would keep the
+        process from exiting)."""
+        try:
+            self.flush()
+        finally:
+            self.sink.close(timeout_s)
 
     def _encode(self, seq: int, samples: list[Sample]) -> bytes:
         meta = {"tandem.worker_id": self.worker_id, "tandem.shard_seq": seq,
@@ -151,11 +149,11 @@ class ShardWriter:
         if not self.pending:
             return None
         if self._gaps:
-            when_space(self._fill_gaps, self.dir)
+            when_space(self._fill_gaps, self.sink.where())
         data = self._encode(self.seq, self.pending)
         # On a full disk the samples wait here, in memory, until there is space again.
-        path = when_space(lambda: (self._claim(self.seq), self._publish(self.seq, data))[1],
-                          self.dir)
+        path = when_space(lambda: (self._claim(self.seq), self.sink.publish(self.seq, data))[1],
+                          self.sink.where())
         self.samples_written += len(self.pending)
         self.shards_written += 1
         log.info("published %s (%d samples)", path, len(self.pending))

@@ -19,7 +19,8 @@ import sys
 import time
 import uuid
 
-from buffer.layout import RunLayout
+from buffer.run import Run
+from buffer.stores.fs_run import FsRun
 
 COMPARED = ("python", "torch", "cuda", "nccl", "vllm", "verl", "transformers")
 
@@ -70,9 +71,9 @@ def check_versions(rep: Report, vers: dict) -> None:
         rep.add("INFO", f"version {name}", vers.get(name) or "not installed")
 
 
-def check_other_nodes(rep: Report, layout: RunLayout, node: str, vers: dict) -> None:
+def check_other_nodes(rep: Report, run: FsRun, node: str, vers: dict) -> None:
     try:
-        names = sorted(os.listdir(layout.env_dir))
+        names = sorted(os.listdir(run.files.env_dir))
     except OSError:
         names = []
     others = {}
@@ -80,7 +81,7 @@ def check_other_nodes(rep: Report, layout: RunLayout, node: str, vers: dict) -> 
         if not name.endswith(".json") or name == f"{node}.json":
             continue
         try:
-            with open(os.path.join(layout.env_dir, name)) as f:
+            with open(os.path.join(run.files.env_dir, name)) as f:
                 others[name[:-5]] = json.load(f).get("versions", {})
         except (OSError, ValueError):
             continue
@@ -95,14 +96,14 @@ def check_other_nodes(rep: Report, layout: RunLayout, node: str, vers: dict) -> 
         rep.add("PASS", "versions across nodes", f"same as {len(others)} other node(s): {', '.join(sorted(others))}")
 
 
-def check_folder(rep: Report, layout: RunLayout, max_skew_s: float) -> bool:
+def check_folder(rep: Report, run: FsRun, max_skew_s: float) -> bool:
     """Exists, writable, atomic rename, clock skew; returns whether the folder is writable."""
-    if not os.path.isdir(layout.root):  # never created here: that would hide a missing mount
-        rep.add("FAIL", "run folder writable", f"{layout.root} does not exist on this node: is the "
+    if not os.path.isdir(run.files.root):  # never created here: that would hide a missing mount
+        rep.add("FAIL", "run folder writable", f"{run.files.root} does not exist on this node: is the "
                 "shared filesystem mounted here? (create the run folder once, e.g. mkdir -p, "
                 "on a node that has it)")
         return False
-    scratch = os.path.join(layout.check_scratch, f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:8]}")
+    scratch = os.path.join(run.files.check_scratch, f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:8]}")
     try:
         os.makedirs(scratch, exist_ok=True)
         probe = os.path.join(scratch, "probe")
@@ -113,11 +114,11 @@ def check_folder(rep: Report, layout: RunLayout, max_skew_s: float) -> bool:
             os.fsync(f.fileno())
         after = time.time()
     except OSError as e:
-        rep.add("FAIL", "run folder writable", f"cannot write in {layout.root}: {e.strerror or e} "
+        rep.add("FAIL", "run folder writable", f"cannot write in {run.files.root}: {e.strerror or e} "
                 f"({type(e).__name__}); the run folder must be writable from every node")
         return False
     try:
-        rep.add("PASS", "run folder writable", layout.root)
+        rep.add("PASS", "run folder writable", run.files.root)
         # atomic rename over an existing file (how shards and weights/LATEST are published)
         a, b = os.path.join(scratch, ".new"), os.path.join(scratch, "target")
         try:
@@ -132,7 +133,7 @@ def check_folder(rep: Report, layout: RunLayout, max_skew_s: float) -> bool:
                     "rename over an existing file replaces it" if ok else
                     f"rename in {scratch} did not replace the target atomically")
         except OSError as e:
-            rep.add("FAIL", "atomic rename", f"rename in {layout.root} failed: {e}")
+            rep.add("FAIL", "atomic rename", f"rename in {run.files.root} failed: {e}")
         # clock skew: the file server stamps mtime; compare with this node's clock
         mtime = os.stat(probe).st_mtime
         skew = 0.0 if before - 1 <= mtime <= after + 1 else (mtime - after if mtime > after else mtime - before)
@@ -142,7 +143,7 @@ def check_folder(rep: Report, layout: RunLayout, max_skew_s: float) -> bool:
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
         try:
-            os.rmdir(layout.check_scratch)
+            os.rmdir(run.files.check_scratch)
         except OSError:
             pass
     return True
@@ -221,25 +222,24 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--connect-timeout", type=float, default=3.0, help="seconds per port (default 3)")
     p.add_argument("--node", default=socket.gethostname(), help="name to record under (default: hostname)")
     args = p.parse_args(argv)
-    layout = RunLayout(os.path.abspath(args.root))
+    run = Run.local(os.path.abspath(args.root))
     rep = Report()
     vers = versions()
     check_versions(rep, vers)
-    writable = check_folder(rep, layout, args.max_skew)
-    check_disk(rep, layout.root, args.min_free_gb)
+    writable = check_folder(rep, run, args.max_skew)
+    check_disk(rep, run.files.root, args.min_free_gb)
     check_ports(rep, args.port, args.connect_timeout)
     gpus = check_gpus(rep, args.gpus)
-    check_other_nodes(rep, layout, args.node, vers)
+    check_other_nodes(rep, run, args.node, vers)
     if writable:
-        from buffer.storage import atomic_write_json, filesystem
-        fs, _ = filesystem(layout.root)
+        from buffer.storage import atomic_write_json
         record = {"node": args.node, "time": time.time(), "versions": vers, "gpus": gpus,
                   "checks": [{"status": s, "check": c, "detail": d} for s, c, d in rep.lines]}
         try:
-            atomic_write_json(fs, layout.env_report(args.node), record)
-            rep.add("INFO", "recorded", layout.env_report(args.node))
+            atomic_write_json(run.fs, run.files.env_report(args.node), record)
+            rep.add("INFO", "recorded", run.files.env_report(args.node))
         except OSError as e:
-            rep.add("FAIL", "recorded", f"cannot write {layout.env_report(args.node)}: {e}")
+            rep.add("FAIL", "recorded", f"cannot write {run.files.env_report(args.node)}: {e}")
     n_fail = sum(s == "FAIL" for s, _, _ in rep.lines)
     print(f"{'FAIL' if n_fail else 'PASS'} check_env: {n_fail} failed check(s)", flush=True)
     return 1 if n_fail else 0

@@ -11,21 +11,8 @@ from __future__ import annotations
 import argparse
 import sys
 
-from buffer.layout import RunLayout
-from buffer.storage import create_new, filesystem
+from buffer.run import Run
 from protocol import control
-
-MAX_ATTEMPTS = 1000  # ids taken by concurrent commands between listing and creating
-
-
-def taken_ids(fs, layout: RunLayout) -> set[str]:
-    """Ids of the commands in control.d/ and in the hand-written control file."""
-    ids = {p.rstrip("/").rsplit("/", 1)[-1][: -len(".json")]
-           for p in (fs.ls(layout.control_dir, detail=False) if fs.exists(layout.control_dir) else [])
-           if p.endswith(".json")}
-    if fs.exists(layout.control):
-        ids |= {c.id for c in control.parse(fs.cat_file(layout.control).decode(), layout.control)}
-    return ids
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -35,21 +22,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("action", choices=control.ACTIONS)
     p.add_argument("count", type=int, nargs="?", default=1)
     args = p.parse_args(argv)
-    fs, root = filesystem(args.root)
-    layout = RunLayout(root)
     try:
-        for _ in range(MAX_ATTEMPTS):
-            text, cmd = control.new_command(control.next_id(taken_ids(fs, layout)), args.action,
-                                            args.count)
-            if create_new(fs, layout.control_command(cmd.id), text.encode()):
-                break
-        else:
-            raise control.ControlError(f"no free command id in {layout.control_dir} after "
-                                       f"{MAX_ATTEMPTS} attempts")
+        cmd, where = Run.local(args.root).control.submit(args.action, args.count)
     except control.ControlError as e:
         print(f"launch.control: {e}", file=sys.stderr)
         return 2
-    print(f"{layout.control_command(cmd.id)}: {cmd.action} {cmd.count} (command {cmd.id})")
+    print(f"{where}: {cmd.action} {cmd.count} (command {cmd.id})")
     return 0
 
 

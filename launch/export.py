@@ -21,7 +21,8 @@ import sys
 import torch
 
 from buffer.storage import respect_umask
-from buffer.weights import copy_model_metadata
+from buffer.stores.checkpoints import state_file
+from buffer.stores.weights import copy_model_metadata
 
 _VERL_SHARD = re.compile(r"^model_world_size_(\d+)_rank_(\d+)\.pt$")
 
@@ -41,7 +42,7 @@ def _empty_model(config_dir: str):
 def tandem_state(checkpoint: str) -> tuple[dict, str]:
     """Full HF-named tensors from a tandem DCP checkpoint, and the model folder it started from."""
     import torch.distributed.checkpoint as dcp
-    with open(os.path.join(checkpoint, "trainer_state.json")) as f:
+    with open(state_file(checkpoint)) as f:
         model_path = json.load(f)["model_path"]
     model = _empty_model(model_path)
     state = {"model": model.state_dict()}
@@ -86,7 +87,7 @@ def verl_state(actor_dir: str) -> tuple[dict, str]:
 
 
 def export(checkpoint: str, out: str) -> str:
-    if os.path.isfile(os.path.join(checkpoint, "trainer_state.json")):
+    if os.path.isfile(state_file(checkpoint)):
         state, config_dir = tandem_state(checkpoint)
     elif os.path.isfile(os.path.join(checkpoint, "fsdp_config.json")):
         state, config_dir = verl_state(checkpoint)

@@ -19,17 +19,22 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import secrets
+import shutil
 import signal
+import socket
 import subprocess
 import sys
 import threading
 import time
 from pathlib import Path
 
-from buffer.layout import RunLayout
+from buffer.grpc_transport import TOKEN_ENV
+from buffer.run import Run
+from buffer.stores.fs_run import FsRun
 from protocol.config import ConfigError, file_values, load, split_argv
 from launch import status
-from buffer.weights import hf_folder_problem
+from buffer.stores.weights import hf_folder_problem
 from rollout import builtin_task
 from rollout.tasks import arith
 
@@ -47,6 +52,7 @@ BUILTIN_WORKER = ["actor_rollout_ref.rollout.n=16", "actor_rollout_ref.rollout.p
                   "buffer.flush_samples=128", "buffer.flush_interval=5", "buffer.max_backlog_samples=256"]
 MODEL, TRAIN_FILES, STEPS = "actor_rollout_ref.model.path", "data.train_files", "trainer.total_training_steps"
 VAL_FILES, TEST_FREQ = "data.val_files", "trainer.test_freq"
+REMOTE = ["buffer.transport=grpc"]  # --remote-workers, every role
 DEFAULT_STEPS, DEFAULT_TEST_FREQ = 200, 10
 
 
@@ -84,6 +90,14 @@ def parse_args(argv):
                    help="extra worker override, repeatable")
     p.add_argument("--validator", action="append", default=[], metavar="KEY=VALUE",
                    help="extra validator override, repeatable (e.g. data.val_batch_size=64)")
+    p.add_argument("--remote-workers", action="store_true",
+                   help="run the workers and the validator as if they had no access to the "
+                        "trainer's run folder: buffer.transport=grpc (a free loopback port; a "
+                        f"random token in ${TOKEN_ENV} unless set) and each of them gets its own "
+                        "separate folder ROOT/remote/<id> as its root (weight cache, shard claim, "
+                        "log, a copy of its data files); heartbeats, weights, validation and the "
+                        "end of the run go through the trainer's run service, experience over "
+                        "gRPC, nothing by path")
     p.add_argument("--timeout", type=float, default=3600, help="seconds before giving up (default 3600)")
     p.add_argument("--trainer-gpus", help="CUDA_VISIBLE_DEVICES of the trainer, e.g. 0")
     p.add_argument("--worker-gpus", help="GPUs for the workers, one each in turn, e.g. 1,2")
@@ -111,7 +125,7 @@ def sft_max_length(args) -> int:
     return 2 * args.digits + 2  # digits '=' digits eos
 
 
-def from_config(args, layout: RunLayout) -> dict:
+def from_config(args, run: FsRun) -> dict:
     """The values the --config file sets for the inputs and recipe keys launch.local chooses."""
     if not args.config:
         return {}
@@ -120,19 +134,19 @@ def from_config(args, layout: RunLayout) -> dict:
         # --data replaces the file's train files for its interpolations too (val_files may be
         # ${data.train_files}, as in tests/data/verl_grpo.yaml)
         return file_values(args.config, [MODEL, TRAIN_FILES, STEPS, VAL_FILES, TEST_FREQ, *recipe_keys],
-                           {"root": layout.root, **({TRAIN_FILES: [args.data]} if args.data else {})})
+                           {"root": run.files.root, **({TRAIN_FILES: [args.data]} if args.data else {})})
     except ConfigError as e:
         raise SystemExit(f"launch.local: {e}") from None
 
 
-def prepare(layout: RunLayout, args, config: dict) -> tuple[str, str | None, list[str] | None]:
+def prepare(run: FsRun, args, config: dict) -> tuple[str, str | None, list[str] | None]:
     """Model folder, dataset and validation datasets for the run (flags, else the config, else the
     built-in ones, built when missing). The dataset is None when the config names the train
     files; the validation datasets are None when there is no validation. Sets args.test_freq."""
-    if os.path.exists(layout.weights_dir) or os.path.exists(layout.metrics):
-        raise SystemExit(f"launch.local: {layout.root} already holds a run; choose a new --root")
-    model = os.path.expanduser(args.model or config.get(MODEL) or layout.init_model)
-    if model == layout.init_model and not os.path.exists(model):
+    if os.path.exists(run.files.weights_dir) or os.path.exists(run.files.metrics):
+        raise SystemExit(f"launch.local: {run.files.root} already holds a run; choose a new --root")
+    model = os.path.expanduser(args.model or config.get(MODEL) or run.files.init_model)
+    if model == run.files.init_model and not os.path.exists(model):
         if args.task == "arith":
             arith.write_model(model, "tiny")
         else:
@@ -143,16 +157,16 @@ def prepare(layout: RunLayout, args, config: dict) -> tuple[str, str | None, lis
     if args.data and not os.path.isfile(args.data):
         raise SystemExit(f"launch.local: --data {args.data} not found (a verl-format parquet file)")
     builtin = not args.data and TRAIN_FILES not in config
-    if builtin and not os.path.exists(layout.prepared_parquet("rl", "train")):
+    if builtin and not os.path.exists(run.files.prepared_parquet("rl", "train")):
         # rollout.preprocess's files: the validation split holds out whole questions
-        paths = {(k, s): layout.prepared_parquet(k, s) for k in ("sft", "rl") for s in ("train", "val")}
+        paths = {(k, s): run.files.prepared_parquet(k, s) for k in ("sft", "rl") for s in ("train", "val")}
         if args.task == "arith":
             arith.write_task(paths, num=2000)  # 100 held out: a CPU validator answers in seconds
         else:
             builtin_task.write_sft_and_rl(paths, digits=args.digits)
-    data = args.data or (layout.prepared_parquet("rl", "train") if builtin else None)
+    data = args.data or (run.files.prepared_parquet("rl", "train") if builtin else None)
     val = ([args.val_data] if args.val_data else config.get(VAL_FILES)
-           or ([layout.prepared_parquet("rl", "val")] if builtin else None))
+           or ([run.files.prepared_parquet("rl", "val")] if builtin else None))
     if args.test_freq is None:
         args.test_freq = int(config.get(TEST_FREQ, DEFAULT_TEST_FREQ))
     return model, data, (val if args.test_freq > 0 else None)
@@ -214,18 +228,18 @@ def _advance(bar, rows: list[dict], postfix) -> None:
         bar.update(rows[-1]["step"] - bar.n)  # redraws at most every `mininterval`
 
 
-def run_sft(layout: RunLayout, args, model: str, signals: "Signals") -> str:
+def run_sft(run: FsRun, args, model: str, signals: "Signals") -> str:
     """Run trainer.sft to completion (a bar from its metrics); returns its final HF folder."""
-    out = RunLayout(layout.sft_dir)
+    out = Run.local(run.files.sft_dir).files
     child = Child("sft", [sys.executable, "-m", "torch.distributed.run", "--standalone",
                           f"--nproc_per_node={args.nproc}", "-m", "trainer.sft",
-                          f"data.train_files=[{layout.prepared_parquet('sft', 'train')}]",
-                          f"data.val_files=[{layout.prepared_parquet('sft', 'val')}]",
+                          f"data.train_files=[{run.files.prepared_parquet('sft', 'train')}]",
+                          f"data.val_files=[{run.files.prepared_parquet('sft', 'val')}]",
                           f"model.partial_pretrain={model}", f"trainer.default_local_dir={out.root}",
                           f"trainer.total_training_steps={args.sft_steps}",
                           f"data.max_length={sft_max_length(args)}",
                           *BUILTIN_SFT, *args.sft],
-                  layout.log("sft"), args.trainer_gpus)
+                  run.files.log("sft"), args.trainer_gpus)
     deadline = time.monotonic() + args.timeout
     bar = _progress(args.sft_steps, "sft")
     try:
@@ -247,12 +261,12 @@ def run_sft(layout: RunLayout, args, model: str, signals: "Signals") -> str:
     return out.hf_model
 
 
-def role_args(layout: RunLayout, args, model: str, data: str | None, config: dict,
+def role_args(run: FsRun, args, model: str, data: str | None, config: dict,
               val: list[str] | None) -> tuple[list[str], list[str], list[str] | None]:
     """The trainer's, the workers' (each adds its id and seed) and the validator's config
     arguments; no validator without `val`, and then the trainer requests no validation."""
     common = ["--config", os.path.abspath(args.config)] if args.config else []
-    common.append(f"root={layout.root}")
+    common.append(f"root={run.files.root}")
     trainer_recipe, worker_recipe = recipe(config, args)
     trainer = [*common, f"{MODEL}={model}", f"{STEPS}={args.steps}", *trainer_recipe,
                f"{TEST_FREQ}={args.test_freq if val else -1}", *args.trainer]
@@ -282,21 +296,66 @@ def check_config(trainer_args: list[str], worker_args: list[str],
         print(f"config: {line}", file=sys.stderr)
 
 
-def start_children(layout: RunLayout, args, trainer_args: list[str], worker_args: list[str],
+def remote(run: FsRun, role: str, argv: list[str], grpc: list[str],
+           user: list[str]) -> tuple[list[str], str]:
+    """--remote-workers: `argv` of a worker or the validator with its own root
+    ROOT/remote/<role> (its data files copied there) and the gRPC settings `grpc` (the user's
+    overrides `user` still win); and its log file, in that folder."""
+    own = Run.local(run.files.remote_root(role)).files
+    out = []
+    for arg in argv:
+        key, _, value = arg.partition("=")
+        if key == "root":
+            arg = f"root={own.root}"
+        elif key in (TRAIN_FILES, VAL_FILES) and value.startswith("["):
+            os.makedirs(os.path.dirname(own.train_parquet), exist_ok=True)
+            copies = []
+            for i, path in enumerate(value.strip("[]").split(",")):
+                copies.append(os.path.join(os.path.dirname(own.train_parquet),
+                                           f"{key.rsplit('.', 1)[1]}-{i}-{os.path.basename(path)}"))
+                shutil.copyfile(path, copies[-1])
+            arg = f"{key}=[{','.join(copies)}]"
+        out.append(arg)
+    return [*out, *grpc, *user], own.log(role)
+
+
+def remote_settings(args) -> tuple[list[str], list[str]]:
+    """--remote-workers: the trainer's and the others' gRPC settings (a free loopback port;
+    the token from $TANDEM_GRPC_TOKEN, made up now if unset: the children inherit it)."""
+    if not os.environ.get(TOKEN_ENV):
+        os.environ[TOKEN_ENV] = secrets.token_hex(16)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    return ([*REMOTE, f"buffer.grpc_bind=127.0.0.1:{port}", *args.trainer],
+            [*REMOTE, f"buffer.grpc_address=127.0.0.1:{port}"])
+
+
+def start_children(run: FsRun, args, trainer_args: list[str], worker_args: list[str],
                    validator_args: list[str] | None) -> tuple[Child, list[Child]]:
-    """The trainer, and the other children: the workers, then the validator if it has args."""
+    """The trainer, and the other children: the workers, then the validator if it has args.
+    With --remote-workers each of the others runs in its own folder (`remote`)."""
     py = sys.executable
+    grpc = []
+    if args.remote_workers:
+        trainer_extra, grpc = remote_settings(args)
+        trainer_args = [*trainer_args, *trainer_extra]
+    place = ((lambda role, argv, log, user: remote(run, role, argv, grpc, user))
+             if args.remote_workers else (lambda role, argv, log, user: (argv, log)))
     trainer = Child("trainer", [py, "-m", "torch.distributed.run", "--standalone",
                                 f"--nproc_per_node={args.nproc}", "-m", "trainer.main", *trainer_args],
-                    layout.log("trainer"), args.trainer_gpus)
+                    run.files.log("trainer"), args.trainer_gpus)
     worker_gpus = args.worker_gpus.split(",") if args.worker_gpus else None
-    workers = [Child(f"worker w{i}", [py, "-m", "rollout.worker", f"worker.id=w{i}", f"worker.seed={i}",
-                                      *worker_args], layout.log(f"worker-w{i}"),
-                     worker_gpus[i % len(worker_gpus)] if worker_gpus else None)
-               for i in range(args.workers)]
+    workers = []
+    for i in range(args.workers):
+        argv, log = place(f"w{i}", worker_args, run.files.log(f"worker-w{i}"), args.worker)
+        workers.append(Child(f"worker w{i}", [py, "-m", "rollout.worker", f"worker.id=w{i}",
+                                              f"worker.seed={i}", *argv], log,
+                             worker_gpus[i % len(worker_gpus)] if worker_gpus else None))
     if validator_args is not None:
-        workers.append(Child("validator", [py, "-m", "rollout.validate", *validator_args],
-                             layout.log("validator"), args.validator_gpu))
+        argv, log = place("validator", validator_args, run.files.log("validator"), args.validator)
+        workers.append(Child("validator", [py, "-m", "rollout.validate", *argv], log,
+                             args.validator_gpu))
     return trainer, workers
 
 
@@ -308,19 +367,19 @@ def read_metrics(path: str) -> list[dict]:
         return []
 
 
-def rl_metrics(layout: RunLayout) -> tuple[list[dict], dict[str, list[list]]]:
+def rl_metrics(run: FsRun) -> tuple[list[dict], dict[str, list[list]]]:
     """(one row per trainer step, every val-core metric's [step, unix time, value] points)."""
-    rows, vals = status.split_metrics(read_metrics(layout.metrics))
+    rows, vals = status.split_metrics(read_metrics(run.files.metrics))
     return rows, status.validation_series(vals)
 
 
-def supervise(trainer: Child, workers: list[Child], layout: RunLayout, args) -> Child | None:
+def supervise(trainer: Child, workers: list[Child], run: FsRun, args) -> Child | None:
     """Wait for the trainer to finish; return the child that failed, if any."""
     deadline = time.monotonic() + args.timeout
     bar = _progress(args.steps, "training")
     try:
         while True:
-            rows, vals = rl_metrics(layout)
+            rows, vals = rl_metrics(run)
             val = {"val": f"{min(vals.items())[1][-1][2]:.3f}"} if vals else {}
             _advance(bar, rows, lambda m: {"reward": f"{m['reward/mean']:.3f}",
                                            "version": m["weights/version"], **val})
@@ -381,44 +440,45 @@ def stop_all(children: list[Child], grace_s: float, signals: Signals) -> None:
     hurry.clear()
 
 
-def summarize(layout: RunLayout) -> None:
-    rows, vals = rl_metrics(layout)
+def summarize(run: FsRun) -> None:
+    rows, vals = rl_metrics(run)
     if not rows:
         return
     k = min(10, len(rows))
     first = sum(r["reward/mean"] for r in rows[:k]) / k
     last = sum(r["reward/mean"] for r in rows[-k:]) / k
     print(f"reward/mean: first {k} steps {first:.3f} -> last {k} steps {last:.3f}; "
-          f"final weights v{rows[-1]['weights/version'] + 1} in {layout.weights_dir}")
+          f"final weights v{rows[-1]['weights/version'] + 1} in {run.files.weights_dir}")
     for name, points in sorted(vals.items()):
         (first_step, _, first), (last_step, _, last) = points[0], points[-1]
         print(f"validation (held-out prompts) {name}: step {first_step} {first:.3f} "
               f"-> step {last_step} {last:.3f} ({len(points)} results)")
-    for hb in sorted(Path(layout.workers_dir).glob("*.json")):
-        beat = json.loads(hb.read_text())
+    for beat in run.heartbeats.all():
         print(f"worker {beat['worker_id']}: {beat['samples_written']} samples, "
               f"{len(set(beat['versions_loaded']))} weight versions loaded")
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    layout = RunLayout(os.path.abspath(args.root))
-    config = from_config(args, layout)
+    run = Run.local(os.path.abspath(args.root))
+    config = from_config(args, run)
     args.steps = int(args.steps or config.get(STEPS) or DEFAULT_STEPS)
-    model, data, val = prepare(layout, args, config)
-    check_config(*role_args(layout, args, model, data, config, val))  # before SFT: fail fast
-    print(f"launch.local: run folder {layout.root}; logs in {os.path.dirname(layout.log('x'))}")
+    model, data, val = prepare(run, args, config)
+    check_config(*role_args(run, args, model, data, config, val))  # before SFT: fail fast
+    print(f"launch.local: run folder {run.files.root}; logs in {os.path.dirname(run.files.log('x'))}"
+          + (f"; workers and validator in their own folders {run.files.remote_root('x')[:-2]}<id> "
+             "(--remote-workers)" if args.remote_workers else ""))
     signals = Signals()
     if args.sft_steps:
         try:
-            model = run_sft(layout, args, model, signals)
+            model = run_sft(run, args, model, signals)
         except (KeyboardInterrupt, TimeoutError, ChildFailed) as e:
             print(f"launch.local: SFT stopped: {e or 'interrupted'}", file=sys.stderr)
             return 130 if isinstance(e, KeyboardInterrupt) else 1
-    trainer, workers = start_children(layout, args, *role_args(layout, args, model, data, config, val))
+    trainer, workers = start_children(run, args, *role_args(run, args, model, data, config, val))
     failed, code = None, 0
     try:
-        failed = supervise(trainer, workers, layout, args)
+        failed = supervise(trainer, workers, run, args)
     except KeyboardInterrupt:
         print("launch.local: interrupted; stopping all processes", file=sys.stderr)
         code = 130
@@ -432,9 +492,9 @@ def main(argv: list[str] | None = None) -> int:
               f"see {failed.log_path}. Last lines:\n{failed.tail()}", file=sys.stderr)
         return 1
     if code == 0:
-        summarize(layout)
+        summarize(run)
         from launch.report import write_report
-        print(f"report: {write_report(layout.root)} (live view of a run: python -m launch.status RUN)")
+        print(f"report: {write_report(run.files.root)} (live view of a run: python -m launch.status RUN)")
     return code
 
 

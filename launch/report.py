@@ -24,8 +24,7 @@ import os
 import sys
 import time
 
-from buffer.layout import RunLayout
-from buffer.storage import filesystem, is_local
+from buffer.run import Run
 from launch import status
 
 PLOTS = (  # name, title, what it shows
@@ -44,15 +43,14 @@ PLOTS = (  # name, title, what it shows
 
 def collect(root: str) -> dict:
     """The series every plot draws, as plain data (written as data.json)."""
-    fs, root_path = filesystem(root)
-    layout = RunLayout(root_path)
-    rows, vals = status.split_metrics(status.read_metrics(fs, layout))
-    beats = status.read_heartbeats(fs, layout)
+    run = Run.local(root)
+    rows, vals = status.split_metrics(status.read_metrics(run))
+    beats = status.read_heartbeats(run)
     timed = [r for r in rows if "time/unix" in r]
     published = {r["weights/published"]: r["weights/published_at"] for r in rows
                  if r.get("weights/published_at") is not None}
     data = {
-        "root": root_path,
+        "root": run.files.root,
         "steps": [r["step"] for r in rows],
         "time": [r.get("time/unix") for r in rows],
         "reward": [r["reward/mean"] for r in rows],
@@ -253,10 +251,10 @@ def page(snap: dict, pngs: dict[str, bytes | None]) -> str:
 
 def write_report(root: str, out: str | None = None, silent_after: float = 300.0) -> str:
     """Write the PNGs, data.json and index.html into `out` (default RUN/report); the page's path."""
-    fs, root_path = filesystem(root)
-    if out is None and not is_local(fs):
+    run = Run.local(root)
+    if out is None and not run.is_local():
         raise ValueError(f"{root} is not a local folder: give the report's folder (--out)")
-    out = out or RunLayout(root_path).report_dir
+    out = out or run.files.report_dir
     os.makedirs(out, exist_ok=True)
     data = collect(root)
     pngs = draw(data, out)
@@ -278,8 +276,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--silent-after", type=float, default=300.0,
                     help="flag a worker whose last heartbeat is older than this many seconds (default 300)")
     args = ap.parse_args(argv)
-    fs, root_path = filesystem(args.root)
-    if not fs.isdir(root_path):
+    run = Run.local(args.root)
+    if not run.fs.isdir(run.files.root):
         ap.error(f"{args.root}: no such run folder")
     path = write_report(args.root, args.out, args.silent_after)
     print(f"report: {path}")

@@ -26,17 +26,17 @@ import sys
 import time
 
 from buffer.backpressure import backlog
-from buffer.layout import RunLayout
-from buffer.storage import filesystem, is_local, read_json
+from buffer.run import Run
+from buffer.stores.fs_run import FsRun
 
 PACE_STEPS = 10  # ETA: wall-clock pace of the last this many steps
 VALIDATION_PREFIX = "val-core/"
 
 
-def read_metrics(fs, layout: RunLayout) -> list[dict]:
+def read_metrics(run: FsRun) -> list[dict]:
     """The complete lines of metrics.jsonl (a live trainer may be writing the last one)."""
     try:
-        text = fs.cat_file(layout.metrics).decode(errors="replace")
+        text = run.fs.cat_file(run.files.metrics).decode(errors="replace")
     except FileNotFoundError:
         return []
     rows = []
@@ -59,24 +59,9 @@ def split_metrics(rows: list[dict]) -> tuple[list[dict], list[dict]]:
     return train, vals
 
 
-def read_heartbeats(fs, layout: RunLayout) -> dict[str, dict]:
+def read_heartbeats(run: Run) -> dict[str, dict]:
     """Worker id -> its last heartbeat."""
-    out = {}
-    try:
-        names = sorted(fs.ls(layout.workers_dir, detail=False))
-    except FileNotFoundError:
-        return out
-    for name in names:
-        worker = RunLayout.heartbeat_worker(name)
-        if worker is None:
-            continue
-        try:
-            beat = read_json(fs, layout.heartbeat(worker))
-        except ValueError:  # torn by a filesystem without atomic rename: the next look sees it
-            continue
-        if beat is not None:
-            out[worker] = beat
-    return out
+    return {str(b.get("worker_id", "?")): b for b in run.heartbeats.all()}
 
 
 def step_split(row: dict) -> dict:
@@ -85,10 +70,10 @@ def step_split(row: dict) -> dict:
     return {"wait_s": wait, "compute_s": row["time/step_s"] - wait - publish, "publish_s": publish}
 
 
-def _trainer(fs, layout: RunLayout, rows: list[dict], now: float) -> dict:
-    progress = read_json(fs, layout.progress) or {}
-    done = read_json(fs, layout.done_marker)
-    latest = read_json(fs, layout.latest_pointer) or {}
+def _trainer(run: FsRun, rows: list[dict], now: float) -> dict:
+    progress = run.progress.read() or {}
+    done = run.state.done_info()
+    latest = run.weights.pointer() or {}
     total = progress.get("total_steps") or (done or {}).get("steps")
     out = {"state": "done" if done is not None else ("running" if rows or progress else "not started"),
            "step": None, "total_steps": total, "version": None,
@@ -126,12 +111,12 @@ def _worker(worker: str, beat: dict, now: float, silent_after: float) -> dict:
             "silent": state != "stopped" and (age is None or age > silent_after)}
 
 
-def _quarantined(fs, layout: RunLayout) -> int:
+def _quarantined(run: FsRun) -> int:
     try:
-        files = fs.find(layout.quarantine_dir)
+        files = run.fs.find(run.files.quarantine_dir)
     except FileNotFoundError:
         return 0
-    return sum(1 for f in files if not f.endswith(RunLayout.quarantine_reason("")))
+    return sum(1 for f in files if not f.endswith(run.files.quarantine_reason("")))
 
 
 def _bytes(fs, path: str) -> int:
@@ -141,21 +126,22 @@ def _bytes(fs, path: str) -> int:
         return 0
 
 
-def _buffer(fs, layout: RunLayout, rows: list[dict]) -> dict:
+def _buffer(run: FsRun, rows: list[dict]) -> dict:
+    fs, files = run.fs, run.files
     last = rows[-1] if rows else {}
-    out = {"backlog_samples": backlog(fs, layout),
+    out = {"backlog_samples": backlog(run.heartbeats, run.progress),
            "staleness_mean": last.get("staleness/mean"), "staleness_max": last.get("staleness/max"),
            "run_staleness_mean": (sum(r["staleness/mean"] for r in rows) / len(rows)) if rows else None,
            "run_staleness_max": max((r["staleness/max"] for r in rows), default=None),
            "dropped_stale_samples": last.get("buffer/dropped_stale_samples"),
            "bad_shards": last.get("buffer/bad_shards"),
-           "quarantined_shards": _quarantined(fs, layout),
-           "bytes": {"experience": _bytes(fs, layout.experience_dir),
-                     "weights": _bytes(fs, layout.weights_dir),
-                     "checkpoints": _bytes(fs, layout.checkpoints_dir)},
+           "quarantined_shards": _quarantined(run),
+           "bytes": {"experience": _bytes(fs, files.experience_dir),
+                     "weights": _bytes(fs, files.weights_dir),
+                     "checkpoints": _bytes(fs, files.checkpoints_dir)},
            "disk_free_bytes": None, "disk_total_bytes": None}
-    if is_local(fs):
-        usage = shutil.disk_usage(layout.root)
+    if run.is_local():
+        usage = shutil.disk_usage(files.root)
         out["disk_free_bytes"], out["disk_total_bytes"] = usage.free, usage.total
     return out
 
@@ -178,15 +164,14 @@ def validation(rows: list[dict]) -> dict[str, dict]:
 
 def snapshot(root: str, silent_after: float = 300.0, now: float | None = None) -> dict:
     """Everything the view shows, as plain data (what --json prints)."""
-    fs, root_path = filesystem(root)
-    layout = RunLayout(root_path)
+    run = Run.local(root)
     now = time.time() if now is None else now
-    rows, vals = split_metrics(read_metrics(fs, layout))
-    beats = read_heartbeats(fs, layout)
-    return {"root": root_path, "time": now, "silent_after_s": silent_after,
-            "trainer": _trainer(fs, layout, rows, now),
+    rows, vals = split_metrics(read_metrics(run))
+    beats = read_heartbeats(run)
+    return {"root": run.files.root, "time": now, "silent_after_s": silent_after,
+            "trainer": _trainer(run, rows, now),
             "workers": [_worker(w, b, now, silent_after) for w, b in beats.items()],
-            "buffer": _buffer(fs, layout, rows), "validation": validation(vals)}
+            "buffer": _buffer(run, rows), "validation": validation(vals)}
 
 
 # --- text -------------------------------------------------------------------------------------
@@ -298,8 +283,8 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     if args.interval <= 0 or args.silent_after <= 0:
         ap.error("--interval and --silent-after must be positive")
-    fs, root_path = filesystem(args.root)
-    if not fs.isdir(root_path):
+    run = Run.local(args.root)
+    if not run.fs.isdir(run.files.root):
         ap.error(f"{args.root}: no such run folder")
     if args.json:
         print(json.dumps(snapshot(args.root, args.silent_after), indent=1, sort_keys=True))

@@ -31,41 +31,8 @@ from omegaconf import MISSING, DictConfig, ListConfig, OmegaConf
 from omegaconf.errors import MissingMandatoryValue, OmegaConfBaseException
 
 from protocol import verl_keys
-
-
-class ConfigError(ValueError):
-    """A config value or key is invalid; the message names the field."""
-
-
-def F(default: Any = dataclasses.MISSING, doc: str = "", *, ge=None, gt=None, le=None,
-      choices=None, factory=None):
-    """A documented config field with optional bounds (ge/gt/le) or a set of choices. Without a
-    default it is required: OmegaConf's MISSING ('???'), so that a section with a required field
-    can still be built empty as its parent's default."""
-    meta = {"doc": doc, "ge": ge, "gt": gt, "le": le, "choices": choices}
-    if factory is not None:
-        return dataclasses.field(default_factory=factory, metadata=meta)
-    return dataclasses.field(default=MISSING if default is dataclasses.MISSING else default,
-                             metadata=meta)
-
-
-def _fields(cls_or_obj):
-    hints = typing.get_type_hints(cls_or_obj if isinstance(cls_or_obj, type) else type(cls_or_obj))
-    return [(f, hints[f.name]) for f in dataclasses.fields(cls_or_obj)]
-
-
-def _is_config(tp) -> bool:
-    return isinstance(tp, type) and dataclasses.is_dataclass(tp)
-
-
-def leaves(cls, prefix: str = ""):
-    """Yield (dotted_name, field, type) for every leaf field of a config class."""
-    for f, tp in _fields(cls):
-        name = prefix + f.name
-        if _is_config(tp):
-            yield from leaves(tp, name + ".")
-        else:
-            yield name, f, tp
+from protocol.fields import (ConfigError, F, _fields, _flatten, _is_config, _read_yaml, leaves,  # noqa: F401
+                             yaml_leaves)
 
 
 def _unwrap(tp) -> tuple[Any, bool]:
@@ -81,34 +48,6 @@ def _type_name(tp) -> str:
 
 
 # --- reading: a YAML file and the command line ---------------------------------------------------
-
-def _read_yaml(path) -> dict:
-    """The file as a plain dict, its interpolations unresolved."""
-    try:
-        loaded = OmegaConf.load(path)
-    except (OSError, yaml.YAMLError, OmegaConfBaseException) as e:
-        raise ConfigError(f"--config {path}: cannot read: {e}") from None
-    if not isinstance(loaded, DictConfig):
-        raise ConfigError(f"--config {path}: top level must be a mapping")
-    return OmegaConf.to_container(loaded, resolve=False)
-
-
-def _flatten(d: dict, stops: set[str], prefix: str = "") -> dict[str, Any]:
-    """Dotted leaf keys of a nested dict; a key in `stops` (a schema leaf) is a leaf whatever its value."""
-    out = {}
-    for k, v in d.items():
-        key = f"{prefix}{k}"
-        if isinstance(v, dict) and v and key not in stops:
-            out.update(_flatten(v, stops, key + "."))
-        else:
-            out[key] = v
-    return out
-
-
-def yaml_leaves(path) -> list[str]:
-    """Every dotted leaf key of a YAML file."""
-    return list(_flatten(_read_yaml(path), set()))
-
 
 def _cli_value(text: str, tp):
     """A command-line string for a field of type `tp` (None: a key of no own field). Lists are
@@ -292,6 +231,8 @@ def _apply_aliases(schema: DictConfig, aliases: dict[str, tuple], given: dict[st
 def _typed(cls, values: dict[str, Any], own: dict[str, Any], aliases: dict[str, tuple]):
     """The dataclass instance from the given values and verl aliases; (config, alias notes)."""
     schema = OmegaConf.structured(cls)
+    for key in getattr(cls, "REQUIRED", ()):  # a shared section's key this role must be given
+        OmegaConf.update(schema, key, MISSING)
     for key, value in values.items():
         _set(schema, key, value, own[key])
     notes = _apply_aliases(schema, aliases, values, own)
@@ -394,7 +335,8 @@ def usage(cls, prog: str, description: str) -> str:
         bounds = [f"{w}{m[b]}" for b, w in (("ge", ">="), ("gt", ">"), ("le", "<=")) if m.get(b) is not None]
         if m.get("choices"):
             bounds.append("one of " + "|".join(map(str, m["choices"])))
-        lines.append(f"  {name} ({_type_name(tp)}, default {_default(f)!r}{'; ' + ', '.join(bounds) if bounds else ''})")
+        default = "REQUIRED" if name in getattr(cls, "REQUIRED", ()) else _default(f)
+        lines.append(f"  {name} ({_type_name(tp)}, default {default!r}{'; ' + ', '.join(bounds) if bounds else ''})")
         if m.get("doc"):
             lines.append(f"      {m['doc']}")
     return "\n".join(lines)

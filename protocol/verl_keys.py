@@ -323,7 +323,7 @@ def classify(key: str, honoured: set[str]) -> str:
 def report(path: str) -> int:
     """Print every leaf key of a config file with its class and reason, then the counts per
     class; 1 if any key is in no schema."""
-    from protocol.config import leaves, yaml_leaves
+    from protocol.fields import leaves, yaml_leaves
     honoured = {name for cls in role_schemas() for name, _, _ in leaves(cls)}
     keys = yaml_leaves(path)
     counts, refusable = Counter(), 0

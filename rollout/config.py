@@ -7,34 +7,7 @@ import re
 from buffer.config import BufferConfig
 from buffer.layout import check_worker_id
 from protocol.config import F, ConfigError
-
-
-@dataclasses.dataclass
-class DataConfig:
-    train_files: list[str] = F(doc="verl-format parquet files of prompts (data.train_files)",
-                               factory=list)
-    prompt_key: str = F("prompt", "column holding the chat messages [{role, content}]")
-    max_prompt_length: int = F(512, "tokens; longer prompts are skipped (counted in the log)", ge=1)
-    max_response_length: int = F(512, "tokens generated at most per response", ge=1)
-    shuffle: bool = F(True, "shuffle prompts each epoch (seeded per worker)")
-    val_files: list[str] = F(doc="verl-format parquet files of held-out prompts, evaluated by "
-                             "`python -m rollout.validate` (data.val_files)", factory=list)
-    val_batch_size: int | None = F(None, "validation prompts submitted to the engine at once "
-                                   "(default: all of them)", ge=1)
-
-    def check(self) -> None:
-        if not self.train_files:
-            raise ConfigError("data.train_files: at least one parquet file is required")
-
-
-@dataclasses.dataclass
-class ValDataConfig(DataConfig):
-    """The validator's data section: the same keys, but it needs val_files, not train_files."""
-
-    def check(self) -> None:
-        if not self.val_files:
-            raise ConfigError("data.val_files: at least one parquet file of held-out prompts is "
-                              "required")
+from protocol.sections import DataConfig, ModelConfig
 
 
 @dataclasses.dataclass
@@ -72,12 +45,6 @@ class RolloutSamplingConfig:
                             "the environment variable VLLM_ENABLE_V1_MULTIPROCESSING=0 runs the "
                             "model in the worker's own process, where errors surface directly")
     val_kwargs: ValKwargsConfig = F(factory=ValKwargsConfig)
-
-
-@dataclasses.dataclass
-class ModelConfig:
-    path: str = F("", "HF model folder; informational for workers, which always start from the "
-                  "newest version the trainer published")
 
 
 @dataclasses.dataclass
@@ -132,6 +99,10 @@ class WorkerConfig:
     buffer: BufferConfig = F(factory=BufferConfig)
     worker: WorkerSection = F(factory=WorkerSection)
 
+    def check(self) -> None:
+        if not self.data.train_files:
+            raise ConfigError("data.train_files: at least one parquet file is required")
+
 
 @dataclasses.dataclass
 class ValidatorSection(EngineProcessSection):
@@ -142,7 +113,13 @@ class ValidatorSection(EngineProcessSection):
 @dataclasses.dataclass
 class ValidatorConfig:
     root: str = F(doc="run folder shared with the trainer (local path or fsspec URL)")
-    data: ValDataConfig = F(factory=ValDataConfig)
+    data: DataConfig = F(factory=DataConfig)
     actor_rollout_ref: ActorRolloutRefConfig = F(factory=ActorRolloutRefConfig)
     custom_reward_function: RewardFunctionConfig = F(factory=RewardFunctionConfig)
     validator: ValidatorSection = F(factory=ValidatorSection)
+    buffer: BufferConfig = F(factory=BufferConfig)
+
+    def check(self) -> None:
+        if not self.data.val_files:
+            raise ConfigError("data.val_files: at least one parquet file of held-out prompts is "
+                              "required")

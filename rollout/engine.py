@@ -1,42 +1,16 @@
-"""Generation engines behind one interface: transformers (CPU, the embedded default) and vLLM.
+"""Generation engines behind one interface (rollout/engine_types.py): transformers (CPU, the
+embedded default, here) and vLLM (rollout/vllm_engine.py); `build_engine` picks one.
 
 An engine samples `n` completions per prompt with the log-probability of every sampled token
 under the sampling distribution (temperature applied), and loads new HF-named weights in place.
 """
 from __future__ import annotations
 
-import dataclasses
-from typing import Iterable, Protocol
+from typing import Iterable
 
 import torch
 
-
-@dataclasses.dataclass
-class Completion:
-    token_ids: list[int]
-    logprobs: list[float]
-    finish_reason: str  # "stop" when the eos token ended it, else "length"
-
-
-@dataclasses.dataclass
-class SamplingSettings:
-    n: int
-    temperature: float  # 0: greedy decoding
-    top_p: float
-    max_tokens: int
-    seed: int
-    top_k: int = -1  # -1: no top-k truncation (training rollouts never truncate what mu describes)
-
-
-class Engine(Protocol):
-    def generate(self, prompts: list[list[int]], params: SamplingSettings) -> list[list[Completion]]:
-        """For each prompt, `params.n` completions."""
-
-    def load_files(self, paths: list[str]) -> int:
-        """Copy the HF-named tensors of verified safetensors files into the running model, in
-        place; returns how many were loaded."""
-
-    def close(self) -> None: ...
+from rollout.engine_types import Completion, Engine, SamplingSettings
 
 
 def _dtype(name: str):
@@ -100,7 +74,7 @@ class HFEngine:
         return results
 
     def load_files(self, paths: list[str]) -> int:
-        from buffer.weights import read_tensors
+        from buffer.stores.weights import read_tensors
         return self.load_weights(read_tensors(paths))
 
     @torch.no_grad()

@@ -24,8 +24,8 @@ import socket
 import sys
 import time
 
-from buffer.storage import atomic_write_json, is_disk_full
-from buffer.weights import WeightStore
+from buffer.run import Run
+from buffer.storage import is_disk_full
 from protocol.validation import ValidationRequest, ValidationResult
 from protocol.weights import ManifestError
 from rollout import reward
@@ -59,9 +59,9 @@ def val_metrics(data_sources: list[str], uids: list[str], infos: dict[str, list]
 class Validator:
     def __init__(self, cfg: ValidatorConfig):
         self.cfg = cfg
-        self.store = WeightStore(cfg.root)
-        self.queue = self.store.validation
-        self.fs, self.layout = self.store.fs, self.store.layout
+        self.stores = Run.open(cfg)
+        self.store = self.stores.weights
+        self.queue = self.stores.validation
         self.score = reward.resolve_details(cfg.custom_reward_function.path,
                                             cfg.custom_reward_function.name)
         # Before waiting for weights or loading an engine: every row can be scored.
@@ -108,7 +108,7 @@ class Validator:
             return ""
         self.version = None  # a failed load leaves a mix of weights
         try:
-            self.engine.load_files(self.store.verified_files(version))
+            self.engine.load_files(self.store.files(version))
         except (OSError, ManifestError) as e:
             return (f"weight version {version} is no longer on disk (pruned before validation: "
                     f"more than trainer.keep_versions validations were pending): {e}")
@@ -147,14 +147,14 @@ class Validator:
 
     def heartbeat(self, state: str) -> None:
         try:
-            atomic_write_json(self.fs, self.layout.validator_heartbeat, {
+            self.queue.write_beat({
                 "host": socket.gethostname(), "pid": os.getpid(), "state": state,
                 "weight_version": self.version, "answered": self.answered, "last_beat": time.time()})
         except OSError as e:
             if not is_disk_full(e):
                 raise
             log.warning("disk full at %s: heartbeat skipped (the next one tries again)",
-                        self.layout.validator_heartbeat)
+                        self.queue.where())
 
     def answer_next(self) -> bool:
         """Answer the oldest open request; False when there is none."""
@@ -185,12 +185,12 @@ class Validator:
                 if self.answer_next():
                     last_note = time.monotonic()
                     continue
-                if self.fs.exists(self.layout.done_marker):
+                if self.stores.state.done():
                     break  # the trainer wrote every request before DONE
                 if time.monotonic() - last_note > NOTE_EVERY_S:
                     last_note = time.monotonic()
                     log.info("waiting for validation requests in %s (the trainer writes one "
-                             "every trainer.test_freq steps)", self.layout.validation_requests_dir)
+                             "every trainer.test_freq steps)", self.queue.where())
                     self.heartbeat("running")
                 time.sleep(self.cfg.validator.poll_interval_s)
         finally:

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import os
 
-from rollout.engine import Completion, SamplingSettings
+from rollout.engine_types import Completion, SamplingSettings
 
 RELOAD_TIMEOUT_S = 600.0  # a reload that takes longer is a hung engine process, not a slow disk
 
@@ -30,7 +30,7 @@ class WeightLoader:
 
     def tandem_load_files(self, paths: list[str]) -> int:
         """Load HF-named tensors from verified safetensors files into the running model."""
-        from buffer.weights import read_tensors
+        from buffer.stores.weights import read_tensors
         count = 0
 
         def counted():

@@ -25,11 +25,10 @@ import time
 import zlib
 
 from buffer import sync
-from buffer.backpressure import wait_for_room
-from buffer.layout import RunLayout
-from buffer.run_id import read_run_id
-from buffer.storage import atomic_write_json, filesystem, is_disk_full, read_json
-from buffer.weights import WeightStore
+from buffer.layout import check_worker_id
+from buffer.run import Run
+from buffer.storage import is_disk_full
+from buffer.stores.base import WeightSource
 from buffer.writer import ShardWriter
 from protocol.config import parse_cli
 from protocol.experience import Sample
@@ -53,7 +52,7 @@ def _bounded(rows: list, row: list) -> list:
     return rows[::2] + rows[-1:] if len(rows) >= HISTORY_ROWS else rows
 
 
-def start_engine(store: WeightStore, rollout_cfg, device: str, timeout_s: float, who: str,
+def start_engine(store: WeightSource, rollout_cfg, device: str, timeout_s: float, who: str,
                  should_stop=lambda: False):
     """(engine, version): an engine built from the newest published version, waiting up to
     `timeout_s` for the trainer's first one; (None, None) when `should_stop()` says so first."""
@@ -61,14 +60,14 @@ def start_engine(store: WeightStore, rollout_cfg, device: str, timeout_s: float,
         version = store.wait_latest(timeout_s, should_stop=should_stop)
         if version is None:
             return None, None
-        model_dir = store.layout.version_dir(version)
-        log.info("%s starting engine %s from %s", who, rollout_cfg.name, model_dir)
         try:
+            model_dir = store.fetch(version)
+            log.info("%s starting engine %s from %s", who, rollout_cfg.name, model_dir)
             return build_engine(model_dir, rollout_cfg, device), version
         except (OSError, ValueError):
             # The trainer keeps only the newest versions: this one may have been pruned
             # while it loaded. Start again from the newest; anything else is a real error.
-            if os.path.isdir(model_dir) or attempt == 4:
+            if store.exists(version) or attempt == 4:
                 raise
             log.warning("weight version %d was pruned while loading; retrying", version)
 
@@ -85,19 +84,14 @@ class RolloutWorker:
     def __init__(self, cfg: WorkerConfig):
         self.cfg = cfg
         self.id = cfg.worker.id or f"{socket.gethostname()}-{os.getpid()}"
-        self.fs, root_path = filesystem(cfg.root)
-        self.layout = RunLayout(root_path)
-        self.layout.heartbeat(self.id)  # validates the id before any work
+        check_worker_id(self.id)  # before any work
+        self.stores = Run.open(cfg)
         self.score = reward.resolve(cfg.custom_reward_function.path, cfg.custom_reward_function.name)
         # Before writing anything, waiting for weights or loading an engine: every row can be scored.
         reward.check_data_sources(data_sources(cfg.data.train_files), cfg.custom_reward_function.path)
-        self.store = WeightStore(cfg.root)
-        if cfg.buffer.transport == "grpc":
-            from buffer.grpc_transport import GrpcShardWriter as writer_cls
-        else:
-            writer_cls = ShardWriter
-        self.writer = writer_cls(cfg.root, self.id, cfg.buffer,
-                                  resume=read_json(self.fs, self.layout.heartbeat(self.id)))
+        self.store = self.stores.weights
+        self.writer = ShardWriter(self.stores.sink(self.id), self.id, cfg.buffer,
+                                  resume=self.stores.heartbeats.read(self.id))
         self.stopping = False
         self.version: int | None = None
         self.versions_loaded: list[int] = []
@@ -137,11 +131,11 @@ class RolloutWorker:
             return False
         self.versions_loaded.append(self.version)
         self.loads = _bounded(self.loads, [self.version, time.time()])
-        self.writer.run_id = read_run_id(self.fs, self.layout)  # written before the first version
+        self.writer.run_id = self.stores.state.run_id()  # written before the first version
         if self.writer.run_id is None:
-            log.warning("%s: the run folder has weight versions but no run id (a trainer older "
-                        "than this worker?): a trainer that checks run ids refuses these shards",
-                        self.layout.run_info)
+            log.warning("%s: the run has weight versions but no run id (a trainer older than "
+                        "this worker?): a trainer that checks run ids refuses these shards",
+                        self.stores.state.where())
         pointer = self.store.pointer() or {}
         # a newer version already named: claim nothing of the one loaded, the loop reloads first
         self._announced(pointer, pointer.get(SYNC_GROUPS) if pointer.get("version") == self.version else 0)
@@ -163,13 +157,13 @@ class RolloutWorker:
         latest = pointer["version"]
         t0 = time.monotonic()
         try:
-            files = self.store.verified_files(latest)
+            files = self.store.files(latest)
             t1 = time.monotonic()
             count = self.engine.load_files(files)
         except (FileNotFoundError, ManifestError) as e:
             # Pruned while we read (its folder gone, or newer versions published meanwhile): the
             # next batch sees a newer one. The newest version still there but bad is an error.
-            if os.path.isdir(self.layout.version_dir(latest)) and self.store.latest() == latest:
+            if self.store.exists(latest) and self.store.latest() == latest:
                 raise
             log.warning("weight version %d vanished while loading (%s); retrying later", latest, e)
             return False
@@ -279,9 +273,9 @@ class RolloutWorker:
 
     def claim(self) -> int:
         """Synchronous mode: claim this worker's share of the loaded version's groups."""
-        want = sync.share(self.fs, self.layout, self.sync_groups,
-                          self.cfg.actor_rollout_ref.rollout.prompts_per_batch)
-        return sync.claim(self.layout, self.version, self.sync_groups, want, self.id)
+        want = self.stores.sync.share(self.sync_groups,
+                                      self.cfg.actor_rollout_ref.rollout.prompts_per_batch)
+        return self.stores.sync.claim(self.version, self.sync_groups, want, self.id)
 
     def wait_for_next_version(self) -> None:
         self.heartbeat("waiting")
@@ -296,11 +290,11 @@ class RolloutWorker:
             if not is_disk_full(e):
                 raise
             log.warning("disk full at %s: heartbeat skipped (the next one tries again)",
-                        self.layout.heartbeat(self.id))
+                        self.stores.heartbeats.where(self.id))
             self._last_beat = time.monotonic()  # while held back: one try (and line) per period
 
     def _write_heartbeat(self, state: str) -> None:
-        atomic_write_json(self.fs, self.layout.heartbeat(self.id), {
+        self.stores.heartbeats.write(self.id, {
             "worker_id": self.id, "host": socket.gethostname(), "pid": os.getpid(),
             "state": state, "weight_version": self.version,
             "versions_loaded": self.versions_loaded, "batches": self.batches,
@@ -334,7 +328,7 @@ class RolloutWorker:
             return True
         if self.cfg.worker.max_batches and self.batches >= self.cfg.worker.max_batches:
             return True
-        return self.fs.exists(self.layout.done_marker)
+        return self.stores.state.done()
 
     def run(self) -> None:
         if not self.start():
@@ -348,10 +342,10 @@ class RolloutWorker:
         pending = None
         try:
             while not self.should_stop():
-                # over gRPC, unacknowledged pushes bound it; in sync mode, the claims
-                if self.cfg.buffer.transport == "fs" and self.sync_groups is None:
-                    self.wait_seconds += wait_for_room(
-                        self.fs, self.layout, self.cfg.buffer.max_backlog_samples,
+                # the sink's backpressure (over gRPC: unacknowledged pushes); in sync mode, the claims
+                if self.sync_groups is None:
+                    self.wait_seconds += self.writer.sink.wait_for_room(
+                        self.cfg.buffer.max_backlog_samples,
                         self.cfg.buffer.backlog_timeout_s, self._stop_while_waiting,
                         on_wait=self._flush_while_waiting,
                         group_size=self.cfg.actor_rollout_ref.rollout.n)

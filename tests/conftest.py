@@ -81,18 +81,15 @@ def experience(tmp_path_factory):
     from buffer.writer import ShardWriter
     from rollout import builtin_task
     from rollout.engine import HFEngine, SamplingSettings
-    from buffer.layout import RunLayout
-    from buffer.run_id import ensure_run_id
-    from buffer.storage import filesystem
+    from buffer.run import Run
     base = tmp_path_factory.mktemp("experience")
-    fs, data = filesystem(str(base / "data"))
-    ensure_run_id(fs, RunLayout(data))  # the shards belong to the runs made by run_folder()
+    Run.local(str(base / "data")).state.ensure_run_id()  # the shards belong to the runs made by run_folder()
     builtin_task.write_model(base / "model")
     engine = HFEngine(str(base / "model"))
     prompts = [[3 + (i * 3 + j) % 5 for j in range(1 + i % 3)] + [13] for i in range(STEPS * GROUPS)]
     groups = engine.generate(prompts, SamplingSettings(n=N, temperature=1.0, top_p=1.0,
                                                        max_tokens=3, seed=0))
-    writer = ShardWriter(str(base / "data"), "w0", BufferConfig(flush_samples=GROUPS * N))
+    writer = ShardWriter.at(str(base / "data"), "w0", BufferConfig(flush_samples=GROUPS * N))
     for i, (p, g) in enumerate(zip(prompts, groups)):
         writer.add_group([Sample("", "", str(i), "w0", 0, p, c.token_ids, c.logprobs,
                                  float((i + k) % 3) / 2, c.finish_reason, 1.0, "tandem/copy", 0.0, 0.0)
@@ -165,7 +162,7 @@ def uninterrupted_run(experience, name, nproc=2, *extra):
 
 def final_weights(root):
     """The newest published version's tensors, checksums verified."""
-    from buffer.weights import WeightStore
+    from buffer.stores.weights import WeightStore
     store = WeightStore(str(root))
     return dict(store.tensors(store.versions()[-1]))
 

@@ -14,8 +14,9 @@ import pytest
 
 from buffer.backpressure import backlog, wait_for_room
 from buffer.config import BufferConfig
+from buffer.run import Run
 from buffer.layout import TMP_MARK, RunLayout
-from buffer.reader import ExperienceReader
+from buffer.stores.reader import ExperienceReader
 from buffer.storage import atomic_write, atomic_write_json, filesystem
 from buffer.writer import ShardWriter
 from conftest import TESTS_DIR, make_group, subprocess_env
@@ -77,7 +78,7 @@ from buffer.writer import ShardWriter
 
 root, wid = sys.argv[1], sys.argv[2]
 GROUPS, N, RESPONSE = 50, 5, 2000           # 250 samples x ~2000 tokens: ~4 MB per shard
-w = ShardWriter(root, wid, BufferConfig(flush_samples=GROUPS * N, flush_interval=3600.0))
+w = ShardWriter.at(root, wid, BufferConfig(flush_samples=GROUPS * N, flush_interval=3600.0))
 while True:
     batch = w.seq                            # resumes after the last published shard
     for g in range(GROUPS):
@@ -159,7 +160,7 @@ from buffer.writer import ShardWriter
 root, wid = sys.argv[1], sys.argv[2]
 batches, groups, n, flush = (int(a) for a in sys.argv[4:8])
 rng = random.Random(wid)
-w = ShardWriter(root, wid, BufferConfig(flush_samples=flush, flush_interval=3600.0))
+w = ShardWriter.at(root, wid, BufferConfig(flush_samples=flush, flush_interval=3600.0))
 for b in range(batches):
     for g in range(groups):
         w.add_group(make_group(wid, b, g, 0, n))
@@ -227,7 +228,7 @@ def test_exactly_once_with_two_concurrent_writers(tmp_path):
             assert again.discover() == []
             # ... until a (restarted) writer publishes more: only that shard is new
             seq_a = len(_published(root / "experience" / "w-a"))
-            w = ShardWriter(str(root), "w-a", _cfg(flush_samples=1))
+            w = ShardWriter.at(str(root), "w-a", _cfg(flush_samples=1))
             path = w.add_group(make_group("w-a", "late", 0, 0, n))
             assert path is not None and RunLayout.shard_seq(path) == seq_a
             assert again.discover() == [(f"w-a/{seq_a}", path)]
@@ -248,13 +249,13 @@ def test_exactly_once_with_two_concurrent_writers(tmp_path):
 
 def test_writer_resumes_sequence_after_restart(tmp_path):
     root = str(tmp_path / "run")
-    w = ShardWriter(root, "w0", _cfg(flush_samples=1))
+    w = ShardWriter.at(root, "w0", _cfg(flush_samples=1))
     paths = [w.add_group(make_group("w0", 0, g, 0, 2)) for g in range(3)]
     assert [RunLayout.shard_seq(p) for p in paths] == [0, 1, 2]
     # a leftover temporary of an unpublished seq must not advance the sequence
     layout = RunLayout(str(tmp_path / "run"))
     Path(layout.shard_tmp("w0", 7, 999)).write_bytes(b"partial")
-    w2 = ShardWriter(root, "w0", _cfg(flush_samples=1))
+    w2 = ShardWriter.at(root, "w0", _cfg(flush_samples=1))
     assert w2.seq == 3
     assert RunLayout.shard_seq(w2.add_group(make_group("w0", 1, 0, 0, 2))) == 3
 
@@ -264,7 +265,7 @@ def test_writer_resumes_sequence_after_restart(tmp_path):
 def test_stale_groups_are_dropped_and_counted(tmp_path):
     root = str(tmp_path / "run")
     n, per_version = 3, 2
-    w = ShardWriter(root, "w0", _cfg(flush_samples=n * per_version))
+    w = ShardWriter.at(root, "w0", _cfg(flush_samples=n * per_version))
     for version in range(6):
         for g in range(per_version):
             w.add_group(make_group("w0", version, g, version, n))
@@ -287,7 +288,7 @@ def test_stale_groups_are_dropped_and_counted(tmp_path):
 def test_pooled_groups_go_stale_when_version_advances(tmp_path):
     root = str(tmp_path / "run")
     n = 2
-    w = ShardWriter(root, "w0", _cfg(flush_samples=100))
+    w = ShardWriter.at(root, "w0", _cfg(flush_samples=100))
     for g in range(4):
         w.add_group(make_group("w0", 0, g, 1, n))
     w.flush()
@@ -308,7 +309,7 @@ def test_pooled_groups_go_stale_when_version_advances(tmp_path):
 @pytest.mark.parametrize("n,flush_samples", [(5, 2), (3, 7), (4, 4)])
 def test_groups_never_split_across_shards(tmp_path, n, flush_samples):
     root = tmp_path / "run"
-    w = ShardWriter(str(root), "w0", _cfg(flush_samples=flush_samples))
+    w = ShardWriter.at(str(root), "w0", _cfg(flush_samples=flush_samples))
     num_groups = 9
     for g in range(num_groups):
         w.add_group(make_group("w0", 0, g, 0, n))
@@ -331,7 +332,7 @@ def test_groups_never_split_across_shards(tmp_path, n, flush_samples):
 
 
 def test_add_group_rejects_bad_rows_without_buffering(tmp_path):
-    w = ShardWriter(str(tmp_path / "run"), "w0", _cfg(flush_samples=1))
+    w = ShardWriter.at(str(tmp_path / "run"), "w0", _cfg(flush_samples=1))
     group = make_group("w0", 0, 0, 0, 2)
     group[1].behaviour_logprobs.pop()
     with pytest.raises(ValueError):
@@ -341,7 +342,7 @@ def test_add_group_rejects_bad_rows_without_buffering(tmp_path):
 
 def test_flush_by_age(tmp_path):
     # Young groups stay pending: with a one-hour flush_interval no check can come too late.
-    young = ShardWriter(str(tmp_path / "young"), "w0", _cfg(flush_samples=1000, flush_interval=3600.0))
+    young = ShardWriter.at(str(tmp_path / "young"), "w0", _cfg(flush_samples=1000, flush_interval=3600.0))
     assert young.maybe_flush() is None  # nothing pending
     assert young.add_group(make_group("w0", 0, 0, 0, 2)) is None
     first = young.oldest_pending
@@ -353,7 +354,7 @@ def test_flush_by_age(tmp_path):
     # was not published before it was flush_interval old.
     interval = 0.3
     root = tmp_path / "run"
-    w = ShardWriter(str(root), "w0", _cfg(flush_samples=1000, flush_interval=interval))
+    w = ShardWriter.at(str(root), "w0", _cfg(flush_samples=1000, flush_interval=interval))
     wdir = root / "experience" / "w0"
     added = time.monotonic()
     w.add_group(make_group("w0", 1, 0, 0, 2))
@@ -373,7 +374,7 @@ def test_flush_by_age(tmp_path):
 
 def test_shard_metadata(tmp_path):
     root = tmp_path / "run"
-    w = ShardWriter(str(root), "w0", _cfg(flush_samples=1))
+    w = ShardWriter.at(str(root), "w0", _cfg(flush_samples=1))
     path = w.add_group(make_group("w0", 0, 0, 0, 2))
     with open(path, "rb") as f:
         meta = decode(f.read()).schema.metadata
@@ -414,37 +415,39 @@ def _progress(fs, layout, retired):
 def test_backlog_from_heartbeats_and_progress(tmp_path):
     fs, root = filesystem(str(tmp_path / "run"))
     layout = RunLayout(root)
-    assert backlog(fs, layout) == 0  # nothing yet
+    run = Run.local(root)
+    assert backlog(run.heartbeats, run.progress) == 0  # nothing yet
     _beat(fs, layout, "w-a", 100)
     _beat(fs, layout, "w-b", 40)
-    assert backlog(fs, layout) == 140
+    assert backlog(run.heartbeats, run.progress) == 140
     _progress(fs, layout, 90)
-    assert backlog(fs, layout) == 50
+    assert backlog(run.heartbeats, run.progress) == 50
     # leftovers of an interrupted heartbeat write are not counted
     Path(layout.heartbeat("w-a") + ".tmp-4242").write_text('{"samples_written": 1000}')
-    assert backlog(fs, layout) == 50
+    assert backlog(run.heartbeats, run.progress) == 50
     _beat(fs, layout, "w-a", 130)
-    assert backlog(fs, layout) == 80
+    assert backlog(run.heartbeats, run.progress) == 80
 
 
 def test_wait_for_room(tmp_path):
     fs, root = filesystem(str(tmp_path / "run"))
     layout = RunLayout(root)
+    run = Run.local(root)
     _beat(fs, layout, "w-a", 100)
     _progress(fs, layout, 60)  # backlog 40
     never = lambda: False  # noqa: E731
 
     # With room it returns without waiting: timeout_s=0 raises as soon as it would have to wait.
-    wait_for_room(fs, layout, limit=50, timeout_s=0, should_stop=never)
-    wait_for_room(fs, layout, limit=40, timeout_s=0, should_stop=never)  # the limit is room enough
+    wait_for_room(run.heartbeats, run.progress, limit=50, timeout_s=0, should_stop=never)
+    wait_for_room(run.heartbeats, run.progress, limit=40, timeout_s=0, should_stop=never)  # the limit is room enough
 
     t0 = time.monotonic()
     with pytest.raises(TimeoutError, match="max_backlog_samples=39"):
-        wait_for_room(fs, layout, limit=39, timeout_s=0.3, should_stop=never, poll_s=0.05)
+        wait_for_room(run.heartbeats, run.progress, limit=39, timeout_s=0.3, should_stop=never, poll_s=0.05)
     assert time.monotonic() - t0 >= 0.3
 
     # a stop request ends the wait even while the backlog is too large
-    wait_for_room(fs, layout, limit=10, timeout_s=0, should_stop=lambda: True)
+    wait_for_room(run.heartbeats, run.progress, limit=10, timeout_s=0, should_stop=lambda: True)
 
     # progress by the trainer releases a waiting worker; the trainer moves once the worker waits
     # (wait_for_room asks should_stop only while the backlog is too large)
@@ -457,12 +460,12 @@ def test_wait_for_room(tmp_path):
     trainer = threading.Thread(target=lambda: waiting.wait(60) and _progress(fs, layout, 95))
     trainer.start()
     try:
-        waited = wait_for_room(fs, layout, limit=10, timeout_s=60, should_stop=still_waiting,
+        waited = wait_for_room(run.heartbeats, run.progress, limit=10, timeout_s=60, should_stop=still_waiting,
                                poll_s=0.05)
     finally:
         trainer.join(timeout=60)
     assert waiting.is_set() and waited > 0
-    assert backlog(fs, layout) == 5
+    assert backlog(run.heartbeats, run.progress) == 5
 
 
 def test_restarted_writer_resumes_count_and_ids_after_shards_are_deleted(tmp_path):
@@ -470,7 +473,7 @@ def test_restarted_writer_resumes_count_and_ids_after_shards_are_deleted(tmp_pat
     reuses a shard name (the trainer would skip it as consumed) nor undercounts its samples
     (backpressure would loosen)."""
     root = str(tmp_path / "run")
-    w = ShardWriter(root, "w0", _cfg(flush_samples=4))
+    w = ShardWriter.at(root, "w0", _cfg(flush_samples=4))
     for g in range(3):
         w.add_group(make_group("w0", 0, g, 0, 4))
     beat = {"next_seq": w.seq, "samples_written": w.samples_written}
@@ -480,7 +483,7 @@ def test_restarted_writer_resumes_count_and_ids_after_shards_are_deleted(tmp_pat
                   for s in from_table(decode((wdir / name).read_bytes()))}
     for name in _published(wdir)[:3]:
         (wdir / name).unlink()  # retention removed the consumed ones
-    again = ShardWriter(root, "w0", _cfg(flush_samples=4), resume=beat)
+    again = ShardWriter.at(root, "w0", _cfg(flush_samples=4), resume=beat)
     assert again.seq == 4 and again.samples_written == 16
     path = again.add_group(make_group("w0", 1, 0, 0, 4))
     assert RunLayout.shard_seq(path) == 4

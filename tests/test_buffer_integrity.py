@@ -17,8 +17,8 @@ import pytest
 from buffer.inspect import report as inspect_report
 from buffer.config import BufferConfig
 from buffer.layout import TMP_MARK, RunLayout
-from buffer.reader import ExperienceReader
-from buffer.retention import clean_stale_temps, prune_consumed
+from buffer.stores.reader import ExperienceReader
+from buffer.stores.retention import clean_stale_temps, prune_consumed
 from buffer.storage import atomic_write, atomic_write_json, filesystem
 from buffer.writer import ShardWriter
 from conftest import REPO_ROOT, TESTS_DIR, make_group, subprocess_env
@@ -36,7 +36,7 @@ def _cfg(**kw) -> BufferConfig:
 
 def _publish(root: str, worker: str, groups: int, version: int = 0, resume=None) -> ShardWriter:
     """One shard per group (flush_samples=1)."""
-    w = ShardWriter(root, worker, _cfg(flush_samples=1), resume=resume)
+    w = ShardWriter.at(root, worker, _cfg(flush_samples=1), resume=resume)
     for g in range(groups):
         w.add_group(make_group(worker, "t", g, version, N))
     return w
@@ -146,7 +146,7 @@ def test_flipped_bytes_quarantined_while_a_writer_process_keeps_publishing(tmp_p
     quarantines it with a reason, keeps going and consumes every good shard, the later ones too."""
     root = tmp_path / "run"
     first = _publish(str(root), "w0", 4)  # seq 0..3
-    victim = first.layout.shard("w0", 1)
+    victim = first.sink.layout.shard("w0", 1)
     _mutate(victim, lambda d: _flip(d, len(d) // 3))
     script = tmp_path / "writer.py"
     script.write_text(
@@ -155,7 +155,7 @@ def test_flipped_bytes_quarantined_while_a_writer_process_keeps_publishing(tmp_p
         "from conftest import make_group\n"
         "from buffer.config import BufferConfig\n"
         "from buffer.writer import ShardWriter\n"
-        "w = ShardWriter(sys.argv[1], 'w0', BufferConfig(flush_samples=1),\n"
+        "w = ShardWriter.at(sys.argv[1], 'w0', BufferConfig(flush_samples=1),\n"
         "                resume={'next_seq': 4, 'samples_written': 12})\n"
         "for g in range(6):\n"
         "    w.add_group(make_group('w0', 'later', g, 0, 3))\n"
@@ -188,7 +188,7 @@ def test_flipped_bytes_quarantined_while_a_writer_process_keeps_publishing(tmp_p
 def test_truncated_and_foreign_shards_are_quarantined(tmp_path):
     root = tmp_path / "run"
     w = _publish(str(root), "w0", 6)
-    lay = w.layout
+    lay = w.sink.layout
     _mutate(lay.shard("w0", 0), lambda d: d[: len(d) // 2])          # cut mid-payload
     _mutate(lay.shard("w0", 2), lambda d: d[:-1])                     # cut one trailer byte
     # a plain Arrow IPC file of someone else's (another schema) under a shard name
@@ -198,7 +198,7 @@ def test_truncated_and_foreign_shards_are_quarantined(tmp_path):
     Path(lay.shard("w0", 3)).write_bytes(sink.getvalue().to_pybytes())
     # a valid shard of another worker copied into w0's folder
     other = _publish(str(tmp_path / "elsewhere"), "w9", 1)
-    Path(lay.shard("w0", 4)).write_bytes(Path(other.layout.shard("w9", 0)).read_bytes())
+    Path(lay.shard("w0", 4)).write_bytes(Path(other.sink.layout.shard("w9", 0)).read_bytes())
     # a file that is not a shard name at all is left alone
     (root / "experience" / "w0" / "notes.txt").write_text("hello")
     reader = _reader(str(root))
@@ -270,7 +270,7 @@ from buffer.config import BufferConfig
 from buffer.writer import ShardWriter
 root, wid, shards = sys.argv[1], sys.argv[2], int(sys.argv[4])
 rng = random.Random(wid)
-w = ShardWriter(root, wid, BufferConfig(flush_samples=1, flush_interval=3600.0))
+w = ShardWriter.at(root, wid, BufferConfig(flush_samples=1, flush_interval=3600.0))
 for b in range(shards):
     w.add_group(make_group(wid, b, 0, 0, 2))
     time.sleep(rng.uniform(0, 0.01))
@@ -404,14 +404,14 @@ def test_retention_prunes_only_covered_shards_and_writer_never_reuses_a_name(tmp
 def test_clean_stale_temps(tmp_path):
     root = tmp_path / "run"
     w = _publish(str(root), "w0", 2)
-    lay = w.layout
+    lay = w.sink.layout
     old = [lay.shard_tmp("w0", 2, 111), lay.shard_tmp("w0", 3, 222),
            lay.heartbeat("w0") + TMP_MARK + "333"]
     fresh = lay.shard_tmp("w0", 4, 444)
     os.makedirs(lay.workers_dir, exist_ok=True)
     for p in old + [fresh]:
         Path(p).write_bytes(b"partial")
-    atomic_write_json(w.fs, lay.heartbeat("w0"), {"samples_written": 6})
+    atomic_write_json(w.sink.fs, lay.heartbeat("w0"), {"samples_written": 6})
     past = time.time() - 7200
     for p in old + [lay.shard("w0", 0)]:  # an old *published* shard is never a temporary
         os.utime(p, (past, past))
@@ -430,7 +430,7 @@ sys.path.insert(0, sys.argv[3])
 from conftest import make_group
 from buffer.config import BufferConfig
 from buffer.writer import ShardWriter
-w = ShardWriter(sys.argv[1], sys.argv[2], BufferConfig(flush_samples=250, flush_interval=3600.0))
+w = ShardWriter.at(sys.argv[1], sys.argv[2], BufferConfig(flush_samples=250, flush_interval=3600.0))
 while True:
     for g in range(50):
         w.add_group(make_group(sys.argv[2], w.seq, g, 0, 5, prompt_len=32, response_len=2000))
@@ -474,15 +474,15 @@ def _inspect(*args) -> subprocess.CompletedProcess:
 def test_inspect_and_verify(tmp_path):
     root = tmp_path / "run"
     w0 = _publish(str(root), "w0", 3, version=2)
-    w1 = ShardWriter(str(root), "w1", _cfg(flush_samples=2 * N))
+    w1 = ShardWriter.at(str(root), "w1", _cfg(flush_samples=2 * N))
     for v in range(4):
         w1.add_group(make_group("w1", "t", v, 5 + v, N))  # two shards, versions 5..8
-    lay = w0.layout
-    atomic_write_json(w0.fs, lay.heartbeat("w0"), {"samples_written": 9, "next_seq": 3,
+    lay = w0.sink.layout
+    atomic_write_json(w0.sink.fs, lay.heartbeat("w0"), {"samples_written": 9, "next_seq": 3,
                                                     "state": "running"})
-    atomic_write_json(w0.fs, lay.heartbeat("w1"), {"samples_written": 12, "next_seq": 2,
+    atomic_write_json(w0.sink.fs, lay.heartbeat("w1"), {"samples_written": 12, "next_seq": 2,
                                                     "state": "running"})
-    atomic_write_json(w0.fs, lay.progress, {"samples_retired": 6, "version": 7})
+    atomic_write_json(w0.sink.fs, lay.progress, {"samples_retired": 6, "version": 7})
     Path(lay.shard_tmp("w0", 3, 99)).write_bytes(b"x")
 
     r = _inspect(str(root), "--verify")

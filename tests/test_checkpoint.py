@@ -9,7 +9,7 @@ from buffer.layout import RunLayout
 from protocol.experience import decode, from_table
 from conftest import STEPS, final_weights as _final_weights, run_folder as _run_folder, trainer_proc as _trainer
 from conftest import REORDER_REL_BOUND, kill_tree, uninterrupted_run, weight_distances
-from trainer.checkpoint import latest_complete
+from buffer.stores.checkpoints import FsCheckpoints
 
 
 def _processes_of(run: Path) -> list[int]:
@@ -65,7 +65,7 @@ def test_sigkill_and_resume_on_one_rank_matches_uninterrupted_run(experience):
     layout = RunLayout(str(run))
     assert not os.path.exists(layout.done_marker)
     assert 3 <= len((run / "metrics.jsonl").read_text().splitlines()) < STEPS
-    resumed_from = latest_complete(layout)
+    resumed_from = FsCheckpoints(layout).latest_complete()
     assert RunLayout.checkpoint_step(resumed_from) in (3, 6)
     saved = json.loads((Path(resumed_from) / "trainer_state.json").read_text())
     assert len(saved["rng"]["cpu"]) > 0 and saved["model_path"] == str(model)
@@ -100,4 +100,4 @@ def test_half_written_checkpoint_is_never_picked(tmp_path):
         if complete:
             (d / "trainer_state.json").write_text("{}")
     Path(layout.checkpoint_tmp(6, "node1-4242")).mkdir()  # a save killed before its rename
-    assert latest_complete(layout) == layout.checkpoint(2)
+    assert FsCheckpoints(layout).latest_complete() == layout.checkpoint(2)

@@ -503,7 +503,7 @@ def test_verl_keys_report_counts_every_class(capsys):
 
 
 def test_pool_validates_the_workers_config_and_passes_it_on():
-    from rollout.pool import parse
+    from launch.pool import parse
     # The worker resolves a short key (rollout.n's `n` is ambiguous beside val_kwargs.n).
     cfg, worker_args = parse(["root=/r", "pool.id=p", "--config", str(VERL_YAML),
                               "--prompts_per_batch", "2"])
@@ -522,13 +522,13 @@ def local_args(**kw):
 
 
 def test_launch_local_takes_inputs_from_the_config_and_the_recipe_yields_to_it(tmp_path):
-    from buffer.layout import RunLayout
+    from buffer.run import Run
     from launch import local
-    layout = RunLayout(str(tmp_path / "run"))
-    config = local.from_config(local_args(), layout)
+    run = Run.local(str(tmp_path / "run"))
+    config = local.from_config(local_args(), run)
     assert config[local.MODEL] == "~/models/Qwen2-7B-Instruct" and config[local.STEPS] == 3
     with pytest.raises(SystemExit, match=r"actor_rollout_ref.model.path in --config .*not found"):
-        local.prepare(layout, local_args(), config)
+        local.prepare(run, local_args(), config)
     trainer_recipe, worker_recipe = local.recipe(config, local_args())
     assert "data.train_batch_size=16" not in trainer_recipe  # the config sets 4
     assert "trainer.max_staleness=4" in trainer_recipe  # the config leaves it to the recipe

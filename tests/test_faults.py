@@ -10,8 +10,9 @@ import pytest
 
 from buffer.config import BufferConfig
 from buffer.layout import RunLayout
-from buffer.reader import ExperienceReader
-from buffer.retention import prune_consumed
+from buffer.run import Run
+from buffer.stores.reader import ExperienceReader
+from buffer.stores.retention import prune_consumed
 from buffer.writer import ShardWriter
 from conftest import descendants, free_port, make_group, small_filesystem
 from launch.status import split_metrics
@@ -77,12 +78,11 @@ def _restart_after_pruning(make_writer, spool: str, settle, on_reader=lambda r: 
 
 def test_restarted_worker_never_reuses_a_consumed_and_pruned_shard_number(tmp_path):
     root = str(tmp_path / "run")
-    _restart_after_pruning(lambda beat: ShardWriter(root, "w0", _cfg(), resume=beat), root,
+    _restart_after_pruning(lambda beat: ShardWriter.at(root, "w0", _cfg(), resume=beat), root,
                            settle=lambda w: None)
 
 
 def test_restarted_grpc_worker_is_not_acknowledged_as_a_duplicate(tmp_path, monkeypatch):
-    from buffer.grpc_transport import GrpcShardWriter, ShardServer
     port = free_port()
     monkeypatch.setenv("TANDEM_GRPC_TOKEN", "t0ken")
     # The restarted writer takes worker id w0 over grpc_claim_ttl_s after the killed one's last
@@ -91,16 +91,16 @@ def test_restarted_grpc_worker_is_not_acknowledged_as_a_duplicate(tmp_path, monk
                grpc_timeout_s=10, grpc_claim_ttl_s=1.0)
     spool, worker_root = str(tmp_path / "trainer"), str(tmp_path / "worker")
     readers = []  # the server asks the trainer's ledger, as trainer.main wires it
-    server = ShardServer(spool, cfg, consumed=lambda: readers[0].consumed if readers else ())
+    server = Run.local(spool).serve(cfg, consumed=lambda: readers[0].consumed if readers else ())
     writers = []
 
     def make(beat):
-        writers.append(GrpcShardWriter(worker_root, "w0", cfg, resume=beat))
+        writers.append(ShardWriter.at(worker_root, "w0", cfg, resume=beat))
         return writers[-1]
 
     def settle(w):  # every shard acknowledged (what close() waits for)
         deadline = time.monotonic() + 60
-        while w.unacked:
+        while w.sink.unacked:
             assert time.monotonic() < deadline, "shards not acknowledged within 60 s"
             time.sleep(0.02)
 
@@ -156,7 +156,7 @@ def test_a_restarted_grpc_worker_counts_each_written_sample_once(tmp_path, monke
 # --- 7. a version pruned while a worker loads it ----------------------------------------------
 
 def test_worker_survives_a_version_pruned_while_it_loads(tmp_path):
-    from buffer.weights import WeightStore
+    from buffer.stores.weights import WeightStore
     from protocol.config import build
     from rollout import builtin_task
     from rollout.config import WorkerConfig
@@ -424,7 +424,7 @@ def test_reader_refuses_shards_of_another_run_without_a_run_id_or_from_the_futur
             fs.rm_file(layout.run_info) if fs.exists(layout.run_info) else None
         else:
             atomic_write_json(fs, layout.run_info, {"run_id": run_id})
-        w = ShardWriter(root, worker, _cfg())
+        w = ShardWriter.at(root, worker, _cfg())
         w.add_group(make_group(worker, 0, 0, version, N))
 
     write("other", "r-old", 0)
@@ -479,7 +479,7 @@ def test_concurrent_control_commands_are_all_kept_with_distinct_ids(tmp_path):
 
     from conftest import REPO_ROOT, subprocess_env
     from protocol.config import build
-    from rollout.pool import Pool, PoolConfig
+    from launch.pool import Pool, PoolConfig
     root, go, k = tmp_path / "run", tmp_path / "go", 8
     root.mkdir()
     script = tmp_path / "add.py"
@@ -566,7 +566,7 @@ def test_a_worker_blocked_by_backpressure_still_flushes_by_age(tmp_path):
     import sys
 
     from buffer.storage import atomic_write_json, filesystem
-    from buffer.weights import WeightStore
+    from buffer.stores.weights import WeightStore
     from rollout import builtin_task
     builtin_task.write_model(tmp_path / "m")
     builtin_task.write_parquet(tmp_path / "t.parquet", builtin_task.make_rows(50, 3))
@@ -617,7 +617,7 @@ def test_a_worker_blocked_by_backpressure_still_flushes_by_age(tmp_path):
 
 def test_reader_reads_no_further_than_a_step_needs(tmp_path):
     root = str(tmp_path / "run")
-    w = ShardWriter(root, "w0", _cfg())
+    w = ShardWriter.at(root, "w0", _cfg())
     for g in range(20):
         w.add_group(make_group("w0", 0, g, 0, N))  # one group per shard
     reader = ExperienceReader(root, _cfg(), max_staleness=10)
@@ -632,7 +632,6 @@ def test_reader_reads_no_further_than_a_step_needs(tmp_path):
 
 def test_grpc_spool_stops_growing_while_the_trainer_does_not_consume(tmp_path, monkeypatch):
     from buffer.backpressure import retired
-    from buffer.grpc_transport import GrpcShardWriter, ShardServer
     port = free_port()
     monkeypatch.setenv("TANDEM_GRPC_TOKEN", "t0ken")
     cap, inflight, shards = 4 * N, 2, 20
@@ -641,9 +640,9 @@ def test_grpc_spool_stops_growing_while_the_trainer_does_not_consume(tmp_path, m
                backlog_timeout_s=300)
     spool = tmp_path / "trainer"
     reader = ExperienceReader(str(spool), _cfg(), max_staleness=10)
-    server = ShardServer(str(spool), cfg, consumed=lambda: reader.consumed,
-                         retired=lambda: retired(reader.stats))
-    writer = GrpcShardWriter(str(tmp_path / "worker"), "w0", cfg)
+    server = Run.local(str(spool)).serve(cfg, consumed=lambda: reader.consumed,
+                                         retired=lambda: retired(reader.stats))
+    writer = ShardWriter.at(str(tmp_path / "worker"), "w0", cfg)
     import threading
     produced = threading.Thread(target=lambda: [writer.add_group(make_group("w0", 0, g, 0, N))
                                                 for g in range(shards)], daemon=True)
@@ -658,8 +657,8 @@ def test_grpc_spool_stops_growing_while_the_trainer_does_not_consume(tmp_path, m
         produced.join(timeout=60)
         writer.close(timeout_s=60)
     finally:
-        writer.stopping = True  # no-op after a clean close; after a failure, no sender left retrying
-        writer.senders.shutdown(wait=True)
+        writer.sink.stopping = True  # no-op after a clean close; after a failure, no sender left retrying
+        writer.sink.senders.shutdown(wait=True)
         server.stop()
         reader.close()
     assert sorted(g.samples[0].prompt_id for g in got) == sorted(f"w0/0/{g}" for g in range(shards))
@@ -819,8 +818,8 @@ def test_a_stop_request_checkpoints_and_a_restart_resumes(experience):
     assert p.returncode == 0, out[-3000:]
     assert not (root / "DONE").exists(), "the trainer ran on to DONE: the stop request was ignored"
     assert not (root / "trainer.stop").exists()
-    from trainer.checkpoint import latest_complete
-    assert latest_complete(layout) is not None, "no checkpoint on the way out"
+    from buffer.stores.checkpoints import FsCheckpoints
+    assert FsCheckpoints(layout).latest_complete() is not None, "no checkpoint on the way out"
     p = trainer_proc(root, experience / "model", 2, "trainer.log_sample_ids=true")
     out, _ = p.communicate(timeout=600)
     assert p.returncode == 0 and "resumed from" in out, out[-3000:]

@@ -26,7 +26,7 @@ from hypothesis import strategies as st
 
 from buffer.config import BufferConfig
 from buffer.grpc_transport import WRITER_KEY, ShardServer
-from buffer.reader import ExperienceReader
+from buffer.stores.reader import ExperienceReader
 from conftest import free_port, make_group
 from protocol import config as pconfig
 from protocol import control
@@ -37,7 +37,7 @@ from protocol.shard_stream import PUSH_METHOD
 from rollout import builtin_task, reward
 from rollout.config import ValidatorConfig, WorkerConfig
 from rollout.dataset import DatasetError, load_prompts
-from rollout.pool import PoolConfig
+from launch.pool import PoolConfig
 from trainer.config import TrainerConfig
 
 SCALE = float(os.environ.get("FUZZ_EXAMPLES", "1"))

@@ -9,10 +9,12 @@ import time
 import grpc
 import pytest
 
+from buffer.run import Run
 from buffer.config import BufferConfig
-from buffer.grpc_transport import DAMAGED_RESENDS, GrpcShardWriter, ShardServer
+from buffer.grpc_transport import DAMAGED_RESENDS, ShardServer
+from buffer.writer import ShardWriter
 from buffer.layout import RunLayout
-from buffer.reader import ExperienceReader
+from buffer.stores.reader import ExperienceReader
 from conftest import TESTS_DIR, free_port, make_group, subprocess_env
 from launch.local import rl_metrics
 from protocol import experience_pb2 as pb
@@ -97,14 +99,14 @@ def test_damaged_shard_is_resent_then_refused(tmp_path):
     (then its own copy must be the bad one) and reports the refusal instead of hanging."""
     port = free_port()
     cfg = _cfg(tmp_path, port, grpc_timeout_s=5)
-    server = ShardServer(str(tmp_path / "trainer"), cfg)
-    writer = GrpcShardWriter(str(tmp_path / "worker"), "w0", cfg)
+    server = Run.local(str(tmp_path / "trainer")).serve(cfg)  # a grpc writer asks the run service too
+    writer = ShardWriter.at(str(tmp_path / "worker"), "w0", cfg)
     try:
         data = bytearray(encode(to_table(make_group("w0", 0, 0, 0, 4))))
         data[100] ^= 0xFF
-        writer._publish(0, bytes(data))
+        writer.sink.publish(0, bytes(data))
         with pytest.raises(RuntimeError, match="refused a shard.*sha256 mismatch"):
-            writer.close(timeout_s=60)
+            writer.close()
         assert server.servicer.stats["rejected"] == 1 + DAMAGED_RESENDS
         assert server.servicer.stats["spooled"] == 0
     finally:
@@ -138,9 +140,9 @@ SERVER = """
 import sys, time
 sys.path.insert(0, sys.argv[3])
 from buffer.config import BufferConfig
-from buffer.grpc_transport import ShardServer
+from buffer.run import Run
 cfg = BufferConfig(grpc_bind=sys.argv[2], grpc_token_file=sys.argv[4], transport="grpc")
-server = ShardServer(sys.argv[1], cfg)  # keep a reference: GC stops it
+server = Run.local(sys.argv[1]).serve(cfg)  # keep a reference: GC stops it
 print("ready", flush=True)
 time.sleep(3600)
 """
@@ -168,17 +170,17 @@ def test_server_restart_mid_stream_loses_and_doubles_nothing(tmp_path):
     cfg = _cfg(tmp_path, port, flush_samples=4, grpc_max_inflight=4, grpc_timeout_s=5,
                backlog_timeout_s=90)
     server = _start_server(tmp_path, port)
-    writer = GrpcShardWriter(str(tmp_path / "worker"), "w0", cfg)
+    writer = ShardWriter.at(str(tmp_path / "worker"), "w0", cfg)
     try:
         for g in range(10):
             writer.add_group(make_group("w0", 0, g, 0, 4))
-        _wait(lambda: not writer.unacked, 60, "the first 10 shards to be acknowledged")
+        _wait(lambda: not writer.sink.unacked, 60, "the first 10 shards to be acknowledged")
         server.send_signal(signal.SIGKILL)  # the trainer dies
         server.wait(timeout=30)
         for g in range(10, 30):  # the worker keeps producing; pushes fail and are retried
             writer.add_group(make_group("w0", 0, g, 0, 4))
             if g == 13:  # 4 shards in flight: the writer would block on the next one
-                _wait(lambda: "UNAVAILABLE" in (writer.last_error or ""), 60, "a failed push")
+                _wait(lambda: "UNAVAILABLE" in (writer.sink.last_error or ""), 60, "a failed push")
                 server = _start_server(tmp_path, port)  # the trainer comes back
         writer.close(timeout_s=120)
     finally:
@@ -207,7 +209,7 @@ def test_pipeline_over_grpc(tmp_path):
                            "--worker", f"buffer.grpc_address=127.0.0.1:{port}"],
                           capture_output=True, text=True, timeout=500, env=env)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    rows, vals = rl_metrics(RunLayout(str(root)))
+    rows, vals = rl_metrics(Run.local(str(root)))
     # the validator (weights and validation still go through the run folder) measured v0 and v4
     assert len(rows) == 4 and [[p[0] for p in v] for v in vals.values()] == [[0, 4]]
     assert "experience gRPC server listening" in (root / "logs" / "trainer.log").read_text()

@@ -14,7 +14,9 @@ import grpc
 import pytest
 
 from buffer.config import BufferConfig
-from buffer.grpc_transport import WRITER_KEY, GrpcShardWriter, ShardServer
+from buffer.grpc_transport import WRITER_KEY, ShardServer
+from buffer.run import Run
+from buffer.writer import ShardWriter
 from conftest import free_port, make_group
 from protocol import experience_pb2 as pb
 from protocol import experience_pb2_grpc as pb_grpc
@@ -116,11 +118,11 @@ def test_tls_carries_pushes_and_cert_and_key_come_together(tmp_path):
     port = free_port()
     cfg = _cfg(tmp_path, f"127.0.0.1:{port}", f"localhost:{port}", grpc_tls_cert=cert,
                grpc_tls_key=key, grpc_tls_ca=cert, grpc_timeout_s=20)
-    server = ShardServer(str(tmp_path / "t"), cfg)
+    server = Run.local(str(tmp_path / "t")).serve(cfg)  # a grpc writer asks the run service too
     try:
-        writer = GrpcShardWriter(str(tmp_path / "w"), "w0", cfg)
-        writer._publish(0, _shard())
-        writer.close(timeout_s=60)
+        writer = ShardWriter.at(str(tmp_path / "w"), "w0", cfg)
+        writer.sink.publish(0, _shard())
+        writer.close()
         assert (tmp_path / "t" / "experience" / "w0" / "000000000.arrow").read_bytes() == _shard()
         # a client without TLS gets nowhere (and sends its token nowhere readable)
         code, _ = _code(_push, port, _shard(seq=1), seq=1, timeout=10)

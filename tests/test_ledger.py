@@ -8,8 +8,8 @@ from conftest import make_group
 
 from buffer.config import BufferConfig
 from buffer.ledger import Ledger, as_ledger
-from buffer.reader import ExperienceReader
-from buffer.retention import prune_consumed
+from buffer.stores.reader import ExperienceReader
+from buffer.stores.retention import prune_consumed
 from buffer.writer import ShardWriter
 
 
@@ -167,7 +167,7 @@ def test_reader_resumes_from_either_checkpoint_format(tmp_path):
     root = str(tmp_path / "run")
     cfg = BufferConfig(discovery="poll", poll_interval=0.02, flush_interval=3600.0,
                        flush_samples=1)
-    writer = ShardWriter(root, "w0", cfg)
+    writer = ShardWriter.at(root, "w0", cfg)
     for g in range(5):
         writer.add_group(make_group("w0", "t", g, 0, 2))
     reader = ExperienceReader(root, cfg, max_staleness=100)

@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from buffer.weights import WeightStore
+from buffer.stores.weights import WeightStore
 from conftest import run_folder, trainer_proc
 from protocol.config import ConfigError, build
 from trainer.config import TrainerConfig
@@ -126,7 +126,7 @@ def test_bad_rewards_in_validation_drop_their_samples_and_are_counted(tmp_path, 
     root = tmp_path / "run"
     store = WeightStore(str(root))
     store.publish_hf_folder(tmp_path / "m0", 0, 0, keep=2)
-    ValidationLog(store, MetricsLog(str(root / "metrics.jsonl"), 20)).request(0, step=0)
+    ValidationLog(store.validation, MetricsLog(str(root / "metrics.jsonl"), 20)).request(0, step=0)
     caplog.set_level("WARNING", logger="rollout.validate")
     validator = Validator(build(ValidatorConfig, {
         "root": str(root), "data.val_files": f"[{tmp_path / 'v.parquet'}]",

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from buffer.weights import WeightStore
+from buffer.stores.weights import WeightStore
 from protocol.experience import decode, from_table
 from rollout import builtin_task
 
@@ -75,7 +75,7 @@ def _control(root: Path, *args):
 
 
 def _start_pool(root, data, log):
-    return subprocess.Popen([sys.executable, "-m", "rollout.pool", f"root={root}", "pool.id=p",
+    return subprocess.Popen([sys.executable, "-m", "launch.pool", f"root={root}", "pool.id=p",
                              "pool.initial_workers=1", "pool.poll_interval=0.2",
                              f"data.train_files=[{data}]", *WORKER_KEYS],
                             stdout=log, stderr=subprocess.STDOUT, env=dict(os.environ, OMP_NUM_THREADS="1"))

@@ -13,12 +13,13 @@ import torch
 import torch.nn.functional as F
 from safetensors.torch import load_file
 
+from buffer.run import Run
 from buffer.layout import RunLayout
 from conftest import REPO_ROOT, free_port, kill_tree
 from launch.local import rl_metrics
 from protocol.config import ConfigError, build
 from rollout import builtin_task, preprocess
-from trainer import checkpoint
+from buffer.stores.checkpoints import FsCheckpoints
 from trainer.sft import packed_nll
 from trainer.sft_config import SFTConfig, SFTDataConfig
 from trainer.sft_data import SFTDataError, load_sequences, micro_batches, pack, split_by_tokens
@@ -218,7 +219,7 @@ def _local(root, *args):
                           "--nproc", "1", "--workers", "1", "--timeout", "600", *args],
                          capture_output=True, text=True, timeout=700, cwd=REPO_ROOT)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
-    rows, _ = rl_metrics(RunLayout(str(root)))  # the trainer's rows (not the validator's)
+    rows, _ = rl_metrics(Run.local(str(root)))  # the trainer's rows (not the validator's)
     return sum(r["reward/mean"] for r in rows) / len(rows)
 
 
@@ -326,7 +327,7 @@ def test_sigkill_mid_epoch_and_resume_on_one_rank_matches_uninterrupted(small, r
     finally:
         p.wait(timeout=60)
     assert not Path(layout.hf_model).exists(), "the run finished before it was killed"
-    resumed_at = RunLayout.checkpoint_step(checkpoint.latest_complete(layout))
+    resumed_at = RunLayout.checkpoint_step(FsCheckpoints(layout).latest_complete())
     log = _finish(sft_proc(small, out, 1, "trainer.save_freq=5"))  # 2 ranks -> 1
     assert f"at step {resumed_at}" in log and resumed_at < TOTAL, log[-3000:]
     rows = {}

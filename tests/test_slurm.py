@@ -263,7 +263,7 @@ def test_roles_as_slurm_jobs_with_elastic_rollouts(slurm, tmp_path):
         # the elastic side: a SLURM-backed pool, empty until told otherwise
         pool_log = open(tmp_path / "pool.log", "wb")
         pool = subprocess.Popen(
-            [sys.executable, "-m", "rollout.pool", f"root={layout.root}", "pool.id=el",
+            [sys.executable, "-m", "launch.pool", f"root={layout.root}", "pool.id=el",
              "pool.backend=slurm", "pool.slurm.partition=rollout", "pool.slurm.time=20:00",
              "pool.initial_workers=0", "pool.poll_interval=0.5", "pool.drain_timeout_s=120",
              *worker_keys], env=_env(), stdout=pool_log, stderr=subprocess.STDOUT)
@@ -341,7 +341,7 @@ def test_pool_adopts_its_jobs_after_a_restart_and_cancels_pending_ones(slurm, tm
     takes over its jobs; removing a job that is still pending cancels it (nothing to drain)."""
     root = str(tmp_path / "run")
     state_path = Path(RunLayout(root).pool_state("p"))
-    cmd = [sys.executable, "-m", "rollout.pool", f"root={root}", "pool.id=p", "pool.backend=slurm",
+    cmd = [sys.executable, "-m", "launch.pool", f"root={root}", "pool.id=p", "pool.backend=slurm",
            "pool.slurm.partition=rollout", "pool.initial_workers=1", "pool.poll_interval=0.3",
            "pool.slurm.sbatch_args=[--begin=now+1hour]",  # stays PENDING: no worker ever runs
            "data.train_files=[unused.parquet]"]

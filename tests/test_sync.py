@@ -11,7 +11,7 @@ import sys
 import pytest
 import torch
 
-from buffer import sync
+from buffer.run import Run
 from buffer.layout import RunLayout
 from launch.local import rl_metrics
 from protocol.config import build
@@ -31,14 +31,14 @@ FP32_MISMATCH_BOUND = 1e-9
 
 
 def test_claims_hand_out_each_slot_once_and_stop_at_a_retired_version(tmp_path):
-    layout = RunLayout(str(tmp_path))
-    sync.open_version(layout, 3)
-    got = [sync.claim(layout, 3, groups=5, want=2, worker_id=w) for w in ("a", "b", "a", "b")]
+    layout, claims = RunLayout(str(tmp_path)), Run.local(str(tmp_path)).sync
+    claims.open_version(3)
+    got = [claims.claim(3, groups=5, want=2, worker_id=w) for w in ("a", "b", "a", "b")]
     assert got == [2, 2, 1, 0]
-    assert sorted(sync.claims(layout, 3).items()) == [(0, "a"), (1, "a"), (2, "b"), (3, "b"), (4, "a")]
-    sync.open_version(layout, 4)
-    assert sync.retire_before(layout, 4) == 1 and sorted(os.listdir(layout.sync_dir)) == ["v000004"]
-    assert sync.claim(layout, 3, groups=5, want=5, worker_id="late") == 0  # gone: nothing claimed
+    assert sorted(claims.claims(3).items()) == [(0, "a"), (1, "a"), (2, "b"), (3, "b"), (4, "a")]
+    claims.open_version(4)
+    assert claims.retire_before(4) == 1 and sorted(os.listdir(layout.sync_dir)) == ["v000004"]
+    assert claims.claim(3, groups=5, want=5, worker_id="late") == 0  # gone: nothing claimed
     assert not os.path.exists(layout.sync_version_dir(3))
 
 
@@ -130,7 +130,7 @@ def test_synchronous_pipeline_trains_every_sample_at_staleness_0(tmp_path, worke
         capture_output=True, text=True, timeout=500,
         env=dict(os.environ, TANDEM_GRPC_TOKEN="sync-test-token"))
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    rows, _ = rl_metrics(RunLayout(str(root)))
+    rows, _ = rl_metrics(Run.local(str(root)))
     assert [r["step"] for r in rows] == list(range(1, STEPS + 1))
     for r in rows:
         assert r["staleness/max"] == 0 and r["buffer/dropped_stale_samples"] == 0, r

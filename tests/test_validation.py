@@ -11,8 +11,8 @@ import pyarrow.parquet as pq
 import pytest
 
 from buffer.layout import RunLayout
-from buffer.storage import filesystem
-from buffer.weights import WeightStore
+from buffer.run import Run
+from buffer.stores.weights import WeightStore
 from conftest import run_folder, subprocess_env, trainer_proc
 from launch import status
 from launch.local import parse_args, prepare
@@ -28,8 +28,7 @@ CORE = "val-core/tandem/copy/reward/mean@1"
 
 def _metrics(root) -> tuple[list[dict], list[dict]]:
     """(trainer rows, validation rows) of a run's metrics.jsonl."""
-    layout = RunLayout(str(root))
-    return status.split_metrics(status.read_metrics(filesystem(layout.root)[0], layout))
+    return status.split_metrics(status.read_metrics(Run.local(str(root))))
 
 
 def _questions(path) -> list[str]:
@@ -38,13 +37,13 @@ def _questions(path) -> list[str]:
 
 def test_launch_local_holds_out_questions_for_validation(tmp_path):
     layout = RunLayout(str(tmp_path / "run"))
-    model, data, val = prepare(layout, parse_args(["--root", layout.root]), {})
+    model, data, val = prepare(Run.local(layout.root), parse_args(["--root", layout.root]), {})
     assert (data, val) == (layout.prepared_parquet("rl", "train"), [layout.prepared_parquet("rl", "val")])
     train, held = set(_questions(data)), set(_questions(val[0]))
     assert len(held) == 25 and not train & held  # a fifth of the 125 strings, never trained on
-    assert prepare(RunLayout(str(tmp_path / "b")), parse_args(
+    assert prepare(Run.local(str(tmp_path / "b")), parse_args(
         ["--root", str(tmp_path / "b"), "--model", model, "--test-freq", "0"]), {})[2] is None
-    assert prepare(RunLayout(str(tmp_path / "c")), parse_args(
+    assert prepare(Run.local(str(tmp_path / "c")), parse_args(
         ["--root", str(tmp_path / "c"), "--model", model, "--data", data]), {})[2] is None
 
 
@@ -57,11 +56,11 @@ def test_launch_local_validates_as_a_verl_config_says(tmp_path):
                     "trainer:\n  test_freq: 5\n")
 
     def plan(root, *flags):
-        layout = RunLayout(str(tmp_path / root))
-        args = parse_args(["--root", layout.root, "--config", str(file), "--model", str(model), *flags])
-        config = local.from_config(args, layout)
-        _, data, val = prepare(layout, args, config)
-        return val, local.role_args(layout, args, str(model), data, config, val)
+        run = Run.local(str(tmp_path / root))
+        args = parse_args(["--root", run.root, "--config", str(file), "--model", str(model), *flags])
+        config = local.from_config(args, run)
+        _, data, val = prepare(run, args, config)
+        return val, local.role_args(run, args, str(model), data, config, val)
 
     val, (trainer, _, validator) = plan("a")
     assert val == ["/d/test.parquet"] and "trainer.test_freq=5" in trainer
@@ -92,7 +91,7 @@ def test_pruned_version_is_skipped_with_a_message_and_nothing_waits(tmp_path, ca
     root = tmp_path / "run"
     store = WeightStore(str(root))
     metrics = MetricsLog(str(root / "metrics.jsonl"), 20)
-    trainer_side = ValidationLog(store, metrics)
+    trainer_side = ValidationLog(store.validation, metrics)
     # The trainer's order: publish, then request. keep_versions=1 also bounds the held ones to
     # one: the validator has not started, so v5 (step 5) is pruned when v15 is published.
     for version in (0, 5, 10, 15):

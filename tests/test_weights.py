@@ -6,7 +6,7 @@ import shutil
 import pytest
 import torch
 
-from buffer.weights import WeightStore
+from buffer.stores.weights import WeightStore
 from protocol.weights import ManifestError, verify_files
 from rollout import builtin_task
 from rollout.engine import HFEngine
@@ -35,7 +35,7 @@ def test_publish_manifest_and_in_place_load(tmp_path, model_dir):
     assert manifest.tensors["model.embed_tokens.weight"].shape == list(state["model.embed_tokens.weight"].shape)
     assert {f.name for f in manifest.files} >= {"model.safetensors", "config.json", "tokenizer.json"}
     assert not any(".tmp-" in p for p in os.listdir(store.layout.weights_dir))
-    loaded = engine.load_files(store.verified_files(1))
+    loaded = engine.load_files(store.files(1))
     assert loaded == len(state)
     for name, p in engine.model.named_parameters():
         assert p is params_before[name]  # same storage: loaded in place, not rebuilt
@@ -55,7 +55,7 @@ def test_corrupt_version_is_refused(tmp_path, model_dir):
     data[-5] ^= 0xFF
     open(path, "wb").write(bytes(data))
     with pytest.raises(ManifestError, match="checksum"):
-        store.verified_files(1)
+        store.files(1)
 
 
 def test_engine_rejects_foreign_tensor_names(model_dir):

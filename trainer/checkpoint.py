@@ -20,30 +20,21 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
-from buffer.layout import TMP_MARK, RunLayout
-from buffer.reader import Group
-from buffer.storage import fsync_tree, is_disk_full
+from buffer.stores.checkpoints import STATE_FILE, FsCheckpoints, pool_file, state_file
+from buffer.stores.reader import Group
+from buffer.storage import is_disk_full
 from protocol.experience import decode, encode, from_table, to_table
 
 log = logging.getLogger(__name__)
 
 
-def latest_complete(layout: RunLayout) -> str | None:
-    if not os.path.isdir(layout.checkpoints_dir):
-        return None
-    steps = [RunLayout.checkpoint_step(n) for n in os.listdir(layout.checkpoints_dir)]
-    complete = [s for s in sorted(x for x in steps if x is not None)
-                if os.path.isfile(os.path.join(layout.checkpoint(s), "trainer_state.json"))]
-    return layout.checkpoint(complete[-1]) if complete else None
-
-
-def resume_path(mode: str, layout: RunLayout, setting: str = "trainer.resume_mode") -> str | None:
+def resume_path(mode: str, ckpts: FsCheckpoints, setting: str = "trainer.resume_mode") -> str | None:
     """The checkpoint to resume from: 'disable' none, 'auto' the newest complete one of the run
     (if any), else `mode` is a checkpoint folder."""
     if mode == "disable":
         return None
     if mode == "auto":
-        return latest_complete(layout)
+        return ckpts.latest_complete()
     if not os.path.isdir(mode):
         raise FileNotFoundError(f"{setting}: {mode} is not a checkpoint folder")
     return mode
@@ -58,7 +49,7 @@ def _modules(model, optimizer, critic) -> dict:
     return out
 
 
-def save(model, optimizer, layout: RunLayout, step: int, state: dict | None,
+def save(model, optimizer, ckpts: FsCheckpoints, step: int, state: dict | None,
          pool: list[Group] | None, keep: int, critic=None) -> str | None:
     """Collective. `state` and `pool` are rank 0's; other ranks pass None. `critic`:
     trainer.critic.Critic or None. Returns the committed folder, or None when the disk was full:
@@ -67,7 +58,7 @@ def save(model, optimizer, layout: RunLayout, step: int, state: dict | None,
     rank0 = dist.get_rank() == 0
     owner = [f"{socket.gethostname()}-{os.getpid()}" if rank0 else None]
     dist.broadcast_object_list(owner, src=0)  # every rank writes into rank 0's folder
-    tmp = layout.checkpoint_tmp(step, owner[0])
+    tmp = ckpts.tmp(step, owner[0])
 
     def rank0_writes(write) -> bool:
         """Run rank 0's part; every rank learns whether the disk was full."""
@@ -81,7 +72,7 @@ def save(model, optimizer, layout: RunLayout, step: int, state: dict | None,
                 full = str(e)
         return _skipped(full, tmp, step)
 
-    if rank0_writes(lambda: (_remove_debris(layout), os.makedirs(tmp))):
+    if rank0_writes(lambda: (ckpts.remove_debris(), os.makedirs(tmp))):
         return None
     try:
         dcp.save(_modules(model, optimizer, critic), checkpoint_id=tmp)
@@ -97,23 +88,15 @@ def save(model, optimizer, layout: RunLayout, step: int, state: dict | None,
         return None
 
     def state_and_pool():
-        with open(os.path.join(tmp, "trainer_state.json"), "w") as f:
+        with open(state_file(tmp), "w") as f:
             json.dump(state | {"critic": critic is not None}, f)
         if pool is not None:
             samples = [s for g in pool for s in g.samples]
-            with open(os.path.join(tmp, "pool.arrow"), "wb") as f:
+            with open(pool_file(tmp), "wb") as f:
                 f.write(encode(to_table(samples)))
     if rank0_writes(state_and_pool):  # every rank's shard is on disk once this agrees
         return None
-    final = layout.checkpoint(step)
-    if rank0:
-        fsync_tree(tmp)
-        if os.path.exists(final):  # of a timeline this run resumed before (resume_mode=PATH)
-            shutil.rmtree(final)
-        os.rename(tmp, final)
-        for old in sorted(RunLayout.checkpoint_step(n) for n in os.listdir(layout.checkpoints_dir)
-                          if RunLayout.checkpoint_step(n) is not None)[:-keep]:
-            shutil.rmtree(layout.checkpoint(old), ignore_errors=True)
+    final = ckpts.commit(tmp, step, keep) if rank0 else ckpts.path(step)
     dist.barrier()
     return final
 
@@ -151,20 +134,12 @@ def _skipped(full: str | None, tmp: str, step: int, agreed: bool = False) -> boo
     return True
 
 
-def _remove_debris(layout: RunLayout) -> None:
-    """Temporary folders of saves that were killed: the run lock (trainer/run_lock.py) makes
-    this trainer the only writer of the run, so any temporary folder is debris."""
-    for name in os.listdir(layout.checkpoints_dir) if os.path.isdir(layout.checkpoints_dir) else []:
-        if name.startswith(".step_") and TMP_MARK in name:
-            shutil.rmtree(os.path.join(layout.checkpoints_dir, name), ignore_errors=True)
-
-
 def load(model, optimizer, path: str, critic=None) -> tuple[dict, list[Group]]:
     """Collective: restore model and optimizer (and the critic's) in place; returns
     (trainer state, pool)."""
-    if not os.path.isfile(os.path.join(path, "trainer_state.json")):
-        raise FileNotFoundError(f"{path}: not a complete tandem checkpoint (no trainer_state.json)")
-    with open(os.path.join(path, "trainer_state.json")) as f:
+    if not os.path.isfile(state_file(path)):
+        raise FileNotFoundError(f"{path}: not a complete tandem checkpoint (no {STATE_FILE})")
+    with open(state_file(path)) as f:
         trainer_state = json.load(f)
     if critic is not None and not trainer_state.get("critic"):
         raise ValueError(f"{path}: this run trains a critic (algorithm.adv_estimator=gae or "
@@ -177,8 +152,8 @@ def load(model, optimizer, path: str, critic=None) -> tuple[dict, list[Group]]:
         set_state_dict(critic.model, critic.optimizer, model_state_dict=state["critic"],
                        optim_state_dict=state["critic_optim"])
     samples = []
-    if os.path.isfile(os.path.join(path, "pool.arrow")):  # SFT checkpoints have no pool
-        with open(os.path.join(path, "pool.arrow"), "rb") as f:
+    if os.path.isfile(pool_file(path)):  # SFT checkpoints have no pool
+        with open(pool_file(path), "rb") as f:
             samples = from_table(decode(f.read()))
     groups: dict[str, list] = {}
     for s in samples:

@@ -5,6 +5,7 @@ import dataclasses
 
 from buffer.config import BufferConfig
 from protocol.config import F, ConfigError
+from protocol.sections import DataConfig, ModelConfig
 
 
 def check_betas(betas: list[float], setting: str) -> None:
@@ -61,13 +62,6 @@ class ActorConfig:
 
 
 @dataclasses.dataclass
-class ModelConfig:
-    path: str = F(doc="HF model folder of the initial actor (config, weights, tokenizer)")
-    enable_gradient_checkpointing: bool = F(False, "recompute activations in backward "
-                                            "(less memory, about a third more compute)")
-
-
-@dataclasses.dataclass
 class ActorRefConfig:
     model: ModelConfig = F(factory=ModelConfig)
     actor: ActorConfig = F(factory=ActorConfig)
@@ -101,12 +95,6 @@ class AlgorithmConfig:
     kl_ctrl: KLControlConfig = F(factory=KLControlConfig)
     rollout_is_threshold: float = F(2.0, "cap C of the truncated importance weight "
                                     "min(pi_old/mu, C) that corrects for stale samples", gt=0)
-
-
-@dataclasses.dataclass
-class DataConfig:
-    train_batch_size: int = F(16, "prompt groups per trainer step (over all ranks), cut into "
-                              "actor_rollout_ref.actor.ppo_mini_batch_size mini-batches", ge=1)
 
 
 @dataclasses.dataclass
@@ -193,6 +181,7 @@ class TrainerConfig:
     trainer: TrainerSection = F(factory=TrainerSection)
     buffer: BufferConfig = F(factory=BufferConfig)
     critic: CriticConfig = F(factory=CriticConfig)
+    REQUIRED = ("actor_rollout_ref.model.path",)  # shared sections' keys this role must be given
 
     def check(self) -> None:
         """Cross-section rules, and the critic's None fields taken from the actor (verl's

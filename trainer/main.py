@@ -22,13 +22,13 @@ import time
 import torch
 import torch.distributed as dist
 
-from buffer import backpressure, retention, sync
+from buffer import backpressure
 from buffer.ledger import Ledger
-from buffer.reader import ExperienceReader, Group
-from buffer.run_id import ensure_run_id, read_run_id
-from buffer.storage import (DISK_FULL_TIMEOUT_S, atomic_write_json, filesystem, is_disk_full, is_local,
-                            when_space)
-from buffer.weights import WeightStore, hf_folder_problem
+from buffer.run import Run
+from buffer.stores import retention
+from buffer.stores.reader import Group
+from buffer.storage import DISK_FULL_TIMEOUT_S, is_disk_full
+from buffer.stores.weights import hf_folder_problem
 from protocol.config import parse_cli, to_dict
 from protocol.weights import SYNC_GROUPS
 from trainer import algo, checkpoint, update
@@ -106,12 +106,12 @@ class Trainer:
         from verl.trainer.ppo.core_algos import get_kl_controller
         self.kl_ctrl = get_kl_controller(cfg.algorithm.kl_ctrl)  # used with use_kl_in_reward
         self.pad_id = self.model.config.pad_token_id or 0
-        self.store = WeightStore(cfg.root)
-        self.fs, _ = filesystem(cfg.root)
+        self.stores = Run.local(cfg.root)  # the trainer's own run folder (it serves it to others)
+        self.store = self.stores.publisher
         # trainer.max_staleness=0: synchronous rollouts (buffer/sync.py), whose claims need
         # exclusive file creation in the run folder.
         self.synchronous = cfg.trainer.max_staleness == 0
-        if self.synchronous and not is_local(self.fs):
+        if self.synchronous and not self.stores.is_local():
             raise ValueError(f"trainer.max_staleness=0 (synchronous rollouts) needs root={cfg.root} "
                              "on a mounted filesystem (local, NFS, Lustre): workers claim each "
                              "version's groups by exclusive file creation there")
@@ -124,41 +124,40 @@ class Trainer:
         resume = self._resume_path()
         if resume is None and self.store.versions():
             if cfg.trainer.resume_mode != "auto":
-                raise FileExistsError(f"{self.store.layout.weights_dir} already holds weight "
+                raise FileExistsError(f"{self.store.dir} already holds weight "
                                       "versions and trainer.resume_mode=disable: start with a new "
                                       "run folder")
             # Killed before its first checkpoint: start over (no shard was pruned yet, so all
             # are read again); versions keep counting, so workers see the restart as new weights.
             self.version = max(self.store.versions()) + 1
             log.warning("no complete checkpoint in %s: starting again from step 0 and the initial "
-                        "model; weight versions continue at v%d", self.store.layout.checkpoints_dir,
+                        "model; weight versions continue at v%d", self.stores.checkpoints.dir,
                         self.version)
         if self.rank == 0:
             self.store.remove_debris()  # staging folders of killed publishes (we hold the run)
-            if os.path.exists(self.store.layout.trainer_stop):  # addressed to an earlier trainer
-                os.remove(self.store.layout.trainer_stop)
-            self.reader = ExperienceReader(cfg.root, cfg.buffer, cfg.trainer.max_staleness,
-                                           vocab_size=self.model.config.vocab_size,
-                                           run_id=read_run_id(self.fs, self.store.layout))
-            self.metrics = MetricsLog(self.store.layout.metrics, cfg.trainer.total_training_steps,
+            if os.path.exists(self.stores.files.trainer_stop):  # addressed to an earlier trainer
+                os.remove(self.stores.files.trainer_stop)
+            self.reader = self.stores.reader(cfg.buffer, cfg.trainer.max_staleness,
+                                          vocab_size=self.model.config.vocab_size,
+                                          run_id=self.stores.state.run_id())
+            self.metrics = MetricsLog(self.stores.files.metrics, cfg.trainer.total_training_steps,
                                       cfg.trainer.logger, cfg.trainer.project_name,
                                       cfg.trainer.experiment_name, to_dict(cfg),
-                                      self.store.layout.tensorboard_dir,
-                                      self.store.layout.swanlab_dir)
-        self.validation = (ValidationLog(self.store, self.metrics)
+                                      self.stores.files.tensorboard_dir,
+                                      self.stores.files.swanlab_dir)
+        self.validation = (ValidationLog(self.stores.validation, self.metrics)
                            if self.rank == 0 and cfg.trainer.test_freq > 0 else None)
         if resume is not None:
             self._resume(resume)
         self.server = None
-        if self.rank == 0 and cfg.buffer.transport == "grpc":
-            from buffer.grpc_transport import ShardServer
-            self.server = ShardServer(
-                cfg.root, cfg.buffer, consumed=lambda: self.reader.consumed,
+        if self.rank == 0:  # the run folder served to the workers, if they do not share it
+            self.server = self.stores.serve(
+                cfg.buffer, consumed=lambda: self.reader.consumed,
                 retired=lambda: backpressure.retired(self.reader.stats),
                 step_samples=lambda: cfg.data.train_batch_size * self.reader.stats["group_size"])
 
     def _resume_path(self) -> str | None:
-        return checkpoint.resume_path(self.cfg.trainer.resume_mode, self.store.layout)
+        return checkpoint.resume_path(self.cfg.trainer.resume_mode, self.stores.checkpoints)
 
     def _resume(self, path: str) -> None:
         """Restore weights, optimizer, step and the experience ledger; continue the version count."""
@@ -190,7 +189,7 @@ class Trainer:
                      "kl_coef": self.kl_ctrl.value}
             pool = list(self.reader.pool)
         t0 = time.monotonic()
-        path = checkpoint.save(self.model, self.optimizer, self.store.layout, self.step, state, pool,
+        path = checkpoint.save(self.model, self.optimizer, self.stores.checkpoints, self.step, state, pool,
                                self.cfg.trainer.max_ckpt_to_keep, self.critic)
         if path is None:  # disk full: skipped, nothing new is covered
             return None
@@ -199,8 +198,8 @@ class Trainer:
             # Only now are the ledger's shards covered by a committed checkpoint.
             # The saved snapshot, not the live ledger (which may grow past the checkpoint).
             covered = Ledger.from_json(state["consumed"])
-            pruned = retention.prune_consumed(self.cfg.root, covered, mode=self.cfg.buffer.retention)
-            temps = retention.clean_stale_temps(self.cfg.root, self.cfg.buffer.tmp_timeout_s)
+            pruned = retention.prune_consumed(self.stores.root, covered, mode=self.cfg.buffer.retention)
+            temps = retention.clean_stale_temps(self.stores.root, self.cfg.buffer.tmp_timeout_s)
             log.info("retention: %s, %d stale temporaries removed", pruned, temps)
         return path
 
@@ -228,10 +227,10 @@ class Trainer:
                 on_wait=lambda: (self._report_progress(), self._check_stop()))
         except TimeoutError as e:
             if self.synchronous:
-                claimed = sync.claims(self.store.layout, self.version)
+                claimed = self.stores.sync.claims(self.version)
                 e = f"{e}. Synchronous mode: {len(claimed)} of the groups of v{self.version} " \
                     f"were claimed, by {sorted(set(claimed.values())) or 'no worker'} " \
-                    f"({self.store.layout.sync_version_dir(self.version)})"
+                    f"({self.stores.sync.where(self.version)})"
             return [{"error": f"rank 0: {e}"}] * self.world
         except StopRequested as e:  # also while waiting for experience
             return [{"stop": str(e)}] * self.world
@@ -256,7 +255,7 @@ class Trainer:
                  "info": info} for r in range(self.world)]
 
     def _check_stop(self) -> None:
-        path = self.store.layout.trainer_stop
+        path = self.stores.files.trainer_stop
         if os.path.exists(path):
             with open(path, errors="replace") as f:
                 raise StopRequested(f"{path}: {f.read().strip() or 'stop requested'}")
@@ -267,7 +266,7 @@ class Trainer:
         path = self.save_checkpoint()
         if self.rank == 0:
             with contextlib.suppress(FileNotFoundError):
-                os.remove(self.store.layout.trainer_stop)
+                os.remove(self.stores.files.trainer_stop)
         log.info("%s; %s; exiting, a restart with trainer.resume_mode=auto resumes at step %d",
                  why, f"checkpoint {path} written" if path else "NO checkpoint (disk full)",
                  self.step + 1)
@@ -278,14 +277,14 @@ class Trainer:
         retired_now = backpressure.retired(self.reader.stats)
         if force or retired_now != self._reported[0] or time.monotonic() - self._reported[1] > 10:
             try:
-                backpressure.write_progress(self.fs, self.store.layout, self.reader.stats,
-                                            self.version, self.cfg.data.train_batch_size,
-                                            self.step, self.cfg.trainer.total_training_steps)
+                self.stores.progress.write(backpressure.progress_report(
+                    self.reader.stats, self.version, self.cfg.data.train_batch_size, self.step,
+                    self.cfg.trainer.total_training_steps))
             except OSError as e:
                 if not is_disk_full(e):
                     raise
                 log.warning("disk full at %s: progress not reported (the next report tries "
-                            "again)", self.store.layout.progress)
+                            "again)", self.stores.progress.where())
                 return
             self._reported = (retired_now, time.monotonic())
 
@@ -444,11 +443,11 @@ class Trainer:
         if self.synchronous:
             announce = {SYNC_GROUPS: sync_groups(self.cfg.trainer, self.cfg.data.train_batch_size, step)}
             if self.rank == 0:
-                sync.open_version(self.store.layout, self.version)
+                self.stores.sync.open_version(self.version)
         out = publish_version(self.model, self.store, self.model_path, self.version, step,
                               self.cfg.trainer.keep_versions, dtype, announce)
         if self.synchronous and self.rank == 0:
-            sync.retire_before(self.store.layout, self.version)
+            self.stores.sync.retire_before(self.version)
         self.at_published = True
         return out
 
@@ -501,9 +500,7 @@ class Trainer:
         if self.validation is not None:
             self.validation.finish(tc.val_timeout_s, self.step)
         if self.rank == 0:
-            when_space(lambda: atomic_write_json(self.fs, self.store.layout.done_marker, {
-                "steps": tc.total_training_steps, "version": self.version}),
-                self.store.layout.done_marker)
+            self.stores.state.mark_done({"steps": tc.total_training_steps, "version": self.version})
 
     def close(self) -> None:
         if getattr(self, "server", None) is not None:
@@ -553,13 +550,13 @@ def hold_run(root: str) -> RunLock | None:
     another trainer has it."""
     lock, refused = None, [None]
     if dist.get_rank() == 0:
-        store = WeightStore(root)
+        run = Run.local(root)
         try:
-            lock = RunLock.acquire(store.layout)
+            lock = RunLock.acquire(run)
         except RunLocked as e:
             refused = [str(e)]
         else:
-            ensure_run_id(store.fs, store.layout)
+            run.state.ensure_run_id()
     dist.broadcast_object_list(refused, src=0)
     if refused[0] is not None:
         raise RunLocked(refused[0])

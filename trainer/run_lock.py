@@ -16,7 +16,6 @@ import os
 import socket
 import time
 
-from buffer.layout import RunLayout
 
 log = logging.getLogger(__name__)
 _UNSUPPORTED = (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL)
@@ -31,10 +30,11 @@ class RunLock:
         self.fd, self.path = fd, path
 
     @classmethod
-    def acquire(cls, layout: RunLayout) -> RunLock:
-        """Take the lock or raise RunLocked naming the holder. Not blocking."""
-        os.makedirs(layout.root, exist_ok=True)
-        path = layout.trainer_lock
+    def acquire(cls, run) -> RunLock:
+        """Take the lock of `run` (buffer.stores.fs.FsRun) or raise RunLocked naming the
+        holder. Not blocking."""
+        os.makedirs(run.root, exist_ok=True)
+        path = run.files.trainer_lock
         fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
         try:
             fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -43,7 +43,7 @@ class RunLock:
             os.close(fd)
             if e.errno in (errno.EACCES, errno.EAGAIN):
                 raise RunLocked(
-                    f"{layout.root} is held by the trainer pid {holder.get('pid', '?')} on host "
+                    f"{run.root} is held by the trainer pid {holder.get('pid', '?')} on host "
                     f"{holder.get('host', '?')} (since {holder.get('started', '?')}, {path}): one "
                     "trainer per run folder. Stop that one first, or use another root") from None
             if e.errno in _UNSUPPORTED:

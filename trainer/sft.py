@@ -17,7 +17,6 @@ import importlib.util
 import logging
 import math
 import os
-import shutil
 import sys
 import time
 
@@ -25,8 +24,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from buffer.layout import RunLayout
-from buffer.weights import WeightStore
+from buffer.run import Run
 from protocol.config import parse_cli, to_dict
 from trainer import algo, checkpoint
 from trainer.main import init_distributed
@@ -88,8 +86,8 @@ class SFTTrainer:
         if cfg.trainer.total_training_steps is not None:
             self.total = min(self.total, cfg.trainer.total_training_steps)
         self.lengths = {"train": train.lengths, "val": val.lengths if val else []}
-        self.layout = RunLayout(os.path.abspath(cfg.trainer.output_dir))
-        self.store = WeightStore(self.layout.root)
+        self.stores = Run.local(os.path.abspath(cfg.trainer.output_dir))
+        self.store = self.stores.publisher
         self.model_path = cfg.model.partial_pretrain
         self.model = build_actor(self.model_path, device, cfg.model.enable_gradient_checkpointing,
                                  trust_remote_code=cfg.model.trust_remote_code,
@@ -105,22 +103,24 @@ class SFTTrainer:
         if resume is not None:
             self._resume(resume)
         elif self.store.versions():  # every rank stops (none waits in a collective)
-            raise FileExistsError(f"{self.layout.weights_dir} already holds HF weight folders but "
+            raise FileExistsError(f"{self.store.dir} already holds HF weight folders but "
                                   "there is no checkpoint to resume from; choose a new "
                                   "trainer.default_local_dir")
         self.metrics = None
         if self.rank == 0:
-            self.metrics = MetricsLog(self.layout.metrics, self.total, cfg.trainer.logger,
+            files = self.stores.files
+            self.metrics = MetricsLog(files.metrics, self.total, cfg.trainer.logger,
                                       cfg.trainer.project_name, cfg.trainer.experiment_name,
-                                      to_dict(cfg), self.layout.tensorboard_dir,
-                                      self.layout.swanlab_dir, line=sft_line)
+                                      to_dict(cfg), files.tensorboard_dir,
+                                      files.swanlab_dir, line=sft_line)
 
     # --- resume ---------------------------------------------------------------------------
     def _resume_path(self) -> str | None:
         tc = self.cfg.trainer
         if tc.resume_mode == "resume_path":
-            return checkpoint.resume_path(tc.resume_from_path, self.layout, "trainer.resume_from_path")
-        return checkpoint.resume_path(tc.resume_mode, self.layout)
+            return checkpoint.resume_path(tc.resume_from_path, self.stores.checkpoints,
+                                          "trainer.resume_from_path")
+        return checkpoint.resume_path(tc.resume_mode, self.stores.checkpoints)
 
     def _state(self) -> dict:
         """What must match for a resumed run to continue the same sample order."""
@@ -137,7 +137,7 @@ class SFTTrainer:
         if self.rank == 0:  # HF folders the killed run published after its last checkpoint
             for v in self.store.versions():
                 if v > self.step:
-                    shutil.rmtree(self.layout.version_dir(v))
+                    self.store.remove(v)
         dist.barrier()
         log.info("resumed from %s at step %d", path, self.step)
 
@@ -213,18 +213,14 @@ class SFTTrainer:
                         self.cfg.trainer.max_ckpt_to_keep, torch.float32)
         if with_checkpoint:
             state = {"step": step, "model_path": self.model_path, **self._state()}
-            checkpoint.save(self.model, self.optimizer, self.layout, step,
+            checkpoint.save(self.model, self.optimizer, self.stores.checkpoints, step,
                             state if self.rank == 0 else None, None, self.cfg.trainer.max_ckpt_to_keep)
         log.info("step %d saved (%s) in %.2f s", step, "HF folder and checkpoint" if with_checkpoint
                  else "HF folder", time.monotonic() - t0)
 
     def link_final(self) -> str:
         """OUT/hf -> weights/v<last step>, replaced atomically."""
-        target = os.path.relpath(self.layout.version_dir(self.total), self.layout.root)
-        tmp = f"{self.layout.hf_model}.tmp-{os.getpid()}"
-        os.symlink(target, tmp)
-        os.replace(tmp, self.layout.hf_model)
-        return self.layout.hf_model
+        return self.store.link_final(self.total)
 
     def run(self) -> None:
         tc = self.cfg.trainer

@@ -11,8 +11,7 @@ from __future__ import annotations
 import logging
 import time
 
-from buffer.storage import read_json
-from buffer.weights import WeightStore
+from buffer.stores.base import ValidationStore
 from protocol.validation import ValidationFormatError, ValidationResult
 from trainer.metrics import MetricsLog
 
@@ -32,13 +31,12 @@ def validation_due(tc, step: int, first: bool) -> bool:
 class ValidationLog:
     """Rank 0: requests validation of versions and logs each result once, when it arrives."""
 
-    def __init__(self, store: WeightStore, metrics: MetricsLog):
-        self.queue = store.validation
-        self.fs, self.layout = store.fs, store.layout
+    def __init__(self, queue: ValidationStore, metrics: MetricsLog):
+        self.queue = queue
         self.metrics = metrics
         self.pending: set[int] = set(self.queue.held())  # on resume: requests still open
         log.info("validation: results of `python -m rollout.validate` are logged as they arrive "
-                 "(requests in %s)", self.layout.validation_requests_dir)
+                 "(requests in %s)", self.queue.where())
 
     def request(self, version: int, step: int) -> None:
         self.queue.request(version, step)
@@ -75,7 +73,7 @@ class ValidationLog:
             self.collect(step_now)
             if not self.pending:
                 return
-            beat = read_json(self.fs, self.layout.validator_heartbeat) or {}
+            beat = self.queue.beat() or {}
             waited = time.monotonic() - start
             if beat.get("state") == "stopped" or waited > timeout_s:
                 why = "the validator has stopped" if beat.get("state") == "stopped" else \
@@ -88,5 +86,5 @@ class ValidationLog:
                 log.info("waiting for the validation of weights %s (%.0f of %.0f s; is "
                          "`python -m rollout.validate` running? its heartbeat: %s)",
                          ", ".join(f"v{v}" for v in sorted(self.pending)), waited, timeout_s,
-                         self.layout.validator_heartbeat)
+                         self.queue.where())
             time.sleep(0.5)

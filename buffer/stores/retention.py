@@ -28,7 +28,7 @@ import time
 from collections.abc import Iterable
 
 from buffer.layout import TMP_MARK, RunLayout, check_worker_id
-from buffer.ledger import Ledger
+from buffer.ledger import Ledger, shard_key
 from buffer.storage import filesystem, is_local
 
 log = logging.getLogger(__name__)
@@ -78,7 +78,7 @@ def prune_consumed(root: str, consumed_keys: Ledger | Iterable[str],
             seq = RunLayout.shard_seq(name)
             if seq is None:
                 continue
-            if RunLayout.shard_key(worker, seq) not in keys:
+            if shard_key(worker, seq) not in keys:
                 counts["kept"] += 1
                 continue
             path = f"{wdir}/{name}"

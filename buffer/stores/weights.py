@@ -4,7 +4,7 @@ A version is staged in a hidden temporary folder, fsynced, renamed to `weights/v
 then announced by atomically replacing `weights/LATEST`. A reader that follows LATEST therefore
 never sees a partial version; it still verifies checksums against the manifest before loading.
 Only the newest `keep` versions are kept on disk, plus up to `keep` older ones that wait for
-validation (buffer/validation.py).
+validation (FsValidation, buffer/stores/fs.py).
 """
 from __future__ import annotations
 
@@ -23,9 +23,9 @@ from pathlib import Path
 import torch
 
 from buffer.layout import TMP_MARK, RunLayout
-from buffer.storage import atomic_write_json, filesystem, fsync_tree, read_json, when_space
-from buffer.validation import ValidationQueue
-from protocol.weights import FileEntry, ManifestError, TensorEntry, WeightManifest, sha256_file, verify_files
+from buffer.stores.fs import FsValidation, FsWeightSource
+from buffer.storage import atomic_write_json, filesystem, fsync_tree, when_space
+from protocol.weights import FileEntry, TensorEntry, WeightManifest, sha256_file
 
 log = logging.getLogger(__name__)
 _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".safetensors.index.json", ".bin.index.json")
@@ -57,14 +57,21 @@ _SAFETENSORS_DTYPES = {
     torch.float8_e5m2: "F8_E5M2"}
 
 
-class WeightStore:
+class WeightStore(FsWeightSource):
+    """The trainer's weight store (publish, prune), on the run folder it also reads as a
+    worker's FsWeightSource."""
+
     def __init__(self, root: str):
-        self.fs, root_path = filesystem(root)
-        self.layout = RunLayout(root_path)
+        fs, root_path = filesystem(root)
+        super().__init__(fs, RunLayout(root_path))
         self.announced_at: float | None = None  # unix time of the last publish()'s announcement
-        self.validation = ValidationQueue(root)
+        self.validation = FsValidation(fs, self.layout)
 
     # --- trainer side -------------------------------------------------------------------
+    @property
+    def dir(self) -> str:
+        return self.layout.weights_dir
+
     def stage(self, version: int) -> str:
         """A fresh local staging folder for `version`; fill it, then call `publish`."""
         tmp = self.layout.version_tmp(version, os.getpid())
@@ -212,6 +219,20 @@ class WeightStore:
             shutil.rmtree(os.path.join(self.layout.weights_dir, name), ignore_errors=True)
         return len(debris)
 
+    def remove(self, version: int) -> None:
+        """Remove a published version (trainer.sft: folders a killed run wrote after its last
+        checkpoint)."""
+        shutil.rmtree(self.layout.version_dir(version))
+
+    def link_final(self, version: int) -> str:
+        """An SFT folder's `hf` -> weights/v<version> (relative symlink), replaced atomically;
+        returns the link."""
+        link = self.layout.hf_model
+        tmp = f"{link}{TMP_MARK}{os.getpid()}"
+        os.symlink(os.path.relpath(self.layout.version_dir(version), self.layout.root), tmp)
+        os.replace(tmp, link)
+        return link
+
     def versions(self) -> list[int]:
         if not self.fs.exists(self.layout.weights_dir):
             return []
@@ -232,60 +253,9 @@ class WeightStore:
                             "keep_versions=%d versions wait for rollout.validate", v, keep)
             shutil.rmtree(self.layout.version_dir(v), ignore_errors=True)
 
-    # --- worker side --------------------------------------------------------------------
-    def pointer(self) -> dict | None:
-        """weights/LATEST: {"version", "step", and what the trainer announced with it}."""
-        return read_json(self.fs, self.layout.latest_pointer)
-
-    def latest(self) -> int | None:
-        pointer = self.pointer()
-        return None if pointer is None else int(pointer["version"])
-
-    def wait_latest(self, timeout_s: float, poll_s: float = 0.5, should_stop=lambda: False,
-                    note_every_s: float = 30.0) -> int | None:
-        """The newest published version, waiting up to `timeout_s` for the first one; None as
-        soon as `should_stop()` says so (a signal). A log line when it starts waiting and then
-        every `note_every_s`."""
-        start, last_note = time.monotonic(), None
-        while (v := self.latest()) is None:
-            if should_stop():
-                return None
-            waited = time.monotonic() - start
-            if waited > timeout_s:
-                raise TimeoutError(f"no weight version appeared in {self.layout.latest_pointer} "
-                                   f"within {timeout_s:.0f} s: has the trainer started?")
-            if last_note is None or time.monotonic() - last_note >= note_every_s:
-                log.info("waiting for the first weight version in %s (%.0f s of %.0f)",
-                         self.layout.latest_pointer, waited, timeout_s)
-                last_note = time.monotonic()
-            time.sleep(poll_s)
-        return v
-
-    def manifest(self, version: int) -> WeightManifest:
-        path = self.layout.manifest(version)
-        try:
-            text = self.fs.cat_file(path).decode()
-        except FileNotFoundError:
-            raise ManifestError(f"{path}: missing (version pruned or never published)") from None
-        manifest = WeightManifest.from_json(text, where=path)
-        if manifest.version != version:
-            raise ManifestError(f"{path}: says version {manifest.version}, expected {version}")
-        return manifest
-
-    def verified_files(self, version: int) -> list[str]:
-        """Paths of the version's safetensors files, in order, after every checksum matched.
-
-        Engines read these themselves (vLLM's worker processes open them directly), so the
-        bytes are checked once here and never shipped between processes.
-        """
-        manifest = self.manifest(version)
-        folder = self.layout.version_dir(version)
-        verify_files(manifest, folder)
-        return [os.path.join(folder, f) for f in sorted({t.file for t in manifest.tensors.values()})]
-
     def tensors(self, version: int) -> Iterator[tuple[str, torch.Tensor]]:
         """Verify the version's checksums, then yield its tensors one at a time (bounded memory)."""
-        yield from read_tensors(self.verified_files(version))
+        yield from read_tensors(self.files(version))
 
 
 def read_tensors(paths: list[str]) -> Iterator[tuple[str, torch.Tensor]]:

@@ -37,8 +37,9 @@ import pyarrow as pa
 from buffer.backpressure import NOTE_EVERY_S, backlog, describe_workers
 from buffer.config import BufferConfig
 from buffer.layout import SHARD_SUFFIX, RunLayout, check_worker_id
-from buffer.ledger import Ledger, as_ledger
+from buffer.ledger import Ledger, as_ledger, shard_key
 from buffer.storage import atomic_write, filesystem, is_local, stop_watch, watch
+from buffer.stores.fs import FsHeartbeats, FsProgress
 from protocol.experience import RUN_ID_KEY, Sample, SchemaError, from_table, load_shard
 
 log = logging.getLogger(__name__)
@@ -60,6 +61,7 @@ class ExperienceReader:
                  consumed=None, vocab_size: int | None = None, run_id: str | None = None):
         self.fs, root_path = filesystem(root)
         self.layout = RunLayout(root_path)
+        self.heartbeats, self.progress = FsHeartbeats(self.fs, self.layout), FsProgress(self.fs, self.layout)
         self.cfg = cfg
         self.max_staleness = max_staleness
         self.vocab_size = vocab_size  # token ids must be < this (the trainer's model vocab)
@@ -163,7 +165,7 @@ class ExperienceReader:
             top = max(top, seq + 1)
             present.add(seq)
             if not self._consumed.has(worker, seq):  # no key string per old shard name
-                found[RunLayout.shard_key(worker, seq)] = (seq, f"{wdir}/{name}")
+                found[shard_key(worker, seq)] = (seq, f"{wdir}/{name}")
         nxt[worker] = top
         gaps = self._gaps.setdefault(worker, set())
         gaps.update(s for s in range(max(start, top - MAX_GAPS), top)
@@ -192,7 +194,7 @@ class ExperienceReader:
                 if self._consumed.has(worker, seq) or exists(path := self.layout.shard(worker, seq)):
                     gaps.discard(seq)
                     if not self._consumed.has(worker, seq):
-                        found[RunLayout.shard_key(worker, seq)] = (seq, path)
+                        found[shard_key(worker, seq)] = (seq, path)
         for worker, seq in nxt.items():
             start = seq
             while True:
@@ -200,7 +202,7 @@ class ExperienceReader:
                 if not exists(path):
                     break
                 if not self._consumed.has(worker, seq):
-                    found[RunLayout.shard_key(worker, seq)] = (seq, path)
+                    found[shard_key(worker, seq)] = (seq, path)
                 seq += 1
             if seq != start:
                 nxt[worker] = seq
@@ -299,14 +301,14 @@ class ExperienceReader:
             if now - start >= timeout_s:
                 raise TimeoutError(f"waited {timeout_s:.0f} s (trainer.data_timeout_s) for "
                                    + self._why_waiting(num_groups, before)
-                                   + f" Workers: {describe_workers(self.fs, self.layout)}")
+                                   + f" Workers: {describe_workers(self.heartbeats)}")
             if now - last_note >= note_every_s:
                 log.info("waiting for experience: have %d/%d groups (%d samples; %d shards read, "
                          "%d stale samples dropped, %d bad shards) after %.0f s of %.0f; workers: %s",
                          len(self.pool), num_groups, sum(len(g.samples) for g in self.pool),
                          self.stats["shards_read"], self.stats["dropped_stale_samples"],
                          self.stats["bad_shards"], now - start, timeout_s,
-                         describe_workers(self.fs, self.layout))
+                         describe_workers(self.heartbeats))
                 last_note = now
             self._wake.wait(min(self.cfg.poll_interval, timeout_s - (now - start)))
             self._wake.clear()
@@ -317,7 +319,7 @@ class ExperienceReader:
         dropped = self.stats["dropped_stale_samples"] - before["dropped_stale_samples"]
         bad = self.stats["bad_shards"] - before["bad_shards"]
         try:
-            size = f"{backlog(self.fs, self.layout)} samples"
+            size = f"{backlog(self.heartbeats, self.progress)} samples"
         except OSError as e:
             size = f"unknown ({e})"
         return (f"{num_groups} groups, have {len(self.pool)} in {self.layout.experience_dir}; "
@@ -375,7 +377,7 @@ def quarantine(fs, layout: RunLayout, worker: str, seq: int, path: str, reason: 
     dup = 0
     while fs.exists(dest := layout.quarantine_shard(worker, seq, dup)):
         dup += 1
-    text = (f"shard: {path}\nkey: {RunLayout.shard_key(worker, seq)}\n"
+    text = (f"shard: {path}\nkey: {shard_key(worker, seq)}\n"
             f"size_bytes: {size if size is not None else 'unknown'}\n"
             f"rejected_at: {time.strftime('%Y-%m-%dT%H:%M:%SZ', time.gmtime())}\n"
             f"reason: {reason}\n")

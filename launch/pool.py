@@ -1,6 +1,6 @@
 """Elastic rollout pool: a supervisor that starts and drains workers as the control file says.
 
-    python -m rollout.pool root=RUN pool.id=node1 pool.initial_workers=1 pool.gpus=[0,1] \\
+    python -m launch.pool root=RUN pool.id=node1 pool.initial_workers=1 pool.gpus=[0,1] \\
         data.train_files=[train.parquet] actor_rollout_ref.rollout.name=vllm
 
 Keys under `pool.` configure the supervisor (command line only); every other key, and a
@@ -12,7 +12,7 @@ they take effect, so a command is applied once even across supervisor restarts. 
 With `pool.backend=slurm` the workers are SLURM jobs instead of local processes (the supervisor
 runs wherever sbatch works, e.g. a login node):
 
-    python -m rollout.pool root=/shared/run pool.backend=slurm pool.slurm.partition=rollout \
+    python -m launch.pool root=/shared/run pool.backend=slurm pool.slurm.partition=rollout \
         pool.initial_workers=4 data.train_files=[/shared/train.parquet]
 
 `add N` submits N one-worker rollout jobs (launch/slurm/rollout.sbatch); `remove N` drains the
@@ -33,13 +33,13 @@ import sys
 import threading
 import time
 
-from buffer.layout import RunLayout, check_worker_id
-from buffer.storage import atomic_write_json, filesystem, is_local, read_json, stop_watch, watch
+from buffer.layout import check_worker_id
+from buffer.run import Run
 from protocol import control
 from protocol.config import F, ConfigError, build, split_argv, usage
 from rollout.config import WorkerConfig
 
-log = logging.getLogger("rollout.pool")
+log = logging.getLogger("launch.pool")
 
 
 @dataclasses.dataclass
@@ -100,42 +100,26 @@ class Pool:
     def __init__(self, cfg: PoolConfig, worker_args: list[str]):
         self.cfg = cfg.pool
         self.root = cfg.root
-        self.fs, root_path = filesystem(cfg.root)
-        self.layout = RunLayout(root_path)
+        self.stores = Run.open(cfg)  # cfg.buffer: the workers' (parse), else the shared folder
+        self.control = self.stores.control
         self.worker_args = worker_args
         self.members: list[Member] = []
         self.restarts = 0
         self.stopping = False
         self._wake = threading.Event()
-        self._observer = None
-        self.state = read_json(self.fs, self.layout.pool_state(self.cfg.id)) or {
+        self._unwatch = lambda: None
+        self.state = self.control.pool_state(self.cfg.id) or {
             "applied": [], "target": self.cfg.initial_workers, "next_index": 0}
 
     # --- commands ----------------------------------------------------------------------------
     def read_commands(self) -> list[control.Command]:
         """The hand-written control file's commands, then control.d/'s in id order."""
-        cmds = self._read(self.layout.control, lambda text: control.parse(text, self.layout.control))
-        try:
-            names = sorted(p.rstrip("/").rsplit("/", 1)[-1] for p in
-                           self.fs.ls(self.layout.control_dir, detail=False))
-        except FileNotFoundError:
-            names = []
-        for name in names:
-            if name.endswith(".json"):
-                path, cid = f"{self.layout.control_dir}/{name}", name[: -len(".json")]
-                cmds += self._read(path, lambda text: [control.parse_command_file(text, cid, path)])
-        return cmds
-
-    def _read(self, path: str, parse) -> list[control.Command]:
-        try:
-            return parse(self.fs.cat_file(path))  # bytes: control.parse judges the encoding
-        except FileNotFoundError:
-            return []
-        except control.ControlError as e:
-            if self.state.get("last_error") != str(e):  # say it once, not every poll
+        cmds, errors = self.control.commands()
+        for e in errors:
+            if self.state.get("last_error") != e:  # say it once, not every poll
                 log.error("ignoring the control file: %s", e)
-                self.state["last_error"] = str(e)
-            return []
+                self.state["last_error"] = e
+        return cmds
 
     def apply_new_commands(self) -> None:
         applied = set(self.state["applied"])
@@ -156,7 +140,7 @@ class Pool:
                                   "state": "draining" if m.draining_since else "running"}
                                  for m in self.members]
         self.state["updated"] = time.time()
-        atomic_write_json(self.fs, self.layout.pool_state(self.cfg.id), self.state)
+        self.control.save_pool_state(self.cfg.id, self.state)
 
     # --- workers -----------------------------------------------------------------------------
     def _free_gpu(self) -> int | None:
@@ -213,18 +197,12 @@ class Pool:
         self.save()
 
     # --- lifecycle ---------------------------------------------------------------------------
-    def _watch(self) -> None:
-        """Filesystem events wake the loop early on this node; polling covers other nodes."""
-        if is_local(self.fs):
-            self._observer = watch(self.layout.root, lambda _event: self._wake.set(), recursive=False)
-
     def run(self) -> None:
         signal.signal(signal.SIGTERM, self._on_signal)
         signal.signal(signal.SIGINT, self._on_signal)
-        self.fs.makedirs(self.layout.root, exist_ok=True)
-        self._watch()
+        self._unwatch = self.control.on_change(self._wake.set)  # events only cut latency
         try:
-            while not self.stopping and not self.fs.exists(self.layout.done_marker):
+            while not self.stopping and not self.stores.state.done():
                 self.apply_new_commands()
                 self.reconcile()
                 self._wake.wait(self.cfg.poll_interval)
@@ -250,8 +228,7 @@ class Pool:
                 m.proc.wait(timeout=30)
         self.members = []
         self.save()
-        if self._observer is not None:
-            stop_watch(self._observer)
+        self._unwatch()
 
 
 @dataclasses.dataclass
@@ -269,12 +246,12 @@ class SlurmPool(Pool):
         super().__init__(cfg, worker_args)
         from launch import slurm
         self.slurm = slurm
-        self.run_root = self.root if not is_local(self.fs) else os.path.abspath(self.root)
+        self.run_root = self.root if "://" in self.root else os.path.abspath(self.root)
         self.jobs = [Job(**j) for j in self.state.get("jobs", [])]  # adopted after a restart
         self.state.setdefault("finished", [])
         if self.jobs:
             log.info("adopting jobs %s from %s", [j.job_id for j in self.jobs],
-                     self.layout.pool_state(self.cfg.id))
+                     self.control.where())
 
     def spec(self, worker_id: str):
         sc = self.cfg.slurm
@@ -289,14 +266,14 @@ class SlurmPool(Pool):
                                   "state": "draining" if j.draining_since else "running"}
                                  for j in self.jobs]
         self.state["updated"] = time.time()
-        atomic_write_json(self.fs, self.layout.pool_state(self.cfg.id), self.state)
+        self.control.save_pool_state(self.cfg.id, self.state)
 
     def start_worker(self) -> None:
         index = self.state["next_index"]
         self.state["next_index"] = index + 1
         worker_id = f"{self.cfg.id}-w{index}"
         spec = self.spec(worker_id)
-        if is_local(self.fs):  # sbatch does not make the output file's folder
+        if "://" not in self.run_root:  # sbatch does not make the output file's folder
             os.makedirs(os.path.dirname(self.slurm.output_path(spec, "rollout")), exist_ok=True)
         job_id = self.slurm.submit(self.slurm.render_rollout(spec, self.worker_args))
         self.jobs.append(Job(job_id, worker_id))
@@ -383,21 +360,21 @@ class SlurmPool(Pool):
         if self.jobs:
             log.warning("jobs still in SLURM at exit: %s", [j.job_id for j in self.jobs])
         self.save()
-        if self._observer is not None:
-            stop_watch(self._observer)
+        self._unwatch()
 
 
 def parse(argv: list[str]) -> tuple[PoolConfig, list[str]]:
     """Split `pool.*` (and root) from the worker's keys; validate both before starting."""
     overrides, yaml_file, wants_help = split_argv(argv)
     if wants_help:
-        print(usage(PoolConfig, "python -m rollout.pool", __doc__.split("\n\n")[0]))
+        print(usage(PoolConfig, "python -m launch.pool", __doc__.split("\n\n")[0]))
         print("\nEvery other key is a worker key: see python -m rollout.worker --help")
         raise SystemExit(0)
     mine = {k: v for k, v in overrides.items() if k == "root" or k.startswith("pool.")}
     theirs = {k: v for k, v in overrides.items() if k not in mine}
     cfg = build(PoolConfig, mine)
-    build(WorkerConfig, {**theirs, "root": cfg.root}, yaml_file)  # fail now, not in every worker
+    worker = build(WorkerConfig, {**theirs, "root": cfg.root}, yaml_file)  # fail now, not in every worker
+    cfg.buffer = worker.buffer  # the workers' transport: where the pool finds the run's stores
     if "worker.id" in theirs or "id" in theirs:
         raise ConfigError("worker.id: set by the pool (<pool.id>-w<k>); set pool.id instead")
     config = ["--config", os.path.abspath(yaml_file)] if yaml_file else []  # the workers' file
@@ -410,7 +387,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         cfg, worker_args = parse(sys.argv[1:] if argv is None else argv)
     except ConfigError as e:
-        print(f"python -m rollout.pool: config error: {e}", file=sys.stderr)
+        print(f"python -m launch.pool: config error: {e}", file=sys.stderr)
         return 2
     if cfg.pool.backend == "slurm":
         from launch import slurm
@@ -419,7 +396,7 @@ def main(argv: list[str] | None = None) -> int:
             pool.spec("x").check("rollout")
             pool.run()
         except (slurm.SlurmError, ValueError) as e:
-            print(f"python -m rollout.pool: {e}", file=sys.stderr)
+            print(f"python -m launch.pool: {e}", file=sys.stderr)
             return 1
         return 0
     Pool(cfg, worker_args).run()

@@ -1,0 +1,893 @@
+"""Weight versions delivered over the network: chunked, checksummed, resumable, peer fan-out.
+
+Trainer side, `WeightService` (on the trainer's rank-0 grpc.Server, beside the experience
+service: same port, token, TLS): for a published version folder it serves the chunk list (every
+file the manifest lists cut into `buffer.weights_chunk_kb` pieces, the sha256 of each; computed
+once per version and cached), the chunks, and a peer registry: which worker holds which chunks
+of which version, heard from within `buffer.weights_peer_ttl_s`.
+
+Worker side, `WeightFetcher`: `fetch(version, dest)` streams every chunk into `<dest>.partial/`,
+checks each chunk's sha256 against the trainer's list before counting it, records the verified
+chunks durably (data fsynced first, then a bitmap sidecar replaced atomically), so a killed fetch
+restarted later fetches only what is missing; when all chunks are in, every file is checked
+against the manifest's whole-file sha256 and the folder is renamed to `<dest>` (atomic).
+
+Peer fan-out (a swarm): each fetcher serves the chunks it holds from its own small grpc.Server
+(same token) and reports them to the trainer every `weights_peer_refresh_s`; the trainer answers
+with peers that hold chunks. A worker takes from peers every chunk some peer holds (a random
+chunk of a random, least-busy peer: chunks spread in parallel), and asks the trainer only for
+chunks no known peer holds, by a bitmap of those; the trainer then sends the one it has sent
+least often. So each chunk leaves the trainer about once however many workers fetch, and the
+workers' own uplinks carry the copies. A peer that fails a request is skipped for
+`weights_peer_ttl_s`; a peer whose chunk fails its sha256 is never used again for the version;
+the chunk goes back to the missing set, taken from another peer or the trainer.
+"""
+from __future__ import annotations
+
+import collections
+import contextlib
+import dataclasses
+import fcntl
+import hashlib
+import logging
+import os
+import random
+import shutil
+import threading
+import time
+import uuid
+from collections.abc import Callable
+from concurrent import futures
+
+import grpc
+
+from buffer.config import BufferConfig
+from buffer.grpc_transport import (MAX_MESSAGE_BYTES, authorized, bind_hosts, open_channel,
+                                   server_credentials)
+from protocol.weights import ManifestError, WeightManifest, sha256_file
+from protocol.weights_wire import (CHUNK_LIST_METHOD, CHUNK_METHOD, PEERS_METHOD, SERVICE,
+                                   SIDECAR_PREFIX, ChunkList, ChunkListRequest, ChunkReply,
+                                   ChunkRequest, PeerInfo, PeerList, PeerReport, WireError,
+                                   from_bitmap, to_bitmap)
+
+log = logging.getLogger(__name__)
+# Chunks (<= 4 MiB) fit the experience stream's limit; a chunk list (32 bytes a chunk: 2 MiB
+# for 256 GB in 4 MiB chunks) is the largest message a worker receives.
+_OPTIONS = [("grpc.max_receive_message_length", 64 << 20),
+            ("grpc.max_send_message_length", MAX_MESSAGE_BYTES)]
+CACHED_VERSIONS = 4  # chunk lists the trainer keeps in memory (the newest versions' are asked)
+NOTE_EVERY_S = 30.0  # a waiting fetch logs what it waits for this often
+_PACE_BYTES = 256 << 10  # the uplink model's packet: concurrent replies interleave at this grain
+_CHUNKS_FILE = SIDECAR_PREFIX + "chunks"
+_VERIFIED_FILE = SIDECAR_PREFIX + "verified"
+TRAINER = "trainer"  # the source name of chunks from the trainer in FetchStats
+REDIRECT = -1  # a ChunkReply's index: every chunk asked for is with live peers, ask them
+
+
+class _Uplink:
+    """A sender's link of `rate` bytes/s: each reply reserves its packets' slots on one clock,
+    so concurrent replies share the rate (a FIFO of _PACE_BYTES packets); 0: no limit."""
+
+    def __init__(self, rate: float):
+        self.rate = rate
+        self.lock = threading.Lock()
+        self.free_at = 0.0
+
+    def send(self, n: int) -> None:
+        if not self.rate:
+            return
+        for start in range(0, n, _PACE_BYTES):
+            size = min(_PACE_BYTES, n - start)
+            with self.lock:
+                now = time.monotonic()
+                self.free_at = max(now, self.free_at) + size / self.rate
+                until = self.free_at
+            time.sleep(max(0.0, until - time.monotonic()))
+
+
+def _check_token(context, expected: bytes) -> None:
+    if not authorized(context, expected):
+        context.abort(grpc.StatusCode.UNAUTHENTICATED, "missing or wrong token")
+
+
+def _decode(cls, raw: bytes, context):
+    try:
+        return cls.decode(raw)
+    except WireError as e:
+        context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+
+
+class _Holding:
+    """The chunks of one version a process holds and serves: all of a published folder (the
+    trainer), or the verified ones of a fetch in progress. `folder` moves once, from
+    `<dest>.partial` to `<dest>`, under `lock`."""
+
+    def __init__(self, chunks: ChunkList, folder: str, have: set[int]):
+        self.chunks, self.folder, self.have = chunks, folder, have
+        self.lock = threading.Lock()
+        self.served = collections.Counter()  # chunk -> times sent
+        self.recent: dict[str, dict[int, float]] = {}  # peer -> chunk -> when sent to it
+
+    def read(self, index: int) -> bytes:
+        pos, offset, length = self.chunks.locate(index)
+        with self.lock:
+            fd = os.open(os.path.join(self.folder, self.chunks.files[pos].name), os.O_RDONLY)
+        try:
+            return os.pread(fd, length, offset)
+        finally:
+            os.close(fd)
+
+    def pick(self, want: set[int], peer: str, window_s: float,
+             covered: Callable[[], set[int]] = set) -> int | None:
+        """The chunk of `want` this holder has sent least often, preferring those not sent to
+        `peer` within `window_s` (its request for them may still be on the way back). A chunk
+        sent before is only sent again when it is not in `covered()` (held by, or just sent
+        to, a live peer the requester can use); REDIRECT when every one is."""
+        now = time.monotonic()
+        with self.lock:
+            for who, sent in list(self.recent.items()):
+                for k in [k for k, t in sent.items() if now - t > window_s]:
+                    del sent[k]
+                if not sent:
+                    del self.recent[who]
+            sent = self.recent.setdefault(peer, {})
+            options = [i for i in want if i in self.have]
+            if not options:
+                return None
+            if all(self.served[i] for i in options):
+                elsewhere = covered()
+                options = [i for i in options if i not in elsewhere]
+                if not options:
+                    return REDIRECT
+            best = min(options, key=lambda i: (i in sent, self.served[i], random.random()))
+            self.served[best] += 1
+            sent[best] = now
+            return best
+
+
+class _ChunkServicer:
+    """The Chunk method, served from `holding(version)`; shared by the trainer and the peers."""
+
+    def __init__(self, holding: Callable[[int], _Holding | None], secret: str, cfg: BufferConfig,
+                 max_waiting: int, covered=None):
+        self.holding = holding
+        self.max_waiting, self.waiting = max_waiting, 0
+        self.covered = covered  # (version, requester, its peers to avoid) -> chunks peers cover
+        self.expected = f"Bearer {secret}".encode()
+        self.cfg = cfg
+        self.uplink = _Uplink(cfg.weights_upload_mb_s * 1e6)
+        self.slots = threading.BoundedSemaphore(cfg.weights_send_slots)
+        self.stats = collections.Counter()
+        self.stats_lock = threading.Lock()  # handlers run concurrently: += alone loses counts
+
+    def count(self, **add: int) -> None:
+        with self.stats_lock:
+            self.stats.update(add)
+
+    def Chunk(self, raw: bytes, context) -> bytes:
+        """A chunk, sent in one of weights_send_slots slots: few chunks at a time, each at a
+        good share of the uplink, so they reach peers early one after another (all at once,
+        every one would arrive late). The chunk is picked when the slot is free."""
+        _check_token(context, self.expected)
+        req = _decode(ChunkRequest, raw, context)
+        if not self._take_slot():
+            self.count(busy=1)
+            context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, "weight send slots busy: retry later")
+        try:
+            return self._send(req, context)
+        finally:
+            self.slots.release()
+
+    def _take_slot(self) -> bool:
+        """A send slot; waits (at most weights_chunk_timeout_s / 2) only while fewer than
+        `max_waiting` handlers wait already: a waiting handler holds one of the server's
+        threads, which on the trainer serve experience pushes too."""
+        if self.slots.acquire(blocking=False):
+            return True
+        with self.stats_lock:
+            if self.waiting >= self.max_waiting:
+                return False
+            self.waiting += 1
+        try:
+            return self.slots.acquire(timeout=self.cfg.weights_chunk_timeout_s / 2)
+        finally:
+            with self.stats_lock:
+                self.waiting -= 1
+
+    def _send(self, req: ChunkRequest, context) -> bytes:
+        held = self.holding(req.version)
+        if held is None:
+            context.abort(grpc.StatusCode.NOT_FOUND, f"weight version {req.version} not held here")
+        if req.index >= 0:
+            index = req.index if req.index in held.have else None
+        else:
+            covered = set
+            if self.covered is not None and req.peers:
+                covered = lambda: self.covered(req.version, req.peer_id, set(req.avoid))  # noqa: E731
+            index = held.pick(from_bitmap(req.want, held.chunks.total), req.peer_id,
+                              self.cfg.weights_chunk_timeout_s, covered)
+            if index == REDIRECT:
+                self.count(redirects=1)
+                return ChunkReply(req.version, REDIRECT, b"").encode()
+        if index is None:
+            context.abort(grpc.StatusCode.NOT_FOUND, f"v{req.version}: no chunk asked for is held here")
+        try:
+            data = held.read(index)
+        except OSError as e:  # pruned meanwhile (trainer) or the folder went away (peer)
+            context.abort(grpc.StatusCode.NOT_FOUND, f"v{req.version} chunk {index}: {e}")
+        self.uplink.send(len(data))
+        self.count(chunks=1, bytes=len(data))
+        return ChunkReply(req.version, index, data).encode()
+
+    def handlers(self, **more) -> grpc.GenericRpcHandler:
+        methods = {"Chunk": self.Chunk, **more}
+        return grpc.method_handlers_generic_handler(SERVICE, {
+            name: grpc.unary_unary_rpc_method_handler(fn) for name, fn in methods.items()})
+
+
+@dataclasses.dataclass
+class _Peer:
+    address: str
+    have: bytes
+    seen: float
+
+
+class WeightService:
+    """The trainer's side: chunk lists, chunks and the peer registry of published versions.
+
+    version_dir(v) -> the published folder of version v (with its manifest.json), or None when
+    it is not (or no longer) published. `register(server)` adds the service to a grpc.Server
+    (e.g. the experience ShardServer's `.server`; before or after it starts)."""
+
+    def __init__(self, version_dir: Callable[[int], str | None], secret: str, cfg: BufferConfig):
+        self.version_dir, self.cfg = version_dir, cfg
+        self.chunk_bytes = cfg.weights_chunk_kb << 10
+        # half the experience server's threads at most wait for a send slot
+        self.chunks = _ChunkServicer(self._holding, secret, cfg, max(1, cfg.grpc_server_threads // 2),
+                                     self._covered)
+        self.stats = self.chunks.stats
+        self._held: collections.OrderedDict[int, _Holding] = collections.OrderedDict()
+        self._lock = threading.Lock()  # guards _held, _making, peers
+        self._making: dict[int, threading.Lock] = {}
+        self.peers: dict[int, dict[str, _Peer]] = {}
+
+    def register(self, server: grpc.Server) -> None:
+        server.add_generic_rpc_handlers([self.chunks.handlers(ChunkList=self.ChunkList,
+                                                              Peers=self.Peers)])
+
+    def _holding(self, version: int) -> _Holding | None:
+        """The version's chunk list, hashed once (one thread per version; others wait)."""
+        with self._lock:
+            if version in self._held:
+                self._held.move_to_end(version)
+                return self._held[version]
+            making = self._making.setdefault(version, threading.Lock())
+        with making:
+            with self._lock:
+                if version in self._held:
+                    return self._held[version]
+            folder = self.version_dir(version)
+            if folder is None or not os.path.isfile(os.path.join(folder, "manifest.json")):
+                return None
+            started = time.monotonic()
+            path = os.path.join(folder, "manifest.json")
+            with open(path) as f:
+                text = f.read()
+            manifest = WeightManifest.from_json(text, where=path)
+            chunks = ChunkList.of_folder(folder, manifest, text, self.chunk_bytes)
+            held = _Holding(chunks, folder, set(range(chunks.total)))
+            log.info("weight version %d: %d chunks of %d KiB over %d files hashed in %.1f s",
+                     version, chunks.total, self.chunk_bytes >> 10, len(chunks.files),
+                     time.monotonic() - started)
+            with self._lock:
+                self._held[version] = held
+                while len(self._held) > CACHED_VERSIONS:
+                    self._held.popitem(last=False)
+                self._making.pop(version, None)
+            return held
+
+    def _covered(self, version: int, requester: str, avoid: set[str]) -> set[int]:
+        """Chunks that live peers (heard from within weights_peer_ttl_s, not the requester nor
+        one it avoids) hold, or were sent within weights_chunk_timeout_s."""
+        now, ttl = time.monotonic(), self.cfg.weights_peer_ttl_s
+        held = self._held.get(version)
+        with self._lock:
+            live = [(p, e.have) for p, e in self.peers.get(version, {}).items()
+                    if now - e.seen <= ttl and p != requester and p not in avoid]
+        bits = 0
+        for _, have in live:
+            bits |= int.from_bytes(have, "little")
+        out = from_bitmap(bits.to_bytes((bits.bit_length() + 7) // 8, "little"), bits.bit_length())
+        if held is not None:  # called under held.lock
+            for p, _ in live:
+                out.update(held.recent.get(p, ()))
+        return out
+
+    def ChunkList(self, raw: bytes, context) -> bytes:
+        _check_token(context, self.chunks.expected)
+        req = _decode(ChunkListRequest, raw, context)
+        try:
+            held = self._holding(req.version)
+        except (OSError, ManifestError, ValueError) as e:  # pruned while hashing, or damaged
+            context.abort(grpc.StatusCode.NOT_FOUND, f"weight version {req.version}: {e}")
+        if held is None:
+            context.abort(grpc.StatusCode.NOT_FOUND,
+                          f"weight version {req.version} is not published on the trainer "
+                          "(pruned, or not yet)")
+        return held.chunks.encode()
+
+    def Peers(self, raw: bytes, context) -> bytes:
+        """Record the caller's holdings; answer with up to weights_max_peers live peers that
+        hold chunks it lacks: in random order (load spreads), first those that add chunks the
+        ones before do not hold (the answer covers what the registry knows), then others."""
+        _check_token(context, self.chunks.expected)
+        rep = _decode(PeerReport, raw, context)
+        now, ttl = time.monotonic(), self.cfg.weights_peer_ttl_s
+        lacks = ~int.from_bytes(rep.have, "little")
+        with self._lock:
+            table = self.peers.setdefault(rep.version, {})
+            if rep.address:
+                table[rep.peer_id] = _Peer(rep.address, rep.have, now)
+            for gone in [p for p, e in table.items() if now - e.seen > ttl]:
+                del table[gone]
+            for version in [v for v, t in self.peers.items() if not t]:
+                del self.peers[version]
+            useful = [PeerInfo(p, e.address, e.have) for p, e in table.items()
+                      if p != rep.peer_id and int.from_bytes(e.have, "little") & lacks]
+        random.shuffle(useful)
+        first, rest = [], []
+        for peer in useful:
+            adds = int.from_bytes(peer.have, "little") & lacks
+            (first if adds else rest).append(peer)
+            lacks &= ~adds
+        return PeerList(rep.version, (first + rest)[:self.cfg.weights_max_peers]).encode()
+
+
+def add_weight_service(server: grpc.Server, version_dir: Callable[[int], str | None], secret: str,
+                       cfg: BufferConfig) -> WeightService:
+    """Serve the published versions `version_dir` finds on `server`; returns the service."""
+    service = WeightService(version_dir, secret, cfg)
+    service.register(server)
+    return service
+
+
+class _Corrupt(Exception):
+    """A chunk whose bytes do not match the chunk list's sha256."""
+
+
+class _Partial:
+    """`<dest>.partial/`: the version's files at full size, written chunk by chunk, plus the
+    chunk list it was fetched by and the bitmap of chunks verified and fsynced (sidecars)."""
+
+    def __init__(self, folder: str, chunks: ChunkList):
+        self.folder, self.chunks = folder, chunks
+        os.makedirs(folder, exist_ok=True)
+        wire = chunks.encode()
+        self.durable: set[int] = set()
+        try:
+            with open(os.path.join(folder, _CHUNKS_FILE), "rb") as f:
+                same = f.read() == wire
+            if same:
+                with open(os.path.join(folder, _VERIFIED_FILE), "rb") as f:
+                    self.durable = from_bitmap(f.read(), chunks.total)
+        except FileNotFoundError:
+            same = False
+        if not same:  # nothing (or another chunking) there: start over
+            for name in os.listdir(folder):
+                os.remove(os.path.join(folder, name))
+            self._replace(_CHUNKS_FILE, wire)
+        self.fds = []
+        for f in chunks.files:
+            fd = os.open(os.path.join(folder, f.name), os.O_RDWR | os.O_CREAT, 0o644)
+            if os.fstat(fd).st_size != f.bytes:
+                os.ftruncate(fd, f.bytes)
+            self.fds.append(fd)
+        self.pending: set[int] = set()  # verified, written, not yet fsynced
+        self.saved_at = time.monotonic()
+
+    def _replace(self, name: str, data: bytes) -> None:
+        tmp = os.path.join(self.folder, name + ".tmp")
+        with open(tmp, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, os.path.join(self.folder, name))
+        dfd = os.open(self.folder, os.O_RDONLY)
+        try:
+            os.fsync(dfd)
+        finally:
+            os.close(dfd)
+
+    def write(self, index: int, data: bytes) -> None:
+        pos, offset, _ = self.chunks.locate(index)
+        os.pwrite(self.fds[pos], data, offset)
+
+    def save(self, every_s: float) -> None:
+        """Make the pending chunks durable (fsync their files, then the bitmap), at most every
+        `every_s` (0: now)."""
+        if not self.pending or time.monotonic() - self.saved_at < every_s:
+            return
+        for pos in {self.chunks.locate(i)[0] for i in self.pending}:
+            os.fsync(self.fds[pos])
+        self.durable |= self.pending
+        self.pending = set()
+        self._replace(_VERIFIED_FILE, to_bitmap(self.durable, self.chunks.total))
+        self.saved_at = time.monotonic()
+
+    def forget(self, indices) -> None:
+        self.durable -= set(indices)
+        self.pending -= set(indices)
+        self._replace(_VERIFIED_FILE, to_bitmap(self.durable, self.chunks.total))
+
+    def close(self) -> None:
+        for fd in self.fds:
+            os.close(fd)
+        self.fds = []
+
+
+@dataclasses.dataclass
+class FetchStats:
+    """What one fetch did: chunks by source, and what went wrong on the way."""
+    chunks: int = 0  # in the version
+    resumed: int = 0  # verified chunks found on disk from an earlier, interrupted fetch
+    from_trainer: int = 0
+    from_peers: int = 0
+    bytes_from_trainer: int = 0
+    bytes_from_peers: int = 0
+    corrupt: int = 0  # chunks that failed their sha256 (refetched)
+    bad_peers: list[str] = dataclasses.field(default_factory=list)  # never used again (version)
+    peer_failures: int = 0  # requests to peers that failed (timeout, gone, not held)
+    trainer_failures: int = 0
+    duplicates: int = 0  # chunks that arrived twice (wasted bytes)
+    redirects: int = 0  # trainer answers "live peers hold every chunk you asked for"
+    busy: int = 0  # requests a server refused because its send slots were taken (asked later)
+    seconds: float = 0.0
+
+
+class WeightFetcher:
+    """A worker's side: fetches versions from the trainer at `address` (host:port) and peers,
+    and serves what it holds to peers (unless buffer.weights_peer_fanout is false).
+
+    fetch(version, dest_dir) -> dest_dir, verified; stats[version] -> FetchStats;
+    close() stops the peer server. `peer_id` names this worker to the trainer and its peers."""
+
+    def __init__(self, address: str, secret: str, cfg: BufferConfig, peer_id: str | None = None):
+        self.address, self.secret, self.cfg = address, secret, cfg
+        self.peer_id = peer_id or uuid.uuid4().hex[:12]
+        self.metadata = [("authorization", f"Bearer {secret}")]
+        self.trainer = open_channel(cfg, address, _OPTIONS)
+        self._calls = {name: self.trainer.unary_unary(method) for name, method in
+                       (("ChunkList", CHUNK_LIST_METHOD), ("Chunk", CHUNK_METHOD),
+                        ("Peers", PEERS_METHOD))}
+        self.stats: dict[int, FetchStats] = {}
+        self._lock = threading.Lock()  # guards _holdings, _peer_lists, _channels
+        self._holdings: collections.OrderedDict[int, _Holding] = collections.OrderedDict()
+        self._peer_lists: dict[int, list[PeerInfo]] = {}
+        self._channels: dict[str, grpc.Channel] = {}
+        self._stop = threading.Event()
+        self.server, self.peer_address = None, ""
+        if cfg.weights_peer_fanout:
+            self._serve()
+            self._announcer = threading.Thread(target=self._announce_loop, daemon=True,
+                                               name="weights-announce")
+            self._announcer.start()
+
+    # --- the peer server and the registry -------------------------------------------------
+    def _serve(self) -> None:
+        host = self.cfg.weights_peer_host or bind_hosts(":0")[0]
+        self.server = grpc.server(futures.ThreadPoolExecutor(self.cfg.weights_peer_threads,
+                                                             thread_name_prefix="weights-peer"),
+                                  options=_OPTIONS)
+        self.servicer = _ChunkServicer(self._held, self.secret, self.cfg,
+                                       max(1, self.cfg.weights_peer_threads // 2))
+        self.server.add_generic_rpc_handlers([self.servicer.handlers()])
+        creds = server_credentials(self.cfg)
+        address = f"{host}:{self.cfg.weights_peer_port}"
+        port = self.server.add_secure_port(address, creds) if creds else self.server.add_insecure_port(address)
+        if not port:
+            raise OSError(f"buffer.weights_peer_host/port: cannot listen on {address}")
+        self.server.start()
+        self.peer_address = f"{host}:{port}"
+        log.info("weight peer server of %s listening on %s%s", self.peer_id, self.peer_address,
+                 "" if creds else " (no TLS)")
+
+    def _held(self, version: int) -> _Holding | None:
+        with self._lock:
+            return self._holdings.get(version)
+
+    def _hold(self, version: int, holding: _Holding) -> None:
+        with self._lock:
+            self._holdings[version] = holding
+            self._holdings.move_to_end(version)
+            while len(self._holdings) > self.cfg.weights_serve_versions:
+                self._holdings.popitem(last=False)
+
+    def _report(self, version: int, holding: _Holding) -> None:
+        """Tell the trainer what we hold of `version`; keep the peers it answers with."""
+        with holding.lock:
+            have = to_bitmap(holding.have, holding.chunks.total)
+        raw = self._calls["Peers"](PeerReport(version, self.peer_id, self.peer_address, have).encode(),
+                                   timeout=self.cfg.weights_chunk_timeout_s, metadata=self.metadata)
+        peers = PeerList.decode(raw).peers
+        with self._lock:
+            self._peer_lists[version] = [p for p in peers if p.peer_id != self.peer_id]
+
+    def _announce_loop(self) -> None:
+        failing_since = None
+        while not self._stop.wait(self.cfg.weights_peer_refresh_s):
+            with self._lock:
+                held = list(self._holdings.items())
+            for version, holding in held:
+                try:
+                    self._report(version, holding)
+                    failing_since = None
+                except (grpc.RpcError, WireError) as e:
+                    if failing_since is None or time.monotonic() - failing_since > NOTE_EVERY_S:
+                        log.warning("cannot report held weight chunks to the trainer at %s "
+                                    "(%s); retrying every %.1f s", self.address, _why(e),
+                                    self.cfg.weights_peer_refresh_s)
+                        failing_since = time.monotonic()
+
+    def _peer_call(self, address: str):
+        with self._lock:
+            if address not in self._channels:
+                self._channels[address] = open_channel(self.cfg, address, _OPTIONS)
+            return self._channels[address].unary_unary(CHUNK_METHOD)
+
+    def peers(self, version: int) -> list[PeerInfo]:
+        with self._lock:
+            return list(self._peer_lists.get(version, []))
+
+    def close(self) -> None:
+        self._stop.set()
+        if self.server is not None:
+            self.server.stop(1.0).wait(timeout=10)
+        with self._lock:
+            for ch in self._channels.values():
+                ch.close()
+        self.trainer.close()
+
+    # --- fetching ---------------------------------------------------------------------------
+    def fetch(self, version: int, dest_dir: str) -> str:
+        """Version `version` as a verified folder at `dest_dir` (returned): what is there
+        already if it verifies against its manifest, else fetched, resuming `<dest>.partial/`."""
+        dest = os.path.abspath(dest_dir)
+        partial = dest + ".partial"
+        os.makedirs(os.path.dirname(dest), exist_ok=True)
+        with _flock(partial + ".lock", self.cfg.weights_stall_timeout_s):
+            if os.path.isdir(dest):
+                problem = _folder_problem(dest)
+                if problem is None:  # fetched before (this process or an earlier one)
+                    self._serve_cached(version, dest)
+                    return dest_dir
+                log.warning("%s: %s; fetching version %d again", dest, problem, version)
+                shutil.rmtree(dest)
+            chunks = self._chunk_list(version)
+            state = _Partial(partial, chunks)
+            try:
+                stats = self.stats[version] = FetchStats(chunks=chunks.total, resumed=len(state.durable))
+                holding = _Holding(chunks, partial, set(state.durable))
+                if self.server is not None:
+                    self._hold(version, holding)
+                _Transfer(self, version, state, holding, stats).run()
+                self._finish(state, holding, dest)
+            finally:
+                state.close()
+            if self.server is not None:
+                with contextlib.suppress(grpc.RpcError, WireError):
+                    self._report(version, holding)  # peers may take all of it from now on
+        with contextlib.suppress(FileNotFoundError):
+            os.remove(partial + ".lock")
+        return dest_dir
+
+    def _serve_cached(self, version: int, dest: str) -> None:
+        """Serve a verified folder found on disk to peers, if the trainer (one try) still has
+        the version's chunk list; the folder is usable either way."""
+        if self.server is None or self._held(version) is not None:
+            return
+        try:
+            chunks = ChunkList.decode(self._calls["ChunkList"](
+                ChunkListRequest(version).encode(), timeout=self.cfg.weights_chunk_timeout_s,
+                metadata=self.metadata))
+        except (grpc.RpcError, WireError) as e:
+            log.info("not serving cached weight version %d to peers: %s", version, _why(e))
+            return
+        self._hold(version, _Holding(chunks, dest, set(range(chunks.total))))
+
+    def _chunk_list(self, version: int) -> ChunkList:
+        deadline = time.monotonic() + self.cfg.weights_stall_timeout_s
+        return _retry(lambda: ChunkList.decode(self._calls["ChunkList"](
+            ChunkListRequest(version).encode(), timeout=self.cfg.weights_chunk_timeout_s,
+            metadata=self.metadata)), deadline, f"the chunk list of weight version {version} "
+                                                f"from the trainer at {self.address}")
+
+    def _finish(self, state: _Partial, holding: _Holding, dest: str) -> None:
+        """Check every file against the manifest's sha256 (a bad one is fetched again: its
+        chunks leave the bitmap), then drop the sidecars and rename into place."""
+        state.save(0)
+        chunks = state.chunks
+        bad = [i for i, f in enumerate(chunks.files)
+               if sha256_file(os.path.join(state.folder, f.name)) != f.sha256]
+        if bad:
+            names = [chunks.files[i].name for i in bad]
+            state.forget(i for pos in bad for i in chunks.chunks_of(pos))
+            raise ManifestError(f"{state.folder}: {names} do not match the manifest's sha256 "
+                                "although every chunk matched (damaged on disk?); their chunks "
+                                "are fetched again on the next fetch")
+        with open(os.path.join(state.folder, "manifest.json"), "w") as f:
+            f.write(chunks.manifest)
+            f.flush()
+            os.fsync(f.fileno())
+        for name in os.listdir(state.folder):  # the sidecars (and a temporary of one)
+            if name.startswith(SIDECAR_PREFIX):
+                os.remove(os.path.join(state.folder, name))
+        with holding.lock:
+            os.rename(state.folder, dest)
+            holding.folder = dest
+        dfd = os.open(os.path.dirname(dest), os.O_RDONLY)
+        try:
+            os.fsync(dfd)
+        finally:
+            os.close(dfd)
+
+
+class _Transfer:
+    """One fetch's scheduling loop: up to weights_parallel requests to peers and
+    weights_trainer_streams to the trainer in flight; results verified and written by the
+    request threads, counted and made durable here."""
+
+    def __init__(self, fetcher: WeightFetcher, version: int, state: _Partial, holding: _Holding,
+                 stats: FetchStats):
+        self.f, self.version, self.state, self.holding, self.stats = fetcher, version, state, holding, stats
+        self.cfg = fetcher.cfg
+        self.missing = set(range(state.chunks.total)) - state.durable
+        self.inflight: dict[futures.Future, tuple[str, int | None]] = {}  # -> (source, chunk)
+        self.bad: set[str] = set()
+        self.failed: dict[str, float] = {}  # peer -> when it last failed
+        self.busy_until: dict[str, float] = {}  # peer -> when to ask it again (it was busy)
+        self.trainer_retry_at = 0.0
+        self.trainer_backoff = 0.2
+        self.trainer_corrupt = 0
+        self.peer_load = collections.Counter()  # peer -> our requests in flight to it
+
+    def run(self) -> None:
+        if self.f.server is not None and self.missing:
+            with contextlib.suppress(grpc.RpcError, WireError):
+                self.f._report(self.version, self.holding)  # peers before the first request
+        start = last_gain = last_note = time.monotonic()
+        self.pool = futures.ThreadPoolExecutor(
+            self.cfg.weights_parallel + self.cfg.weights_trainer_streams,
+            thread_name_prefix="weights-fetch")
+        try:
+            while self.missing:
+                self._launch()
+                done, _ = futures.wait(list(self.inflight), timeout=1.0,
+                                       return_when=futures.FIRST_COMPLETED)
+                for fut in done:
+                    if self._settle(fut):
+                        last_gain = time.monotonic()
+                self.state.save(1.0)
+                now = time.monotonic()
+                if now - last_gain > self.cfg.weights_stall_timeout_s:
+                    raise TimeoutError(f"weight version {self.version}: no chunk verified for "
+                                       f"{now - last_gain:.0f} s (buffer.weights_stall_timeout_s); "
+                                       f"{len(self.missing)} of {self.state.chunks.total} missing, "
+                                       f"trainer at {self.f.address}")
+                if now - last_note >= NOTE_EVERY_S:
+                    log.info("fetching weight version %d: %d of %d chunks verified; waiting for "
+                             "%d requests (%d to peers, %d peers known, %d bad)", self.version,
+                             self.state.chunks.total - len(self.missing), self.state.chunks.total,
+                             len(self.inflight), sum(self.peer_load.values()),
+                             len(self.f.peers(self.version)), len(self.bad))
+                    last_note = now
+        finally:
+            self.pool.shutdown(wait=True, cancel_futures=True)
+        self.state.save(0)
+        self.stats.seconds = time.monotonic() - start
+
+    def _launch(self) -> None:
+        """Fill the free request slots. Peers: a random missing chunk of the least busy peer
+        holding any (at most 2 of our requests per peer). Trainer: any missing chunk no known
+        peer holds, its choice (it sends each outstanding request of ours a different one).
+        A chunk the trainer is sending us is not reserved against peers: the trainer sends a
+        chunk no peer had, unless every chunk has left it already (then rarely a duplicate)."""
+        busy = {i for _, i in self.inflight.values() if i is not None}
+        now = time.monotonic()
+        peers = [p for p in self.f.peers(self.version) if p.peer_id not in self.bad
+                 and now - self.failed.get(p.peer_id, -1e9) > self.cfg.weights_peer_ttl_s
+                 and now >= self.busy_until.get(p.peer_id, 0.0)]
+        held = {p.peer_id: from_bitmap(p.have, self.state.chunks.total) for p in peers}
+        n_peer = sum(1 for s, _ in self.inflight.values() if s != TRAINER)
+        while n_peer < self.cfg.weights_parallel:
+            order = sorted(peers, key=lambda p: (self.peer_load[p.peer_id], random.random()))
+            choice = next(((p, options) for p in order if self.peer_load[p.peer_id] < 2
+                           and (options := held[p.peer_id] & self.missing - busy)), None)
+            if choice is None:
+                break
+            peer, options = choice
+            index = random.choice(tuple(options))
+            self._submit(peer.peer_id, index, self._from_peer, peer, index)
+            busy.add(index)
+            n_peer += 1
+        n_trainer = sum(1 for s, _ in self.inflight.values() if s == TRAINER)
+        if n_trainer >= self.cfg.weights_trainer_streams or now < self.trainer_retry_at:
+            return
+        want = self.missing - busy - set().union(*held.values())
+        avoid = sorted(self.bad | {p for p, t in self.failed.items()
+                                   if now - t <= self.cfg.weights_peer_ttl_s})
+        # no more requests than chunks: each outstanding one may be bringing one of `want`
+        for _ in range(min(self.cfg.weights_trainer_streams, len(want)) - n_trainer):
+            self._submit(TRAINER, None, self._from_trainer, want, avoid)
+
+    def _submit(self, source: str, index: int | None, fn, *args) -> None:
+        self.inflight[self.pool.submit(fn, *args)] = (source, index)
+        if source != TRAINER:
+            self.peer_load[source] += 1
+
+    def _store(self, reply: ChunkReply) -> int:
+        """Verify a reply against the chunk list and write it (in the request's thread)."""
+        chunks = self.state.chunks
+        if not 0 <= reply.index < chunks.total or reply.version != self.version:
+            raise _Corrupt(f"chunk {reply.index} of v{reply.version}: not asked for")
+        if hashlib.sha256(reply.data).digest() != chunks.digest(reply.index):
+            raise _Corrupt(f"chunk {reply.index}: sha256 does not match the chunk list")
+        if reply.index in self.missing:
+            self.state.write(reply.index, reply.data)
+        return reply.index
+
+    def _from_peer(self, peer: PeerInfo, index: int) -> tuple[int, int]:
+        raw = self.f._peer_call(peer.address)(
+            ChunkRequest(self.version, self.f.peer_id, index=index).encode(),
+            timeout=self.cfg.weights_chunk_timeout_s, metadata=self.f.metadata)
+        reply = ChunkReply.decode(raw)
+        if reply.index != index:
+            raise _Corrupt(f"asked for chunk {index}, got {reply.index}")
+        return self._store(reply), len(reply.data)
+
+    def _from_trainer(self, want: set[int], avoid: list[str]) -> tuple[int, int]:
+        raw = self.f._calls["Chunk"](
+            ChunkRequest(self.version, self.f.peer_id, want=to_bitmap(want, self.state.chunks.total),
+                         peers=self.cfg.weights_peer_fanout, avoid=avoid).encode(),
+            timeout=self.cfg.weights_chunk_timeout_s, metadata=self.f.metadata)
+        reply = ChunkReply.decode(raw)
+        if reply.index == REDIRECT:
+            return REDIRECT, 0
+        if reply.index not in want:
+            raise _Corrupt(f"got chunk {reply.index}, not one asked for")
+        return self._store(reply), len(reply.data)
+
+    def _settle(self, fut: futures.Future) -> bool:
+        """Count a finished request; True when it brought a new verified chunk."""
+        source, _ = self.inflight.pop(fut)
+        if source != TRAINER:
+            self.peer_load[source] -= 1
+        try:
+            index, size = fut.result()
+        except _Corrupt as e:
+            self.stats.corrupt += 1
+            if source == TRAINER:
+                self.trainer_corrupt += 1
+                if self.trainer_corrupt > 3:
+                    raise ManifestError(f"weight version {self.version}: the trainer at "
+                                        f"{self.f.address} sent {self.trainer_corrupt} chunks "
+                                        f"that do not match its own chunk list ({e})") from None
+                log.warning("a chunk from the trainer failed its check (%s); fetching it again", e)
+            else:
+                self.bad.add(source)
+                self.stats.bad_peers.append(source)
+                log.warning("weight version %d: peer %s sent a damaged chunk (%s); not using it "
+                            "again for this version", self.version, source, e)
+            return False
+        except (grpc.RpcError, WireError) as e:
+            self._failed(source, e)
+            return False
+        if index == REDIRECT:  # live peers hold all we asked for: the next peer list has them
+            self.stats.redirects += 1
+            self.trainer_retry_at = time.monotonic() + self.cfg.weights_peer_refresh_s
+            return False
+        if index not in self.missing:
+            self.stats.duplicates += 1
+            return False
+        self.missing.discard(index)
+        with self.holding.lock:
+            self.holding.have.add(index)
+        self.state.pending.add(index)
+        if source == TRAINER:
+            self.stats.from_trainer += 1
+            self.stats.bytes_from_trainer += size
+            self.trainer_backoff = 0.2
+        else:
+            self.stats.from_peers += 1
+            self.stats.bytes_from_peers += size
+        return True
+
+    def _failed(self, source: str, e: Exception) -> None:
+        code = e.code() if isinstance(e, grpc.RpcError) else None
+        if code == grpc.StatusCode.RESOURCE_EXHAUSTED:  # its link is full: ask again shortly
+            self.stats.busy += 1
+            again = time.monotonic() + self.cfg.weights_peer_refresh_s
+            if source == TRAINER:
+                self.trainer_retry_at = again
+            else:
+                self.busy_until[source] = again
+            return
+        if source != TRAINER:
+            self.stats.peer_failures += 1
+            self.failed[source] = time.monotonic()
+            log.info("weight peer %s failed a chunk request (%s); skipping it for %.0f s",
+                     source, _why(e), self.cfg.weights_peer_ttl_s)
+            return
+        self.stats.trainer_failures += 1
+        if code == grpc.StatusCode.UNAUTHENTICATED:
+            raise PermissionError(f"the trainer at {self.f.address} refused the token "
+                                  f"(buffer.grpc_token_file or $TANDEM_GRPC_TOKEN): {_why(e)}")
+        if code == grpc.StatusCode.NOT_FOUND and "not published" in (e.details() or ""):
+            raise ManifestError(f"weight version {self.version}: {_why(e)}")
+        log.warning("a chunk request to the trainer at %s failed (%s); retrying in %.1f s",
+                    self.f.address, _why(e), self.trainer_backoff)
+        self.trainer_retry_at = time.monotonic() + self.trainer_backoff
+        self.trainer_backoff = min(self.trainer_backoff * 2, 5.0)
+
+
+def _why(e: Exception) -> str:
+    if isinstance(e, grpc.RpcError):
+        return f"{e.code().name}: {e.details()}"
+    return repr(e)
+
+
+def _retry(call, deadline: float, what: str):
+    """call() until it succeeds; transient gRPC failures retried with backoff until `deadline`,
+    a line per failure saying what it waits for; a refused token or a missing version raise."""
+    backoff = 0.2
+    while True:
+        try:
+            return call()
+        except grpc.RpcError as e:
+            if e.code() == grpc.StatusCode.UNAUTHENTICATED:
+                raise PermissionError(f"{what}: token refused (buffer.grpc_token_file or "
+                                      f"$TANDEM_GRPC_TOKEN): {_why(e)}") from None
+            if e.code() == grpc.StatusCode.NOT_FOUND:
+                raise ManifestError(f"{what}: {_why(e)}") from None
+            if time.monotonic() + backoff > deadline:
+                raise TimeoutError(f"{what}: gave up after buffer.weights_stall_timeout_s "
+                                   f"({_why(e)})") from None
+            log.warning("waiting for %s (%s); retrying in %.1f s", what, _why(e), backoff)
+            time.sleep(backoff)
+            backoff = min(backoff * 2, 5.0)
+
+
+@contextlib.contextmanager
+def _flock(path: str, timeout_s: float):
+    """One fetch per destination (another process fetching it holds the lock; a killed one
+    released it). Waits up to `timeout_s`, saying so."""
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        start, noted = time.monotonic(), -NOTE_EVERY_S
+        while True:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                waited = time.monotonic() - start
+                if waited > timeout_s:
+                    raise TimeoutError(f"{path}: another fetch of this version held the lock "
+                                       f"for {waited:.0f} s") from None
+                if waited - noted >= NOTE_EVERY_S:
+                    log.info("waiting for another fetch into %s to finish (%.0f s)", path, waited)
+                    noted = waited
+                time.sleep(0.2)
+        yield
+    finally:
+        os.close(fd)
+
+
+def _folder_problem(folder: str) -> str | None:
+    """Why a finished folder is not the version its manifest.json describes, or None."""
+    from protocol.weights import verify_files
+    path = os.path.join(folder, "manifest.json")
+    try:
+        with open(path) as f:
+            verify_files(WeightManifest.from_json(f.read(), where=path), folder)
+    except (OSError, ManifestError) as e:
+        return str(e)
+    return None

@@ -1,0 +1,197 @@
+"""The run service (buffer/run_service.py) and its network stores (buffer/stores/net.py) with a
+real gRPC server on loopback: a worker-side Run whose root shares nothing with the trainer's."""
+import dataclasses
+import threading
+import time
+
+import grpc
+import msgpack
+import pytest
+
+from buffer.config import BufferConfig
+from buffer.run import Run
+from buffer.stores.net import RunClient, RunServiceError
+from conftest import free_port
+from protocol import run_service as rs
+from protocol.validation import ValidationResult
+from protocol.weights import ManifestError
+from rollout import builtin_task
+from rollout.config import WorkerConfig
+
+TOKEN = "run-service-token"
+
+
+def _cfg(tmp_path, port, token=TOKEN, **kw) -> BufferConfig:
+    path = tmp_path / f"token-{token}"
+    path.write_text(token + "\n")
+    return BufferConfig(transport="grpc", grpc_bind=f"127.0.0.1:{port}",
+                        grpc_address=f"127.0.0.1:{port}", grpc_token_file=str(path), **kw)
+
+
+@pytest.fixture
+def served(tmp_path):
+    """(trainer's filesystem Run, its RunServer, the workers' config); v0 published."""
+    port = free_port()
+    cfg = _cfg(tmp_path, port, grpc_call_timeout_s=10, grpc_trainer_wait_s=20, grpc_linger_s=0)
+    trainer = Run.local(str(tmp_path / "trainer"))
+    trainer.state.ensure_run_id()
+    builtin_task.write_model(tmp_path / "model")
+    trainer.publisher.publish_hf_folder(tmp_path / "model", 0, 0, keep=2)
+    server = trainer.serve(cfg)  # what the trainer's rank 0 starts
+    yield trainer, server, cfg
+    server.stop(grace_s=1)
+
+
+def _worker_run(tmp_path, cfg):
+    """A worker-side Run: its own folder, everything else through the service."""
+    return Run.open(WorkerConfig(root=str(tmp_path / "worker"), buffer=cfg))
+
+
+def _files_under(path):
+    return sorted(str(p.relative_to(path)) for p in path.rglob("*") if p.is_file())
+
+
+def test_worker_side_stores_over_the_service(tmp_path, served):
+    trainer, server, cfg = served
+    before = _files_under(tmp_path / "trainer")
+    run = _worker_run(tmp_path, cfg)
+    assert run.transport == "grpc"
+    assert run.state.run_id() == trainer.state.run_id() and not run.state.done()
+    # heartbeats land in the trainer's folder, written by the service
+    run.heartbeats.write("w0", {"worker_id": "w0", "state": "running", "samples_written": 3})
+    assert trainer.heartbeats.read("w0")["samples_written"] == 3
+    assert run.heartbeats.read("w0") == trainer.heartbeats.read("w0")
+    assert [b["worker_id"] for b in run.heartbeats.all()] == ["w0"]
+    assert run.progress.read() is None
+    trainer.progress.write({"samples_retired": 7, "batch_groups": 2})
+    assert run.progress.read()["samples_retired"] == 7
+    # weights: the pointer, and the version streamed into the worker's own folder, verified
+    assert run.weights.latest() == 0 and run.weights.exists(0) and not run.weights.exists(1)
+    folder = run.weights.fetch(0)
+    assert folder.startswith(str(tmp_path / "worker"))
+    files = run.weights.files(0)
+    assert files and all(f.startswith(folder) for f in files)
+    assert open(files[0], "rb").read() == open(trainer.weights.files(0)[0], "rb").read()
+    with pytest.raises((FileNotFoundError, ManifestError)):
+        run.weights.fetch(5)  # never published: NOT_FOUND, as a pruned version
+    # sync claims: exactly the slots there are, whoever asks
+    trainer.sync.open_version(0)
+    assert run.sync.claim(0, 3, 2, "w0") == 2 and run.sync.claim(0, 3, 2, "w1") == 1
+    assert run.sync.claims(0) == {0: "w0", 1: "w0", 2: "w1"} == trainer.sync.claims(0)
+    assert run.sync.share(8, 4) == 4  # one live worker (w0's heartbeat)
+    # validation: the validator answers the trainer's request through the service
+    trainer.validation.request(0, 0)
+    assert [r.version for r in run.validation.requests()] == [0]
+    run.validation.answer(ValidationResult(0, 0, {"val-core/x/reward/mean@1": 0.5}))
+    assert trainer.validation.result(0).metrics == {"val-core/x/reward/mean@1": 0.5}
+    assert run.validation.requests() == [] and trainer.validation.held() == []
+    run.validation.write_beat({"state": "running", "last_beat": time.time()})
+    assert trainer.validation.beat()["state"] == "running"
+    # control: commands in, pool state out
+    cmd, where = run.control.submit("add", 2)
+    assert (cmd.action, cmd.count) == ("add", 2) and cmd.id in where
+    assert [c.id for c in run.control.commands()[0]] == [cmd.id]
+    run.control.save_pool_state("node1", {"target": 3})
+    assert trainer.control.pool_state("node1") == {"target": 3} == run.control.pool_state("node1")
+    assert run.control.pool_states() == {"node1": {"target": 3}}
+    with pytest.raises(RunServiceError, match="INVALID_ARGUMENT"):
+        run.control.submit("explode", 1)
+    # the end of the run
+    trainer.state.mark_done({"steps": 1})
+    assert run.state.done()
+    # the worker's folder holds only its weight cache; the trainer's only what the service wrote
+    own = [p for p in _files_under(tmp_path / "worker") if not p.endswith(".partial.lock")]
+    assert all(p.startswith("weights/v000000/") for p in own), own  # (the failed fetch's lock)
+    after = set(_files_under(tmp_path / "trainer")) - set(before)
+    assert after == {"workers/w0.json", "progress.json", "sync/v000000/000000", "sync/v000000/000001",
+                     "sync/v000000/000002", "validation/v000000.json", "validation/validator.json",
+                     f"control.d/{cmd.id}.json", "pool/node1.json", "DONE"}, after
+    with pytest.raises(RuntimeError, match="trainer's"):
+        run.state.mark_done({})  # what only the trainer does is not offered remotely
+
+
+def test_refusals_name_what_is_wrong(tmp_path, served):
+    trainer, server, cfg = served
+    bad = RunClient(_cfg(tmp_path, server.port, token="wrong"))
+    with pytest.raises(RunServiceError, match="UNAUTHENTICATED"):
+        bad.call("Heartbeats")
+    assert not list((tmp_path / "trainer").glob("workers/*"))
+    client = RunClient(cfg)
+    with pytest.raises(RunServiceError, match="INVALID_ARGUMENT.*worker id"):
+        client.call("WriteHeartbeat", rs.HeartbeatWrite("../etc", {}))
+    # a message that is not the request's dataclass, sent by hand
+    with grpc.insecure_channel(cfg.grpc_address) as ch:
+        raw = ch.unary_unary(rs.method("SyncClaim"))
+        with pytest.raises(grpc.RpcError) as e:
+            raw(b"\x93\x01\x02", timeout=10, metadata=client.metadata)
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    # a second process writing w0's heartbeat is held off while the first one beats
+    client.call("WriteHeartbeat", rs.HeartbeatWrite("w0", {"worker_id": "w0"}))
+    other = RunClient(dataclasses.replace(cfg, grpc_trainer_wait_s=1.0))
+    with pytest.raises(TimeoutError, match="in use by another process"):
+        other.call("WriteHeartbeat", rs.HeartbeatWrite("w0", {"worker_id": "w0"}))
+    with pytest.raises(RunServiceError, match="PERMISSION_DENIED"):
+        client.call("WriteHeartbeat", rs.HeartbeatWrite("w0", {"worker_id": "w1"}))
+
+
+def test_a_claim_retried_after_a_lost_reply_is_made_once(tmp_path, served):
+    trainer, server, cfg = served
+    trainer.sync.open_version(0)
+    client = RunClient(cfg)
+    request = rs.ClaimRequest(0, 4, 2, "w0", rs.new_request_id())
+    assert client.call("SyncClaim", request).n == 2
+    assert client.call("SyncClaim", request).n == 2  # the same reply, no new slots
+    assert len(trainer.sync.claims(0)) == 2
+
+
+def test_a_client_waits_for_a_trainer_that_starts_later(tmp_path, caplog):
+    port = free_port()
+    cfg = _cfg(tmp_path, port, grpc_call_timeout_s=5, grpc_trainer_wait_s=120)
+    client = RunClient(cfg)
+    got = {}
+    thread = threading.Thread(target=lambda: got.setdefault("pointer", client.call("WeightsPointer")))
+    with caplog.at_level("INFO"):
+        thread.start()
+        deadline = time.monotonic() + 60  # the first retry logs at once
+        while "waiting for the trainer's run service" not in caplog.text:
+            assert time.monotonic() < deadline, "the client did not say what it waits for"
+            time.sleep(0.05)
+        server = Run.local(str(tmp_path / "trainer")).serve(cfg)
+        try:
+            thread.join(timeout=60)
+            assert not thread.is_alive() and got["pointer"].doc is None
+        finally:
+            server.stop(grace_s=1)
+    assert "answers again" in caplog.text
+    gone = RunClient(dataclasses.replace(cfg, grpc_trainer_wait_s=1.0))
+    with pytest.raises(TimeoutError, match="grpc_trainer_wait_s"):
+        gone.call("RunState")
+
+
+def test_the_trainer_lingers_until_workers_stopped(tmp_path):
+    port = free_port()
+    cfg = _cfg(tmp_path, port, grpc_linger_s=60)
+    trainer = Run.local(str(tmp_path / "trainer"))
+    server = trainer.serve(cfg)
+    trainer.heartbeats.write("w0", {"worker_id": "w0", "state": "running", "last_beat": time.time()})
+    trainer.state.mark_done({"steps": 1})
+    stopped = threading.Event()
+    threading.Thread(target=lambda: (server.stop(grace_s=1), stopped.set()), daemon=True).start()
+    run = _worker_run(tmp_path, cfg)
+    assert run.state.done()  # still served after DONE
+    assert not stopped.wait(1.0)  # 1 s: the linger polls every 0.2 s; w0 still runs
+    run.heartbeats.write("w0", {"worker_id": "w0", "state": "stopped", "last_beat": time.time()})
+    assert stopped.wait(30)
+
+
+def test_message_codec_refuses_wrong_types():
+    assert rs.decode(rs.ClaimRequest, rs.encode(rs.ClaimRequest(1, 2, 3, "w", "r"))) == \
+        rs.ClaimRequest(1, 2, 3, "w", "r")
+    with pytest.raises(rs.MessageError, match="ClaimRequest.version"):
+        rs.decode(rs.ClaimRequest, msgpack.packb({"version": "1"}))
+    with pytest.raises(rs.MessageError, match="ClaimRequest.want"):
+        rs.decode(rs.ClaimRequest, msgpack.packb({"want": True}))  # a bool is no count
+    with pytest.raises(rs.MessageError, match="expected a map"):
+        rs.decode(rs.Empty, msgpack.packb([1, 2]))
+    with pytest.raises(rs.MessageError, match="not msgpack"):
+        rs.decode(rs.Empty, b"\xc1")
