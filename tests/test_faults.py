@@ -121,32 +121,35 @@ def test_restarted_grpc_worker_is_not_acknowledged_as_a_duplicate(tmp_path, monk
     "listed; the heartbeat's samples_written grows with each restart, the backlog the "
     "shared-folder workers see never drains, and they stay blocked (benchmarks/README.md)"))
 def test_a_restarted_grpc_worker_counts_each_written_sample_once(tmp_path, monkeypatch):
-    """Worker and trainer on one run folder (as launch.local and the chaos driver run them): six
-    shards pushed while the trainer is not up yet (every claim made with earlier shards still
-    unacknowledged), then all acknowledged; a restart must count 6 shards' samples, not more."""
-    from buffer.grpc_transport import GrpcShardWriter, ShardServer
+    """Worker and trainer on one run folder (as the chaos driver runs them): the trainer's
+    backpressure holds shards 2-5 unacknowledged while the worker claims the next numbers, then
+    takes them all; a restart must count 6 shards' samples, not more."""
     port = free_port()
     monkeypatch.setenv("TANDEM_GRPC_TOKEN", "t0ken")
     cfg = _cfg(transport="grpc", grpc_bind=f"127.0.0.1:{port}", grpc_address=f"127.0.0.1:{port}",
-               grpc_timeout_s=10, grpc_claim_ttl_s=1.0)
+               grpc_timeout_s=10, grpc_claim_ttl_s=1.0, max_backlog_samples=N)
     root = str(tmp_path / "run")
-    w = GrpcShardWriter(root, "w0", cfg)
-    server = None
+    retired = [0]  # what the trainer has retired: nothing, then everything
+    server = Run.local(root).serve(cfg, retired=lambda: retired[0])
+    writers = []
     try:
+        w = ShardWriter.at(root, "w0", cfg)
+        writers.append(w)
         for g in range(6):
-            w.add_group(make_group("w0", 0, g, 0, N))  # one shard each, all unacknowledged
-        server = ShardServer(root, cfg)
-        _wait(lambda: not w.unacked, "every shard to be acknowledged")
+            w.add_group(make_group("w0", 0, g, 0, N))  # one shard each
+        _wait(lambda: server.servicer.stats["backpressure"] > 0, "the trainer to push back")
+        retired[0] = 10 ** 6
+        _wait(lambda: not w.sink.unacked, "every shard to be acknowledged")
         beat = _beat(w)
-        w.stopping = True  # killed: no close
-        w.senders.shutdown(wait=True)
-        again = GrpcShardWriter(root, "w0", cfg, resume=beat)
-        again.close(timeout_s=10)
+        w.sink.stopping = True  # killed: no close
+        w.sink.senders.shutdown(wait=True)
+        again = ShardWriter.at(root, "w0", cfg, resume=beat)
+        writers.append(again)
     finally:
-        w.stopping = True
-        w.senders.shutdown(wait=True)
-        if server is not None:
-            server.stop()
+        for w in writers:
+            w.sink.stopping = True
+            w.sink.senders.shutdown(wait=True)
+        server.stop()
     on_disk = sum(len(from_table(decode(f.read_bytes())))
                   for f in (tmp_path / "run" / "experience" / "w0").glob("*.arrow"))
     assert on_disk == 6 * N
