@@ -4,8 +4,8 @@
 
 A 2-rank torchrun trainer (gRPC server on) and two rollout workers on the built-in task: w0
 publishes to the shared folder, w1 pushes over gRPC. After every fault the driver waits for the
-trainer to take a new step, waits a random 0-3 s, and injects the next one (their order is
-shuffled by the seed):
+trainer to take a new step, waits a random fraction of the time the trainer's last step took
+(at most 3 s), and injects the next one (their order is shuffled by the seed):
 
     worker          kill -9 of a worker, restarted at once under the same id
     trainer         kill -9 of the trainer's whole process group (torchrun and its ranks);
@@ -64,12 +64,16 @@ def alive(pid: int) -> bool:
         return False
 
 
-def wait_until(cond, what: str, timeout_s: float, check=lambda: None) -> None:
-    deadline = time.monotonic() + timeout_s
+def wait_until(cond, what: str, timeout_s: float, check=lambda: None, note_every_s: float = 60) -> None:
+    start = noted = time.monotonic()
     while not cond():
         check()
-        if time.monotonic() > deadline:
+        now = time.monotonic()
+        if now - start > timeout_s:
             raise Failure(f"timed out after {timeout_s:.0f} s waiting for {what}")
+        if now - noted >= note_every_s:
+            print(f"chaos: waiting for {what}: {now - start:.0f} s of {timeout_s:.0f}", flush=True)
+            noted = now
         time.sleep(0.2)
 
 
@@ -92,10 +96,18 @@ class Proc:
         """SIGKILL the process group; the trainer's ranks, in sessions of their own, must die
         with their torchrun agent (trainer/lifeline.py)."""
         ranks = [pid for pid in descendants(self.p.pid) if alive(pid)]
-        os.killpg(self.p.pid, signal.SIGKILL)
+        self.sigkill()
         self.p.wait(timeout=timeout_s)
         wait_until(lambda: not any(alive(pid) for pid in ranks),
                    f"the ranks of {self.name} to die with their agent", 60)
+
+    def sigkill(self) -> None:
+        """SIGKILL the process group, which must still be there."""
+        try:
+            os.killpg(self.p.pid, signal.SIGKILL)
+        except ProcessLookupError:  # e.g. it stopped on DONE just before the fault
+            raise Failure(f"{self.name} had exited by itself (code {self.p.poll()}) when its "
+                          "fault came") from None
 
     def text(self) -> str:
         return self.log.read_text(errors="replace")
@@ -141,6 +153,18 @@ class Chaos:
         except FileNotFoundError:
             return 0
 
+    def last_step(self) -> dict:
+        """The trainer's last metrics line ({} while there is no whole one)."""
+        try:
+            return json.loads(Path(self.layout.metrics).read_text().splitlines()[-1])
+        except (OSError, IndexError, ValueError):
+            return {}
+
+    def step_time(self) -> float:
+        """Seconds the trainer's last step took by its own clock (waiting for experience
+        included), within [0.1, 3]; 3 when unknown."""
+        return min(max(float(self.last_step().get("time/step_s", 3.0)), 0.1), 3.0)
+
     def check(self) -> None:
         """Every process the driver did not kill is running, or has finished the run."""
         done = os.path.exists(self.layout.done_marker)
@@ -166,10 +190,14 @@ class Chaos:
             if os.path.exists(self.layout.done_marker):
                 raise Failure(f"the run ended after {sum(self.report['faults'].values())} faults: "
                               "give it more steps")
-            time.sleep(self.rng.uniform(0, 3))  # the random moment of the fault
+            # The random moment of the fault: anywhere in the next step (reading, training,
+            # publishing, checkpointing). Scaled by the step's time, not a fixed 0-3 s: a fast
+            # trainer took ~5 steps per fault that way and nearly finished before the last fault.
+            time.sleep(self.rng.uniform(0, 1) * self.step_time())
             print(f"{time.monotonic() - t0:6.0f} s, step {self.steps()}: {kind}", flush=True)
             getattr(self, f"fault_{kind}")()
             self.report["faults"][kind] += 1
+        self.report["step_at_last_fault"] = self.last_step().get("step")  # margin: steps left
         wait_until(lambda: self.trainer.p.poll() is not None, "the trainer to finish", 1800, self.check)
         if self.trainer.p.returncode != 0 or not os.path.exists(self.layout.done_marker):
             raise Failure(f"the trainer ended with code {self.trainer.p.returncode}, DONE "
@@ -200,7 +228,7 @@ class Chaos:
     def fault_both(self) -> None:
         w = self.rng.choice(self.workers)
         self.expected_exit |= {"trainer", w.name}
-        os.killpg(w.p.pid, signal.SIGKILL)
+        w.sigkill()
         self.trainer.kill_group()
         w.p.wait(timeout=60)
         self.expected_exit.discard(w.name)

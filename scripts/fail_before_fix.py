@@ -1,0 +1,259 @@
+"""Issue 15's fixes, each removed in turn: its tests must fail without it and pass with it.
+
+    python scripts/fail_before_fix.py [--only 2,5b] [--no-pass-run] [--timeout 1800] [--check]
+
+For each case below the script substitutes text in one or two product files (the smallest edit
+that removes the fix; each anchor must occur exactly once), runs the case's tests with pytest in a
+subprocess under a timeout, and restores the files in a `finally`; every test of the case must
+fail (a failure, an error or a hang past the timeout). Then, unless --no-pass-run, it runs all
+the named tests once on the untouched tree and expects them to pass. It prints a markdown table (benchmarks/README.md,
+"Failed before its fix") and exits 1 if a test passed without its fix or failed with it.
+
+It refuses to run on a dirty tree: a restore writes the committed text back. Nothing else may run
+in this tree meanwhile (it would see the fix removed). Not part of the test suite: about an hour
+on a 2-core machine; the SLURM case needs root (tests/test_slurm.py starts a one-node SLURM).
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import re
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import xml.etree.ElementTree as ET
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+F = "tests/test_faults.py::"
+
+
+@dataclasses.dataclass
+class Case:
+    key: str  # issue 15's item number, a letter per part of its fix
+    what: str  # the edit, in words
+    edits: list[tuple[str, str, str]]  # (file, anchor, replacement)
+    tests: list[str]
+
+
+CASES = [
+    Case("1", "a restarted writer ignores its durable seq claim (workers/<id>.claim)",
+         [("buffer/writer.py", "claim = self.sink.read_claim() or {}", "claim = {}")],
+         [F + "test_restarted_worker_never_reuses_a_consumed_and_pruned_shard_number",
+          F + "test_restarted_grpc_worker_is_not_acknowledged_as_a_duplicate"]),
+    Case("2", "no parent-death signal: die_with_agent() returns at once",
+         [("trainer/lifeline.py", 'if "TORCHELASTIC_RUN_ID" not in os.environ:', "if True:")],
+         [F + "test_killing_torchrun_kills_its_ranks"]),
+    Case("3", "no run lock: RunLock.acquire takes no fcntl lock",
+         [("trainer/run_lock.py", "fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)", "pass")],
+         [F + "test_a_second_trainer_on_the_run_folder_is_refused_naming_the_first"]),
+    Case("4", "the reader checks neither the run id nor versions from the future",
+         [("buffer/stores/reader.py",
+           "check_origin(table.schema.metadata or {}, worker, seq, path, self.run_id)\n"
+           "            check_not_future(table, current_version)",
+           "check_origin(table.schema.metadata or {}, worker, seq, path, None)")],
+         [F + "test_leftover_experience_of_another_run_is_not_trained_on",
+          F + "test_reader_refuses_shards_of_another_run_without_a_run_id_or_from_the_future"]),
+    Case("5a", "quarantined samples are not counted as retired",
+         [("buffer/stores/reader.py",
+           'self.stats["quarantined_samples"] += _declared_samples(data, path)', "pass")],
+         [F + "test_quarantined_and_stale_samples_are_retired_while_the_trainer_waits"]),
+    Case("5b", "the worker's cap is buffer.max_backlog_samples alone, not sized from one step",
+         [("buffer/backpressure.py",
+           'cap = max(limit, int(report.get("batch_groups", 0)) * group_size)', "cap = limit")],
+         [F + "test_a_step_larger_than_the_backlog_cap_completes"]),
+    Case("5c", "no age-based flush while blocked by backpressure",
+         [("rollout/worker.py", "on_wait=self._flush_while_waiting,", "")],
+         [F + "test_a_worker_blocked_by_backpressure_still_flushes_by_age"]),
+    Case("6a", "the gRPC server never pushes back",
+         [("buffer/grpc_transport.py", "        self._backpressure(head, key, context)\n", "")],
+         [F + "test_grpc_spool_stops_growing_while_the_trainer_does_not_consume"]),
+    Case("6b", "the reader ingests every discovered shard, not just one step's",
+         [("buffer/stores/reader.py", "if len(self.pool) >= num_groups:\n"
+           "                    break  # the rest", "if False:\n                    break  # the rest")],
+         [F + "test_reader_reads_no_further_than_a_step_needs"]),
+    Case("7", "maybe_reload catches FileNotFoundError only, not ManifestError",
+         [("rollout/worker.py", "except (FileNotFoundError, ManifestError) as e:",
+           "except FileNotFoundError as e:")],
+         [F + "test_worker_survives_a_version_pruned_while_it_loads"]),
+    Case("8", "the per-shard lock is dropped when its holder ends (waiters or not), and every "
+              "push of a shard spools under one temporary name",
+         [("buffer/grpc_transport.py", "                if not entry[1]:\n",
+           "                if True:\n"),
+          ("buffer/grpc_transport.py", 'f"{os.getpid()}.{next(self._push_ids)}"', "os.getpid()")],
+         [F + "test_concurrent_pushes_of_one_shard_never_publish_damaged_bytes"]),
+    Case("9", "control.d/<id>.json created by check-then-rename, not by a hard link",
+         [("buffer/storage.py", "if not is_local(fs):\n        if fs.exists(path):",
+           "if True:\n        if fs.exists(path):")],
+         [F + "test_concurrent_control_commands_are_all_kept_with_distinct_ids"]),
+    Case("10a", "a full disk is an error like any other (is_disk_full() is False)",
+         [("buffer/storage.py", "return isinstance(e, OSError) and e.errno in DISK_FULL", "return False")],
+         [F + "test_every_role_outlives_a_full_disk"]),
+    Case("10b", "no checkpoint by default (trainer.save_freq default 0)",
+         [("trainer/config.py", "save_freq: int = F(10,", "save_freq: int = F(0,")],
+         [F + "test_a_trainer_killed_before_its_first_checkpoint_starts_again"]),
+    Case("10c", "versions but no checkpoint: refused, not started again at step 0",
+         [("trainer/main.py", 'if cfg.trainer.resume_mode != "auto":', "if True:")],
+         [F + "test_a_trainer_killed_before_its_first_checkpoint_starts_again"]),
+    Case("10d", "staging folders of killed publishes are not removed at start",
+         [("trainer/main.py", "self.store.remove_debris()  #", "pass  #")],
+         [F + "test_a_trainer_killed_before_its_first_checkpoint_starts_again"]),
+    Case("11a", "the trainer ignores ROOT/trainer.stop",
+         [("trainer/main.py", "path = self.stores.files.trainer_stop\n        if os.path.exists(path):",
+           "path = self.stores.files.trainer_stop\n        if False:")],
+         [F + "test_a_stop_request_checkpoints_and_a_restart_resumes"]),
+    Case("11b", "the trainer job's batch script does not trap USR1 (no stop request, no requeue)",
+         [("launch/slurm/trainer.sbatch", "trap stop_requested USR1\n", "")],
+         ["tests/test_slurm.py::test_trainer_job_checkpoints_on_the_time_limit_signal_and_is_requeued"]),
+]
+
+
+def dirty() -> str:
+    return subprocess.run(["git", "status", "--porcelain"], cwd=REPO, capture_output=True,
+                          text=True, check=True).stdout.strip()
+
+
+def apply(edits: list[tuple[str, str, str]], originals: dict[Path, str]) -> None:
+    """Apply the edits, keeping each file's text before the first in `originals`. An anchor
+    must occur exactly once."""
+    for name, anchor, replacement in edits:
+        path = REPO / name
+        current = path.read_text()
+        originals.setdefault(path, current)
+        count = current.count(anchor)
+        if count != 1:
+            raise SystemExit(f"{name}: the anchor occurs {count} times, not once (has the fix "
+                             f"moved?):\n{anchor}")
+        path.write_text(current.replace(anchor, replacement))
+
+
+def restore(originals: dict[Path, str]) -> None:
+    for path, text in originals.items():
+        path.write_text(text)
+
+
+def run_pytest(tests: list[str], timeout_s: float, log: Path) -> dict[str, tuple[str, str, float]]:
+    """{test: (outcome, first line of the message, seconds)}; outcome passed, failed, error,
+    skipped, or timeout/missing. pytest's output goes to `log`."""
+    with tempfile.TemporaryDirectory() as tmp, open(log, "w") as out:
+        xml = os.path.join(tmp, "junit.xml")
+        env = dict(os.environ, PYTHONPATH=str(REPO), PYTHONDONTWRITEBYTECODE="1")
+        p = subprocess.Popen([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+                              f"--junitxml={xml}", *tests], cwd=REPO, env=env,
+                             stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+        try:
+            p.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            os.killpg(p.pid, signal.SIGKILL)
+            p.wait()
+            return {t: ("timeout", f"pytest ran past {timeout_s:.0f} s", timeout_s) for t in tests}
+        finally:
+            if p.poll() is None:
+                os.killpg(p.pid, signal.SIGKILL)
+                p.wait()
+        return _outcomes(xml, tests) if os.path.exists(xml) else {
+            t: ("missing", f"pytest exited {p.returncode} without a report ({log})", 0.0)
+            for t in tests}
+
+
+def _outcomes(xml: str, tests: list[str]) -> dict[str, tuple[str, str, float]]:
+    got = {}
+    for case in ET.parse(xml).iter("testcase"):
+        name = case.get("name")
+        outcome, message = "passed", ""
+        for kind in ("failure", "error", "skipped"):
+            el = case.find(kind)
+            if el is not None:
+                outcome = {"failure": "failed"}.get(kind, kind)
+                # pytest's "E" lines of the report (the message attribute is cut at a newline)
+                report = [x[1:] for x in (el.text or "").splitlines() if x.startswith("E ")]
+                message = "\n".join(report) or el.get("message") or ""
+                break
+        got[name] = (outcome, _line(message), float(case.get("time", 0)))
+    return {t: got.get(t.rsplit("::", 1)[-1], ("missing", f"not in pytest's report ({xml})", 0.0))
+            for t in tests}
+
+
+def _line(message: str) -> str:
+    """The message's first informative line, short and safe in a markdown table. An assertion
+    whose message is a process's output tail: the last exception named there (not torchrun's
+    ChildFailedError), else its last line."""
+    lines = [x.strip() for x in message.splitlines() if x.strip()]
+    told = [x for x in lines if not x.startswith(("assert ", "+", "where "))] or lines or [""]
+    line = told[0]
+    if line.rstrip(":") == "AssertionError" and len(told) > 1:
+        raised = [x for x in told[1:] if re.search(r"\w(Error|Exception): \S", x)
+                  and "ChildFailedError" not in x]
+        line = raised[-1] if raised else told[-1]
+    line = re.sub(r"/tmp/pytest-of-[^/]+/pytest-\d+/", "", line)
+    return (line[:160] + ("..." if len(line) > 160 else "")).replace("|", "\\|")
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--only", default="", help="comma-separated case keys (e.g. 2,5b); default all")
+    p.add_argument("--no-pass-run", action="store_true", help="skip the run with every fix in place")
+    p.add_argument("--timeout", type=float, default=1800, help="seconds per pytest run")
+    p.add_argument("--logs", default=None, help="folder for pytest's output per run (default: a "
+                   "new temporary folder, printed)")
+    p.add_argument("--check", action="store_true",
+                   help="only check that every anchor occurs once (changes nothing)")
+    args = p.parse_args(argv)
+    if args.check:
+        for case in CASES:
+            for name, anchor, _ in case.edits:
+                count = (REPO / name).read_text().count(anchor)
+                print(f"{case.key}: {name}: {'ok' if count == 1 else f'{count} times'}")
+        return 0
+    if dirty():
+        print(f"refusing to run: the tree is dirty (commit or stash first):\n{dirty()}", file=sys.stderr)
+        return 2
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # the finally restores the files
+    logs = Path(args.logs or tempfile.mkdtemp(prefix="fail_before_fix-"))
+    logs.mkdir(parents=True, exist_ok=True)
+    print(f"pytest's output: {logs}/<item>.log", flush=True)
+    only = set(filter(None, args.only.split(",")))
+    cases = [c for c in CASES if not only or c.key in only]
+    without: dict[tuple[str, str], tuple[str, str, float]] = {}
+    for case in cases:
+        print(f"[{time.strftime('%H:%M:%S')}] {case.key}: {case.what}", flush=True)
+        originals: dict[Path, str] = {}
+        try:
+            apply(case.edits, originals)
+            got = run_pytest(case.tests, args.timeout, logs / f"{case.key}.log")
+        finally:
+            restore(originals)
+        for test, result in got.items():
+            without[case.key, test] = result
+            print(f"    without the fix: {result[0]} ({result[2]:.0f} s) {result[1]}", flush=True)
+    if dirty():
+        print(f"the tree is not clean after the restores:\n{dirty()}", file=sys.stderr)
+        return 2
+    with_fix = {}
+    if not args.no_pass_run:
+        tests = list(dict.fromkeys(t for c in cases for t in c.tests))
+        print(f"[{time.strftime('%H:%M:%S')}] every fix in place: {len(tests)} tests", flush=True)
+        with_fix = run_pytest(tests, args.timeout * 2, logs / "with-the-fixes.log")
+    bad = 0
+    print("\n| item | fix removed (file: edit) | test | without the fix | with the fix |")
+    print("| --- | --- | --- | --- | --- |")
+    for case in cases:
+        files = ", ".join(dict.fromkeys(f"`{e[0]}`" for e in case.edits))
+        for test in case.tests:
+            out, msg, secs = without[case.key, test]
+            fixed = with_fix.get(test)
+            # skipped (e.g. no SLURM here) proves nothing either way, and is shown as such
+            bad += out in ("passed", "missing") or (
+                fixed is not None and fixed[0] in ("failed", "error", "timeout", "missing"))
+            shown = f"**{out}** ({secs:.0f} s): {msg}" if out != "passed" else "**PASSED: the test is defective**"
+            after = f"{fixed[0]} ({fixed[2]:.0f} s)" + (f": {fixed[1]}" if fixed[1] else "") \
+                if fixed else "not run"
+            print(f"| {case.key} | {files}: {case.what} | `{test.rsplit('::', 1)[-1]}` | {shown} | {after} |")
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
