@@ -144,7 +144,10 @@ def test_synchronous_pipeline_trains_every_sample_at_staleness_0(tmp_path, worke
     # Nothing left over: what the workers wrote is what the trainer consumed, one batch per
     # version 0..STEPS-1 and nothing for the final version.
     beats = [json.loads(p.read_text()) for p in (root / "workers").glob("*.json")]
-    assert len(beats) == workers
+    # Over gRPC a heartbeat reaches the trainer's folder only through its run service: a worker
+    # that started so late on a loaded box that the trainer had finished and stopped serving
+    # leaves none (seen in CI: w0 took every group; w1 had nothing to do)
+    assert len(beats) == workers if transport == "fs" else 1 <= len(beats) <= workers, beats
     assert sum(b["samples_written"] for b in beats) == STEPS * GROUPS * N
     per_version = collections.Counter()
     for shard in (root / "experience").rglob("*.arrow"):
