@@ -606,8 +606,11 @@ class WeightFetcher:
         chunks leave the bitmap), then drop the sidecars and rename into place."""
         state.save(0)
         chunks = state.chunks
-        bad = [i for i, f in enumerate(chunks.files)
-               if sha256_file(os.path.join(state.folder, f.name)) != f.sha256]
+        # one thread per file (hashlib releases the GIL): a GB of shards hashes on several cores
+        with futures.ThreadPoolExecutor(max(1, min(len(chunks.files), os.cpu_count() or 1))) as pool:
+            sums = list(pool.map(sha256_file, [os.path.join(state.folder, f.name)
+                                              for f in chunks.files]))
+        bad = [i for i, (f, got) in enumerate(zip(chunks.files, sums)) if got != f.sha256]
         if bad:
             names = [chunks.files[i].name for i in bad]
             state.forget(i for pos in bad for i in chunks.chunks_of(pos))

@@ -53,6 +53,10 @@ class ShardWriter:
         self.oldest_pending: float | None = None
         self.shards_written = 0
         self.run_id = run_id  # stamped on every shard; the worker sets it once the run exists
+        # Samples of each shard this writer published from the oldest that may still be
+        # unpublished (over gRPC: unacknowledged) on: a claim's samples_before leaves them out,
+        # since a restart counts them when it lists them.
+        self._unsure_samples: dict[int, int] = {}
         self._resume(resume or {})
 
     @classmethod
@@ -84,8 +88,10 @@ class ShardWriter:
 
     def _claim(self, seq: int) -> None:
         """Durably reserve `seq` before its shard can appear anywhere (see the class doc)."""
-        self.sink.write_claim({"next_seq": seq + 1, "fill_from": self.sink.unsure_from(seq),
-                               "samples_before": self.samples_written})
+        fill_from = self.sink.unsure_from(seq)
+        self._unsure_samples = {s: n for s, n in self._unsure_samples.items() if s >= fill_from}
+        self.sink.write_claim({"next_seq": seq + 1, "fill_from": fill_from,
+                               "samples_before": self.samples_written - sum(self._unsure_samples.values())})
 
     def _fill_gaps(self) -> None:
         """Empty shards under the numbers a killed predecessor claimed but may not have
@@ -155,6 +161,7 @@ class ShardWriter:
         path = when_space(lambda: (self._claim(self.seq), self.sink.publish(self.seq, data))[1],
                           self.sink.where())
         self.samples_written += len(self.pending)
+        self._unsure_samples[self.seq] = len(self.pending)
         self.shards_written += 1
         log.info("published %s (%d samples)", path, len(self.pending))
         self.pending = []

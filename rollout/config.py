@@ -92,7 +92,9 @@ class WorkerSection(EngineProcessSection):
 
 @dataclasses.dataclass
 class WorkerConfig:
-    root: str = F(doc="run folder shared with the trainer (local path or fsspec URL)")
+    root: str = F(doc="the run folder shared with the trainer (local path or fsspec URL); with "
+                  "buffer.transport=grpc this process's own local folder (weight cache, shard-number "
+                  "claim, logs): everything else goes through the trainer's run service")
     data: DataConfig = F(factory=DataConfig)
     actor_rollout_ref: ActorRolloutRefConfig = F(factory=ActorRolloutRefConfig)
     custom_reward_function: RewardFunctionConfig = F(factory=RewardFunctionConfig)
@@ -112,7 +114,9 @@ class ValidatorSection(EngineProcessSection):
 
 @dataclasses.dataclass
 class ValidatorConfig:
-    root: str = F(doc="run folder shared with the trainer (local path or fsspec URL)")
+    root: str = F(doc="the run folder shared with the trainer (local path or fsspec URL); with "
+                  "buffer.transport=grpc this process's own local folder (weight cache, shard-number "
+                  "claim, logs): everything else goes through the trainer's run service")
     data: DataConfig = F(factory=DataConfig)
     actor_rollout_ref: ActorRolloutRefConfig = F(factory=ActorRolloutRefConfig)
     custom_reward_function: RewardFunctionConfig = F(factory=RewardFunctionConfig)

@@ -155,6 +155,8 @@ class RolloutWorker:
         if pointer is None or pointer["version"] == self.version:
             return False
         latest = pointer["version"]
+        if self.sync_groups is None and not self.store.ready(latest):
+            return False  # still arriving (network source): generate on, reload when it is here
         t0 = time.monotonic()
         try:
             files = self.store.files(latest)

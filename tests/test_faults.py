@@ -115,11 +115,6 @@ def test_restarted_grpc_worker_is_not_acknowledged_as_a_duplicate(tmp_path, monk
             server.stop()
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "known defect, found by the chaos soak: a gRPC writer's claim counts the samples of its "
-    "unacknowledged shards in samples_before, and a restart counts them again when they are "
-    "listed; the heartbeat's samples_written grows with each restart, the backlog the "
-    "shared-folder workers see never drains, and they stay blocked (benchmarks/README.md)"))
 def test_a_restarted_grpc_worker_counts_each_written_sample_once(tmp_path, monkeypatch):
     """Worker and trainer on one run folder (as the chaos driver runs them): the trainer's
     backpressure holds shards 2-5 unacknowledged while the worker claims the next numbers, then

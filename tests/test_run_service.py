@@ -110,6 +110,24 @@ def test_worker_side_stores_over_the_service(tmp_path, served):
         run.state.mark_done({})  # what only the trainer does is not offered remotely
 
 
+def test_a_new_version_arrives_in_the_background(tmp_path, served):
+    """The worker keeps generating while a version streams in: pointer() starts the fetch,
+    ready() says when it is complete, and fetch() then only hands the folder over."""
+    trainer, server, cfg = served
+    run = _worker_run(tmp_path, cfg)
+    assert run.weights.fetch(0)
+    trainer.publisher.publish_hf_folder(tmp_path / "model", 1, 1, keep=2)
+    assert run.weights.pointer()["version"] == 1  # starts fetching v1
+    cached = tmp_path / "worker" / "weights" / "v000001"
+    deadline = time.monotonic() + 60  # a few MB over loopback: seconds even on a loaded box
+    while not run.weights.ready(1):
+        assert time.monotonic() < deadline, "v1 was not fetched in the background within 60 s"
+        time.sleep(0.05)
+    assert (cached / "manifest.json").is_file()  # complete before anyone asked for it
+    assert run.weights.fetch(1) == str(cached)
+    assert open(run.weights.files(1)[0], "rb").read() == open(trainer.weights.files(1)[0], "rb").read()
+
+
 def test_refusals_name_what_is_wrong(tmp_path, served):
     trainer, server, cfg = served
     bad = RunClient(_cfg(tmp_path, server.port, token="wrong"))

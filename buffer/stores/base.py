@@ -114,6 +114,12 @@ class WeightSource(abc.ABC):
         Raises FileNotFoundError or protocol.weights.ManifestError when the version is gone
         (pruned) or does not match its manifest."""
 
+    def ready(self, version: int) -> bool:
+        """Whether `fetch(version)` would return without waiting for a transfer. The filesystem
+        source always is; the network one starts fetching each new version it sees in
+        `pointer()` in the background, so a worker keeps generating while the bytes arrive."""
+        return True
+
     @abc.abstractmethod
     def exists(self, version: int) -> bool:
         """Whether `version` is still published (not pruned): tells a version pruned while it

@@ -28,6 +28,7 @@ import json
 import logging
 import os
 import shutil
+import threading
 import time
 import uuid
 from typing import Callable
@@ -289,9 +290,38 @@ class NetWeightSource(WeightSource):
         self.layout: RunLayout = local.files
         self._fetcher = None
         self._verified: set[int] = set()  # cache folders this process fetched or checked
+        # (version, thread, errors) of the one background fetch. A daemon thread: a process
+        # that exits mid-fetch leaves a resumable partial folder (the next fetch continues it).
+        self._background: tuple[int, threading.Thread, list[BaseException]] | None = None
 
     def pointer(self) -> dict | None:
-        return self.client.call("WeightsPointer").doc
+        doc = self.client.call("WeightsPointer").doc
+        if doc is not None:
+            self._prefetch(int(doc["version"]))
+        return doc
+
+    def _prefetch(self, version: int) -> None:
+        """Fetch `version` in the background, one version at a time (a newer one seen while
+        another is in flight starts at a later `pointer()`). Called from one thread (the role's)."""
+        bg = self._background
+        if version in self._verified or (bg is not None and (bg[0] == version or bg[1].is_alive())):
+            return
+        errors: list[BaseException] = []
+
+        def run() -> None:
+            try:
+                self._fetch(version)
+            except Exception as e:  # handed to fetch(version); a pruned version is retried later
+                errors.append(e)
+
+        thread = threading.Thread(target=run, name=f"prefetch-v{version}", daemon=True)
+        self._background = (version, thread, errors)
+        thread.start()
+
+    def ready(self, version: int) -> bool:
+        bg = self._background
+        return version in self._verified or (bg is not None and bg[0] == version
+                                              and not bg[1].is_alive())
 
     def exists(self, version: int) -> bool:
         return self.client.call("VersionExists", rs.VersionRef(version)).value
@@ -300,6 +330,15 @@ class NetWeightSource(WeightSource):
         return f"the trainer's weights at {self.client.address} (cached in {self.layout.weights_dir})"
 
     def fetch(self, version: int) -> str:
+        bg = self._background
+        if bg is not None and bg[0] == version:  # in flight or done in the background
+            bg[1].join()  # bounded: the fetcher gives up after buffer.weights_stall_timeout_s
+            self._background = None
+            if bg[2]:
+                raise bg[2][0]
+        return self._fetch(version)
+
+    def _fetch(self, version: int) -> str:
         folder = self.layout.version_dir(version)
         if version in self._verified and os.path.isdir(folder):
             return folder
