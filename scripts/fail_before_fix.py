@@ -45,6 +45,11 @@ CASES = [
          [("buffer/writer.py", "claim = self.sink.read_claim() or {}", "claim = {}")],
          [F + "test_restarted_worker_never_reuses_a_consumed_and_pruned_shard_number",
           F + "test_restarted_grpc_worker_is_not_acknowledged_as_a_duplicate"]),
+    Case("1b", "a gRPC writer's claim counts its unacknowledged shards in samples_before (found "
+               "by the chaos soak after the 11 items)",
+         [("buffer/writer.py", '"samples_before": self.samples_written - sum(self._unsure_samples.values())}',
+           '"samples_before": self.samples_written}')],
+         [F + "test_a_restarted_grpc_worker_counts_each_written_sample_once"]),
     Case("2", "no parent-death signal: die_with_agent() returns at once",
          [("trainer/lifeline.py", 'if "TORCHELASTIC_RUN_ID" not in os.environ:', "if True:")],
          [F + "test_killing_torchrun_kills_its_ranks"]),
