@@ -14,7 +14,7 @@ import pytest
 
 from conftest import small_filesystem, subprocess_env
 
-pytestmark = [pytest.mark.slow, pytest.mark.chaos]  # 6.5-9 min; -m 'not gpu and not chaos' skips it
+pytestmark = [pytest.mark.slow, pytest.mark.chaos]  # 3-9 min; -m 'not gpu and not chaos' skips it
 DRIVER = Path(__file__).resolve().parent / "driver.py"
 
 
