@@ -40,7 +40,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import pyarrow as pa  # noqa: E402
 
 from buffer.config import BufferConfig  # noqa: E402
-from buffer.stores.reader import ExperienceReader  # noqa: E402
+from buffer.experience.reader import ExperienceReader  # noqa: E402
 from buffer.writer import ShardWriter  # noqa: E402
 from protocol.experience import Sample, from_table, to_table  # noqa: E402
 

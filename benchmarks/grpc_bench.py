@@ -72,7 +72,7 @@ def raw_copy(payloads: list[bytes], folder: str | None) -> float:
 
 def _grpc_server(root: str, cfg, ready, stop, stats_q) -> None:
     """The trainer side in its own process, as in a real run (rank 0 of the trainer)."""
-    from buffer.grpc_transport import ShardServer
+    from buffer.experience.net_server import ShardServer
     server = ShardServer(root, cfg)
     ready.set()
     stop.wait(timeout=3600)

@@ -27,7 +27,7 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from buffer.run import Run  # noqa: E402
+from buffer.run import setup_trainer_run  # noqa: E402
 from launch import status  # noqa: E402
 
 LAST_POINTS = 3  # accuracy at equal samples: mean of each run's last this many validations
@@ -37,7 +37,7 @@ def load_run(root: str, label: str | None = None) -> dict:
     """One run's series, wall-clock in seconds since its start: the first rollout batch began
     (engine start-up, the same in every mode, is not counted), or without worker heartbeats the
     first trainer step began."""
-    run = Run.local(root)
+    run = setup_trainer_run(root)
     path = run.files.root
     rows, vals = status.split_metrics(status.read_metrics(run))
     if not rows:

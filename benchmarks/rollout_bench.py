@@ -47,7 +47,7 @@ def build_model(path: str) -> None:
 def publish_like_trainer(store, model_dir: str, version: int) -> None:
     """Publish the model's weights as the trainer does: 256 MiB safetensors files."""
     from safetensors.torch import load_file
-    from buffer.stores.weights import copy_model_metadata
+    from buffer.weights.fs import copy_model_metadata
     state = load_file(os.path.join(model_dir, "model.safetensors"))
     staged, files, entries, part, size = store.stage(version), [], {}, {}, 0
     for name, t in state.items():
@@ -183,7 +183,7 @@ def main() -> int:
     args.model, args.data, args.root = (f"{args.work}/model", f"{args.work}/train.parquet",
                                         f"{args.work}/run")
     build_model(args.model)
-    from buffer.stores.weights import WeightStore
+    from buffer.weights.fs import WeightStore
     from rollout import builtin_task
     store = WeightStore(args.root)
     publish_like_trainer(store, args.model, 0)

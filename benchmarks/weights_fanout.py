@@ -50,7 +50,7 @@ def _cfg(port: int, rate_mb_s: float, fanout: bool, chunk_kb: int):
 
 def publish_model(work: str, mb: int) -> tuple[str, int]:
     """A published version of `mb` MB of random safetensors (made once, reused)."""
-    from buffer.stores.weights import WeightStore
+    from buffer.weights.fs import WeightStore
     root = os.path.join(work, f"trainer_{mb}mb")
     store = WeightStore(root)
     if store.latest() == 1:
@@ -77,7 +77,7 @@ def worker(args) -> None:
     """One simulated worker: READY once its peer server is up, fetch on GO, DONE + stats,
     then keep serving peers until EXIT."""
     import dataclasses
-    from buffer.weights_net import WeightFetcher
+    from buffer.weights.net_client import WeightFetcher
     cfg = _cfg(args.port, args.rate_mb_s, args.fanout, args.chunk_kb)
     f = WeightFetcher(cfg.grpc_address, TOKEN, cfg, args.worker)
     print("READY", flush=True)
@@ -97,8 +97,8 @@ def one_run(work: str, root: str, nbytes: int, n: int, fanout: bool, args) -> di
     """Start a trainer server and n workers, say GO, wait for every DONE."""
     import grpc
 
-    from buffer.stores.weights import WeightStore
-    from buffer.weights_net import add_weight_service
+    from buffer.weights.fs import WeightStore
+    from buffer.weights.net_server import add_weight_service
     from conftest import free_port
     port = free_port()
     cfg = _cfg(port, args.rate_mb_s, fanout, args.chunk_kb)

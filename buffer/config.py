@@ -72,7 +72,7 @@ class BufferConfig:
     grpc_cache_versions: int = F(2, "worker (transport grpc): weight versions kept in the cache "
                                  "in its own folder (ROOT/weights)", ge=1)
 
-    # --- weight versions over the network (buffer/weights_net.py) ---
+    # --- weight versions over the network (buffer/weights/) ---
     weights_chunk_kb: int = F(4096, "trainer: weight files are served in chunks of this many KiB, "
                               "each with its sha256 in the version's chunk list", ge=64, le=4096)
     weights_parallel: int = F(4, "worker: chunk requests to other workers (peers) in flight at "

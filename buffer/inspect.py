@@ -20,10 +20,10 @@ import sys
 
 import pyarrow as pa
 
-from buffer.backpressure import backlog
+from buffer.control.backpressure import backlog
 from buffer.layout import SHARD_SUFFIX, TMP_MARK, check_worker_id
-from buffer.run import Run
-from buffer.stores.reader import check_origin
+from buffer.run import setup_trainer_run
+from buffer.experience.reader import check_origin
 from buffer.storage import read_json
 from protocol.experience import SchemaError, from_table, load_shard
 
@@ -78,7 +78,7 @@ def verify_shard(fs, path: str, worker: str, seq: int, vocab_size: int | None,
 
 
 def report(root: str, verify: bool = False, vocab_size: int | None = None) -> dict:
-    run = Run.local(root)
+    run = setup_trainer_run(root)
     fs, layout = run.fs, run.files
     vocab, vocab_from = _vocab_size(fs, layout, vocab_size)
     run_id = run.state.run_id()
@@ -190,7 +190,7 @@ def main(argv: list[str] | None = None) -> int:
                     help="token ids must be below this (default: init_model/config.json)")
     ap.add_argument("--json", action="store_true", help="print the report as JSON")
     args = ap.parse_args(argv)
-    run = Run.local(args.root)
+    run = setup_trainer_run(args.root)
     if not run.fs.isdir(run.files.root):
         print(f"python -m buffer.inspect: run folder {args.root} not found", file=sys.stderr)
         return 2

@@ -1,5 +1,5 @@
 """The on-disk layout of a run. Every path of a run folder is computed here and nowhere else,
-and used only by the filesystem stores (buffer/stores/) and buffer/run.py: roles get stores from
+and used only by the stores (buffer/experience/, buffer/weights/, buffer/control/) and buffer/run.py: roles get stores from
 their Run and never see a path (tests/test_structure.py checks it).
 
     ROOT/
@@ -17,7 +17,7 @@ their Run and never see a path (tests/test_structure.py checks it).
       weights/LATEST               the newest complete version number, replaced atomically
                                    (with trainer.max_staleness=0 also the groups it trains on)
       sync/v<version>/<slot>       synchronous mode: the worker that claimed each of the
-                                   version's group slots (buffer/sync.py)
+                                   version's group slots (buffer/control/sync.py)
       workers/<worker>.json        heartbeats
       workers/<worker>.claim       the writer's durable claim of its next shard numbers
       validation/requests/v<version>.json  a version the trainer asked rollout.validate to
@@ -28,7 +28,7 @@ their Run and never see a path (tests/test_structure.py checks it).
       control.d/<id>.json          one pool command per file, created by launch.control
       pool/<supervisor>.json       a pool supervisor's applied commands, target and workers
       progress.json                the trainer's consumption count (for worker backpressure)
-      run.json                     the run id (FsRunState, buffer/stores/fs.py), stamped on every shard
+      run.json                     the run id (FsRunState, buffer/control/fs.py), stamped on every shard
       checkpoints/step_<N>/        trainer checkpoints (DCP shards, trainer_state.json, pool.arrow)
       metrics.jsonl                one JSON object per trainer step and per validation result
       tensorboard/, swanlog/       trainer.logger backends' files (tensorboard, swanlab)

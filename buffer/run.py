@@ -1,60 +1,59 @@
-"""`Run`: one object per process that owns the run's storage as this role sees it.
+"""The run's stores as each role sees them: one typed object per role, built by one factory each.
 
-    run = Run.open(cfg)            # a worker, the validator, a pool: cfg.root + cfg.buffer
-    run = Run.local(root)          # the trainer (and launch tools on its folder): the run folder
+    run = setup_worker_run(cfg)     # a worker, the validator, a pool, launch.control: cfg.root + cfg.buffer
+    run = setup_trainer_run(root)   # the trainer, and the launch tools on its folder: the run folder
 
-Roles take their stores from it (`run.weights`, `run.heartbeats`, `run.sink(worker_id)`, ...)
-and never build a path or look at the transport: the choice of implementations is made here,
-once, from `buffer.transport`. Each transport names the module that provides its Run factory
-(`_PROVIDERS`); the module registers it with `register` when imported, so a filesystem run never
-imports grpc. With `grpc`, `cfg.root` is the process's own local folder (weights cache, shard
-claim, logs) and the rest goes to the trainer's run service.
+A `WorkerRun` holds only what the roles beside the trainer may use (the worker-side interfaces of
+buffer/{experience,weights,control}/base.py); a `TrainerRun` is the run folder itself, with the
+trainer's own stores (its experience reader, weight publisher, checkpoints, the folder's other
+files) and the trainer's side of every control-plane store. The type checker holds each role to
+its type. Roles never build a path or look at the transport: `setup_worker_run` chooses the
+implementations once, by `buffer.transport`; `TrainerRun.serve` starts what the trainer serves
+over it. With `grpc`, a WorkerRun's `cfg.root` is the process's own local folder (weights cache,
+shard claim, logs) and the rest goes to the trainer's run service.
+
+This is the top floor of buffer/: nothing inside buffer/ imports it but buffer/writer.py and the
+buffer.inspect tool (tests/test_structure.py).
 """
 from __future__ import annotations
 
 import dataclasses
-import importlib
-from typing import TYPE_CHECKING, Callable
+import functools
+import logging
+import os
+from typing import Callable
 
-from buffer.stores.base import (ControlStore, ExperienceSink, HeartbeatStore, ProgressStore,
-                                RunState, SyncClaims, ValidationStore, WeightSource)
+import fsspec
 
-if TYPE_CHECKING:
-    from buffer.config import BufferConfig
+from buffer.channel import RunClient, token
+from buffer.checkpoints import FsCheckpoints
+from buffer.config import BufferConfig
+from buffer.control import backpressure
+from buffer.control.base import (ControlStore, HeartbeatStore, ProgressStore, RunState, SyncClaims,
+                                 ValidationStore)
+from buffer.control.fs import FsControl, FsHeartbeats, FsProgress, FsRunState, FsSyncClaims, FsValidation
+from buffer.control.net_client import (NetControl, NetHeartbeats, NetProgress, NetRunState,
+                                       NetSyncClaims, NetValidation)
+from buffer.control.net_server import RunService
+from buffer.experience.base import ExperienceSink
+from buffer.experience.fs import FsExperienceSink, FsSpool
+from buffer.experience.net_client import GrpcSink
+from buffer.experience.net_server import ShardServer
+from buffer.experience.reader import ExperienceReader
+from buffer.layout import RunLayout
+from buffer.storage import filesystem, is_local
+from buffer.weights.base import WeightSource
+from buffer.weights.fs import FsWeightSource, WeightStore
+from buffer.weights.net_client import NetWeightSource
+from buffer.weights.net_server import WeightService, add_weight_service
 
-# transport -> the module whose import registers its factory (buffer.transport's choices)
-_PROVIDERS = {"fs": "buffer.stores.fs_run", "grpc": "buffer.stores.net"}
-_FACTORIES: dict[str, Callable[[str, "BufferConfig"], "Run"]] = {}
-_SERVERS: dict[str, Callable] = {}
-
-
-def register(transport: str, factory: Callable[[str, "BufferConfig"], "Run"],
-             server: Callable | None = None) -> None:
-    """Make `factory(root, buffer_cfg) -> Run` the implementation of `transport`; `server(run,
-    buffer_cfg, **hooks)`, if given, is what the trainer's rank 0 starts to serve its run folder
-    to the others (an object with `stop()`; hooks: see FsRun.serve)."""
-    _FACTORIES[transport] = factory
-    if server is not None:
-        _SERVERS[transport] = server
-
-
-def _provider(transport: str) -> None:
-    if transport not in _FACTORIES:
-        if transport not in _PROVIDERS:
-            raise ValueError(f"buffer.transport={transport!r}: one of {sorted(_PROVIDERS)}")
-        importlib.import_module(_PROVIDERS[transport])
-
-
-def server_for(transport: str) -> Callable | None:
-    """The server factory of `transport`, None when the others share the folder (fs)."""
-    _provider(transport)
-    return _SERVERS.get(transport)
+log = logging.getLogger(__name__)
 
 
 @dataclasses.dataclass
-class Run:
-    """The stores of one run as a worker-side process sees them (see buffer/stores/base.py)."""
-    root: str  # this process's own folder: the run folder (fs) or its local one (network)
+class WorkerRun:
+    """The stores of one run as a worker, the validator, a pool or launch.control sees them."""
+    root: str  # this process's own folder: the run folder (fs) or its local one (grpc)
     transport: str
     weights: WeightSource
     heartbeats: HeartbeatStore
@@ -69,18 +68,127 @@ class Run:
         """Where worker `worker_id`'s shards go (one per writer)."""
         return self.make_sink(worker_id)
 
-    @staticmethod
-    def open(cfg) -> "Run":
-        """The Run of a role config: `cfg.root` and, if it has one, `cfg.buffer.transport`."""
-        from buffer.config import BufferConfig
-        buffer = getattr(cfg, "buffer", None) or BufferConfig()
-        _provider(buffer.transport)
-        return _FACTORIES[buffer.transport](cfg.root, buffer)
 
-    @staticmethod
-    def local(root: str, buffer: "BufferConfig | None" = None) -> "Run":
-        """The run folder itself (fsspec URL or local path): a buffer.stores.fs_run.FsRun, with
-        the trainer-only stores, what the trainer, the trainer-side run service and launch tools
-        on the run folder use."""
-        _provider("fs")
-        return _FACTORIES["fs"](root, buffer)
+@dataclasses.dataclass
+class TrainerRun:
+    """The run folder (fsspec URL or local path) with every store on it: the trainer's, and the
+    other roles' as the trainer sees them; `files` names the folder's other files (metrics, logs,
+    inputs, lock) for the trainer and the tools that work on the folder itself (launch/*)."""
+    root: str
+    fs: fsspec.AbstractFileSystem
+    files: RunLayout
+    weights: FsWeightSource
+    publisher: WeightStore  # the trainer's: publish, prune (and read) weight versions
+    heartbeats: FsHeartbeats
+    progress: FsProgress
+    state: FsRunState
+    sync: FsSyncClaims
+    control: FsControl
+    validation: FsValidation
+    spool: FsSpool  # shards pushed over the network land here
+
+    @functools.cached_property
+    def checkpoints(self) -> FsCheckpoints:
+        return FsCheckpoints(self.files)
+
+    def reader(self, cfg: BufferConfig, max_staleness: int, **kwargs) -> ExperienceReader:
+        """The trainer's ExperienceSource of experience/ (buffer/experience/reader.py)."""
+        return ExperienceReader(self.root, cfg, max_staleness, **kwargs)
+
+    def serve(self, buffer: BufferConfig, **hooks) -> RunServer | None:
+        """Trainer rank 0: serve this folder to the other roles over `buffer.transport`; None
+        when they share it (fs). `hooks` (callables): consumed() -> the reader's ledger,
+        retired() -> samples retired, step_samples() -> samples one step takes."""
+        if buffer.transport == "fs":
+            return None
+        elif buffer.transport == "grpc":
+            return RunServer(self, buffer, **hooks)
+        raise ValueError(f"buffer.transport={buffer.transport!r}: 'fs' or 'grpc'")
+
+    def is_local(self) -> bool:
+        """A mounted filesystem (local, NFS, Lustre), not an object store."""
+        return is_local(self.fs)
+
+
+def setup_trainer_run(root: str) -> TrainerRun:
+    """The run folder at `root` as the trainer (and the tools on its folder) see it."""
+    fs, path = filesystem(root)
+    layout = RunLayout(path)
+    heartbeats = FsHeartbeats(fs, layout)
+    return TrainerRun(root=root, fs=fs, files=layout, weights=FsWeightSource(fs, layout),
+                      publisher=WeightStore(root), heartbeats=heartbeats, progress=FsProgress(fs, layout),
+                      state=FsRunState(fs, layout), sync=FsSyncClaims(layout, heartbeats),
+                      control=FsControl(fs, layout), validation=FsValidation(fs, layout),
+                      spool=FsSpool(fs, layout))
+
+
+def setup_worker_run(cfg) -> WorkerRun:
+    """The WorkerRun of a role config: `cfg.root` and, if it has one, `cfg.buffer.transport`."""
+    buffer = getattr(cfg, "buffer", None) or BufferConfig()
+    if buffer.transport == "fs":
+        return _shared_folder_run(cfg.root)
+    elif buffer.transport == "grpc":
+        return _network_run(cfg.root, buffer)
+    raise ValueError(f"buffer.transport={buffer.transport!r}: 'fs' or 'grpc'")
+
+
+def _folder_sink(folder: TrainerRun, worker_id: str) -> FsExperienceSink:
+    """Shards into `folder`'s experience/<worker>/, backpressure from its heartbeats and progress."""
+    room = functools.partial(backpressure.wait_for_room, folder.heartbeats, folder.progress)
+    return FsExperienceSink(folder.fs, folder.files, worker_id, room)
+
+
+def _shared_folder_run(root: str) -> WorkerRun:
+    """`buffer.transport=fs`: every store on the shared run folder."""
+    folder = setup_trainer_run(root)
+    return WorkerRun(root=root, transport="fs", weights=folder.weights, heartbeats=folder.heartbeats,
+                     progress=folder.progress, state=folder.state, sync=folder.sync,
+                     control=folder.control, validation=folder.validation,
+                     make_sink=functools.partial(_folder_sink, folder))
+
+
+def _network_run(root: str, buffer: BufferConfig) -> WorkerRun:
+    """`buffer.transport=grpc`: the process's own folder `root` (local) holds its weight cache
+    and shard claim; everything else is the trainer's run service's."""
+    own = setup_trainer_run(root)
+    if not own.is_local():
+        raise ValueError(f"root={root}: with buffer.transport=grpc the root is this process's "
+                         "own local folder (weight cache, claim file, logs), not a URL")
+    os.makedirs(own.files.weights_dir, exist_ok=True)
+    client = RunClient(buffer)
+    state = NetRunState(client)
+
+    def make_sink(worker_id: str) -> GrpcSink:  # shards pushed; the claim file in `root`
+        return GrpcSink(_folder_sink(own, worker_id), buffer, state)
+    return WorkerRun(root=root, transport="grpc",
+                     weights=NetWeightSource(client, own.files, buffer.grpc_cache_versions),
+                     heartbeats=NetHeartbeats(client), progress=NetProgress(client), state=state,
+                     sync=NetSyncClaims(client), control=NetControl(client),
+                     validation=NetValidation(client), make_sink=make_sink)
+
+
+class RunServer:
+    """The trainer's rank 0 with buffer.transport=grpc: one grpc.Server (buffer.grpc_bind, the
+    token, TLS) with the experience stream (ShardServer), the run service on `run` and the
+    weight service of its published versions. `hooks`: see TrainerRun.serve. `stop()` first
+    lingers after the run's end (buffer.grpc_linger_s), so that workers learn of it."""
+
+    def __init__(self, run: TrainerRun, buffer: BufferConfig, **hooks):
+        secret = token(buffer)
+        self.run_service = RunService(run, buffer, secret)
+        self.weights: WeightService | None = None
+
+        def add_weights(server) -> None:
+            self.weights = add_weight_service(server, self.run_service.version_dir, secret, buffer)
+        self.shards = ShardServer(run.root, buffer, **hooks, services=[
+            lambda server: server.add_generic_rpc_handlers([self.run_service.handler()]),
+            add_weights])
+        self.server, self.port, self.linger_s = self.shards.server, self.shards.port, buffer.grpc_linger_s
+        self.servicer = self.shards.servicer  # the experience stream's (its stats)
+        log.info("run service and weight service on port %d beside the experience stream", self.port)
+
+    def stop(self, grace_s: float = 5.0) -> None:
+        try:
+            self.run_service.linger(self.linger_s)
+        finally:
+            self.shards.stop(grace_s)

@@ -1,5 +1,6 @@
-"""Worker side of the experience transport: buffer whole groups, encode shards, hand them to the
-run's ExperienceSink (a shared folder or gRPC: buffer/stores/base.py)."""
+"""Worker side of experience: buffer whole groups, encode shards, hand them to the run's
+ExperienceSink (a shared folder or gRPC: buffer/experience/base.py). On the top floor of buffer/
+beside buffer/run.py, whose factory `ShardWriter.at` uses."""
 from __future__ import annotations
 
 import logging
@@ -10,7 +11,8 @@ import types
 import pyarrow as pa
 
 from buffer.config import BufferConfig
-from buffer.stores.base import ExperienceSink
+from buffer.experience.base import ExperienceSink
+from buffer.run import setup_worker_run
 from buffer.storage import when_space
 from protocol.experience import Sample, check_rows, encode, to_table
 
@@ -62,8 +64,7 @@ class ShardWriter:
     @classmethod
     def at(cls, root: str, worker_id: str, cfg: BufferConfig, resume: dict | None = None) -> "ShardWriter":
         """A writer into the run at `root` over `cfg.transport` (tests, benchmarks)."""
-        from buffer.run import Run
-        run = Run.open(types.SimpleNamespace(root=root, buffer=cfg))
+        run = setup_worker_run(types.SimpleNamespace(root=root, buffer=cfg))
         return cls(run.sink(worker_id), worker_id, cfg, resume, run_id=run.state.run_id())
 
     def _resume(self, beat: dict) -> None:

@@ -19,8 +19,7 @@ import sys
 import time
 import uuid
 
-from buffer.run import Run
-from buffer.stores.fs_run import FsRun
+from buffer.run import TrainerRun, setup_trainer_run
 
 COMPARED = ("python", "torch", "cuda", "nccl", "vllm", "verl", "transformers")
 
@@ -71,7 +70,7 @@ def check_versions(rep: Report, vers: dict) -> None:
         rep.add("INFO", f"version {name}", vers.get(name) or "not installed")
 
 
-def check_other_nodes(rep: Report, run: FsRun, node: str, vers: dict) -> None:
+def check_other_nodes(rep: Report, run: TrainerRun, node: str, vers: dict) -> None:
     try:
         names = sorted(os.listdir(run.files.env_dir))
     except OSError:
@@ -96,7 +95,7 @@ def check_other_nodes(rep: Report, run: FsRun, node: str, vers: dict) -> None:
         rep.add("PASS", "versions across nodes", f"same as {len(others)} other node(s): {', '.join(sorted(others))}")
 
 
-def check_folder(rep: Report, run: FsRun, max_skew_s: float) -> bool:
+def check_folder(rep: Report, run: TrainerRun, max_skew_s: float) -> bool:
     """Exists, writable, atomic rename, clock skew; returns whether the folder is writable."""
     if not os.path.isdir(run.files.root):  # never created here: that would hide a missing mount
         rep.add("FAIL", "run folder writable", f"{run.files.root} does not exist on this node: is the "
@@ -222,7 +221,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--connect-timeout", type=float, default=3.0, help="seconds per port (default 3)")
     p.add_argument("--node", default=socket.gethostname(), help="name to record under (default: hostname)")
     args = p.parse_args(argv)
-    run = Run.local(os.path.abspath(args.root))
+    run = setup_trainer_run(os.path.abspath(args.root))
     rep = Report()
     vers = versions()
     check_versions(rep, vers)

@@ -11,7 +11,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from buffer.run import Run
+from buffer.run import setup_trainer_run
 from protocol import control
 
 
@@ -23,7 +23,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("count", type=int, nargs="?", default=1)
     args = p.parse_args(argv)
     try:
-        cmd, where = Run.local(args.root).control.submit(args.action, args.count)
+        cmd, where = setup_trainer_run(args.root).control.submit(args.action, args.count)
     except control.ControlError as e:
         print(f"launch.control: {e}", file=sys.stderr)
         return 2

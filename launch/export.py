@@ -21,8 +21,8 @@ import sys
 import torch
 
 from buffer.storage import respect_umask
-from buffer.stores.checkpoints import state_file
-from buffer.stores.weights import copy_model_metadata
+from buffer.checkpoints import state_file
+from buffer.weights.fs import copy_model_metadata
 
 _VERL_SHARD = re.compile(r"^model_world_size_(\d+)_rank_(\d+)\.pt$")
 

@@ -29,12 +29,11 @@ import threading
 import time
 from pathlib import Path
 
-from buffer.grpc_transport import TOKEN_ENV
-from buffer.run import Run
-from buffer.stores.fs_run import FsRun
+from buffer.channel import TOKEN_ENV
+from buffer.run import TrainerRun, setup_trainer_run
 from protocol.config import ConfigError, file_values, load, split_argv
 from launch import status
-from buffer.stores.weights import hf_folder_problem
+from buffer.weights.fs import hf_folder_problem
 from rollout import builtin_task
 from rollout.tasks import arith
 
@@ -125,7 +124,7 @@ def sft_max_length(args) -> int:
     return 2 * args.digits + 2  # digits '=' digits eos
 
 
-def from_config(args, run: FsRun) -> dict:
+def from_config(args, run: TrainerRun) -> dict:
     """The values the --config file sets for the inputs and recipe keys launch.local chooses."""
     if not args.config:
         return {}
@@ -139,7 +138,7 @@ def from_config(args, run: FsRun) -> dict:
         raise SystemExit(f"launch.local: {e}") from None
 
 
-def prepare(run: FsRun, args, config: dict) -> tuple[str, str | None, list[str] | None]:
+def prepare(run: TrainerRun, args, config: dict) -> tuple[str, str | None, list[str] | None]:
     """Model folder, dataset and validation datasets for the run (flags, else the config, else the
     built-in ones, built when missing). The dataset is None when the config names the train
     files; the validation datasets are None when there is no validation. Sets args.test_freq."""
@@ -228,9 +227,9 @@ def _advance(bar, rows: list[dict], postfix) -> None:
         bar.update(rows[-1]["step"] - bar.n)  # redraws at most every `mininterval`
 
 
-def run_sft(run: FsRun, args, model: str, signals: "Signals") -> str:
+def run_sft(run: TrainerRun, args, model: str, signals: "Signals") -> str:
     """Run trainer.sft to completion (a bar from its metrics); returns its final HF folder."""
-    out = Run.local(run.files.sft_dir).files
+    out = setup_trainer_run(run.files.sft_dir).files
     child = Child("sft", [sys.executable, "-m", "torch.distributed.run", "--standalone",
                           f"--nproc_per_node={args.nproc}", "-m", "trainer.sft",
                           f"data.train_files=[{run.files.prepared_parquet('sft', 'train')}]",
@@ -261,7 +260,7 @@ def run_sft(run: FsRun, args, model: str, signals: "Signals") -> str:
     return out.hf_model
 
 
-def role_args(run: FsRun, args, model: str, data: str | None, config: dict,
+def role_args(run: TrainerRun, args, model: str, data: str | None, config: dict,
               val: list[str] | None) -> tuple[list[str], list[str], list[str] | None]:
     """The trainer's, the workers' (each adds its id and seed) and the validator's config
     arguments; no validator without `val`, and then the trainer requests no validation."""
@@ -296,12 +295,12 @@ def check_config(trainer_args: list[str], worker_args: list[str],
         print(f"config: {line}", file=sys.stderr)
 
 
-def remote(run: FsRun, role: str, argv: list[str], grpc: list[str],
+def remote(run: TrainerRun, role: str, argv: list[str], grpc: list[str],
            user: list[str]) -> tuple[list[str], str]:
     """--remote-workers: `argv` of a worker or the validator with its own root
     ROOT/remote/<role> (its data files copied there) and the gRPC settings `grpc` (the user's
     overrides `user` still win); and its log file, in that folder."""
-    own = Run.local(run.files.remote_root(role)).files
+    own = setup_trainer_run(run.files.remote_root(role)).files
     out = []
     for arg in argv:
         key, _, value = arg.partition("=")
@@ -331,7 +330,7 @@ def remote_settings(args) -> tuple[list[str], list[str]]:
             [*REMOTE, f"buffer.grpc_address=127.0.0.1:{port}"])
 
 
-def start_children(run: FsRun, args, trainer_args: list[str], worker_args: list[str],
+def start_children(run: TrainerRun, args, trainer_args: list[str], worker_args: list[str],
                    validator_args: list[str] | None) -> tuple[Child, list[Child]]:
     """The trainer, and the other children: the workers, then the validator if it has args.
     With --remote-workers each of the others runs in its own folder (`remote`)."""
@@ -367,13 +366,13 @@ def read_metrics(path: str) -> list[dict]:
         return []
 
 
-def rl_metrics(run: FsRun) -> tuple[list[dict], dict[str, list[list]]]:
+def rl_metrics(run: TrainerRun) -> tuple[list[dict], dict[str, list[list]]]:
     """(one row per trainer step, every val-core metric's [step, unix time, value] points)."""
     rows, vals = status.split_metrics(read_metrics(run.files.metrics))
     return rows, status.validation_series(vals)
 
 
-def supervise(trainer: Child, workers: list[Child], run: FsRun, args) -> Child | None:
+def supervise(trainer: Child, workers: list[Child], run: TrainerRun, args) -> Child | None:
     """Wait for the trainer to finish; return the child that failed, if any."""
     deadline = time.monotonic() + args.timeout
     bar = _progress(args.steps, "training")
@@ -440,7 +439,7 @@ def stop_all(children: list[Child], grace_s: float, signals: Signals) -> None:
     hurry.clear()
 
 
-def summarize(run: FsRun) -> None:
+def summarize(run: TrainerRun) -> None:
     rows, vals = rl_metrics(run)
     if not rows:
         return
@@ -460,7 +459,7 @@ def summarize(run: FsRun) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    run = Run.local(os.path.abspath(args.root))
+    run = setup_trainer_run(os.path.abspath(args.root))
     config = from_config(args, run)
     args.steps = int(args.steps or config.get(STEPS) or DEFAULT_STEPS)
     model, data, val = prepare(run, args, config)

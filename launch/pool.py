@@ -34,7 +34,7 @@ import threading
 import time
 
 from buffer.layout import check_worker_id
-from buffer.run import Run
+from buffer.run import setup_worker_run
 from protocol import control
 from protocol.config import F, ConfigError, build, split_argv, usage
 from rollout.config import WorkerConfig
@@ -100,7 +100,7 @@ class Pool:
     def __init__(self, cfg: PoolConfig, worker_args: list[str]):
         self.cfg = cfg.pool
         self.root = cfg.root
-        self.stores = Run.open(cfg)  # cfg.buffer: the workers' (parse), else the shared folder
+        self.stores = setup_worker_run(cfg)  # cfg.buffer: the workers' (parse), else the shared folder
         self.control = self.stores.control
         self.worker_args = worker_args
         self.members: list[Member] = []

@@ -24,7 +24,7 @@ import os
 import sys
 import time
 
-from buffer.run import Run
+from buffer.run import setup_trainer_run
 from launch import status
 
 PLOTS = (  # name, title, what it shows
@@ -43,7 +43,7 @@ PLOTS = (  # name, title, what it shows
 
 def collect(root: str) -> dict:
     """The series every plot draws, as plain data (written as data.json)."""
-    run = Run.local(root)
+    run = setup_trainer_run(root)
     rows, vals = status.split_metrics(status.read_metrics(run))
     beats = status.read_heartbeats(run)
     timed = [r for r in rows if "time/unix" in r]
@@ -251,7 +251,7 @@ def page(snap: dict, pngs: dict[str, bytes | None]) -> str:
 
 def write_report(root: str, out: str | None = None, silent_after: float = 300.0) -> str:
     """Write the PNGs, data.json and index.html into `out` (default RUN/report); the page's path."""
-    run = Run.local(root)
+    run = setup_trainer_run(root)
     if out is None and not run.is_local():
         raise ValueError(f"{root} is not a local folder: give the report's folder (--out)")
     out = out or run.files.report_dir
@@ -276,7 +276,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--silent-after", type=float, default=300.0,
                     help="flag a worker whose last heartbeat is older than this many seconds (default 300)")
     args = ap.parse_args(argv)
-    run = Run.local(args.root)
+    run = setup_trainer_run(args.root)
     if not run.fs.isdir(run.files.root):
         ap.error(f"{args.root}: no such run folder")
     path = write_report(args.root, args.out, args.silent_after)

@@ -25,15 +25,14 @@ import shutil
 import sys
 import time
 
-from buffer.backpressure import backlog
-from buffer.run import Run
-from buffer.stores.fs_run import FsRun
+from buffer.control.backpressure import backlog
+from buffer.run import TrainerRun, setup_trainer_run
 
 PACE_STEPS = 10  # ETA: wall-clock pace of the last this many steps
 VALIDATION_PREFIX = "val-core/"
 
 
-def read_metrics(run: FsRun) -> list[dict]:
+def read_metrics(run: TrainerRun) -> list[dict]:
     """The complete lines of metrics.jsonl (a live trainer may be writing the last one)."""
     try:
         text = run.fs.cat_file(run.files.metrics).decode(errors="replace")
@@ -59,7 +58,7 @@ def split_metrics(rows: list[dict]) -> tuple[list[dict], list[dict]]:
     return train, vals
 
 
-def read_heartbeats(run: Run) -> dict[str, dict]:
+def read_heartbeats(run: TrainerRun) -> dict[str, dict]:
     """Worker id -> its last heartbeat."""
     return {str(b.get("worker_id", "?")): b for b in run.heartbeats.all()}
 
@@ -70,7 +69,7 @@ def step_split(row: dict) -> dict:
     return {"wait_s": wait, "compute_s": row["time/step_s"] - wait - publish, "publish_s": publish}
 
 
-def _trainer(run: FsRun, rows: list[dict], now: float) -> dict:
+def _trainer(run: TrainerRun, rows: list[dict], now: float) -> dict:
     progress = run.progress.read() or {}
     done = run.state.done_info()
     latest = run.weights.pointer() or {}
@@ -111,7 +110,7 @@ def _worker(worker: str, beat: dict, now: float, silent_after: float) -> dict:
             "silent": state != "stopped" and (age is None or age > silent_after)}
 
 
-def _quarantined(run: FsRun) -> int:
+def _quarantined(run: TrainerRun) -> int:
     try:
         files = run.fs.find(run.files.quarantine_dir)
     except FileNotFoundError:
@@ -126,7 +125,7 @@ def _bytes(fs, path: str) -> int:
         return 0
 
 
-def _buffer(run: FsRun, rows: list[dict]) -> dict:
+def _buffer(run: TrainerRun, rows: list[dict]) -> dict:
     fs, files = run.fs, run.files
     last = rows[-1] if rows else {}
     out = {"backlog_samples": backlog(run.heartbeats, run.progress),
@@ -164,7 +163,7 @@ def validation(rows: list[dict]) -> dict[str, dict]:
 
 def snapshot(root: str, silent_after: float = 300.0, now: float | None = None) -> dict:
     """Everything the view shows, as plain data (what --json prints)."""
-    run = Run.local(root)
+    run = setup_trainer_run(root)
     now = time.time() if now is None else now
     rows, vals = split_metrics(read_metrics(run))
     beats = read_heartbeats(run)
@@ -283,7 +282,7 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     if args.interval <= 0 or args.silent_after <= 0:
         ap.error("--interval and --silent-after must be positive")
-    run = Run.local(args.root)
+    run = setup_trainer_run(args.root)
     if not run.fs.isdir(run.files.root):
         ap.error(f"{args.root}: no such run folder")
     if args.json:

@@ -18,7 +18,7 @@ A GRPO group (all `n` samples of one prompt draw) is never split across shards, 
 batch whole groups without waiting on other shards.
 
 Versions: 1 = bare IPC stream; 2 = IPC stream + integrity trailer; 3 = experience shards carry
-the run id (RUN_ID_KEY, RunState.run_id in buffer/stores/) in the metadata. Versions 2 and 3 are read (a
+the run id (RUN_ID_KEY, RunState.run_id in buffer/control/) in the metadata. Versions 2 and 3 are read (a
 checkpoint's pool.arrow of version 2 still loads); the trainer refuses experience shards without
 its run id whatever their version.
 """

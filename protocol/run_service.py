@@ -9,7 +9,7 @@ does not know and fills missing ones with their defaults, so either side may add
 default; anything else (a renamed field, a changed meaning) is a new method name.
 
 Every RPC is a whitelisted, unary operation on one store of the trainer's run
-(buffer/stores/base.py); nothing names a path. Weight files travel on the weight service beside
+(buffer/control/base.py); nothing names a path. Weight files travel on the weight service beside
 it (protocol/weights_wire.py). Status codes: UNAUTHENTICATED (token), INVALID_ARGUMENT (a message
 that does not decode, a bad worker id or document), PERMISSION_DENIED (a heartbeat sent under
 another worker's id), ABORTED (the worker id's heartbeat is another process's, for now),
@@ -164,7 +164,7 @@ RPCS: dict[str, Rpc] = {
     # ProgressStore (read only: the trainer writes it)
     "Progress": Rpc(Empty, DocReply),
     # WeightSource: LATEST and whether a version is still published; the files themselves come
-    # from the weight service beside this one (buffer/weights_net.py, protocol/weights_wire.py)
+    # from the weight service beside this one (buffer/weights/net_server.py, protocol/weights_wire.py)
     "WeightsPointer": Rpc(Empty, DocReply),
     "VersionExists": Rpc(VersionRef, Flag),
     # SyncClaims (the trainer opens and retires versions)

@@ -13,7 +13,7 @@ from pathlib import Path
 
 MANIFEST_FORMAT = 1
 # weights/LATEST is {"version": N, "step": S} plus, in synchronous mode (trainer.max_staleness=0),
-# this key: the prompt groups the trainer will train on with version N (buffer/sync.py).
+# this key: the prompt groups the trainer will train on with version N (buffer/control/sync.py).
 SYNC_GROUPS = "sync_groups"
 
 

@@ -1,4 +1,4 @@
-"""Wire messages of weight versions over the network (buffer/weights_net.py).
+"""Wire messages of weight versions over the network (buffer/weights/net_client.py and net_server.py).
 
 Service `tandem.Weights`, msgpack-encoded dataclasses with gRPC generic handlers (no protoc):
 

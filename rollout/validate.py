@@ -24,7 +24,7 @@ import socket
 import sys
 import time
 
-from buffer.run import Run
+from buffer.run import setup_worker_run
 from buffer.storage import is_disk_full
 from protocol.validation import ValidationRequest, ValidationResult
 from protocol.weights import ManifestError
@@ -59,7 +59,7 @@ def val_metrics(data_sources: list[str], uids: list[str], infos: dict[str, list]
 class Validator:
     def __init__(self, cfg: ValidatorConfig):
         self.cfg = cfg
-        self.stores = Run.open(cfg)
+        self.stores = setup_worker_run(cfg)
         self.store = self.stores.weights
         self.queue = self.stores.validation
         self.score = reward.resolve_details(cfg.custom_reward_function.path,

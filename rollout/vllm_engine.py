@@ -30,7 +30,7 @@ class WeightLoader:
 
     def tandem_load_files(self, paths: list[str]) -> int:
         """Load HF-named tensors from verified safetensors files into the running model."""
-        from buffer.stores.weights import read_tensors
+        from buffer.weights.tensors import read_tensors
         count = 0
 
         def counted():

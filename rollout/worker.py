@@ -8,7 +8,7 @@ batch, score and append each group to the shard writer (which publishes atomical
 age). With `interruptible`, weights also switch between segments of a batch. When the trainer
 runs synchronously (trainer.max_staleness=0, announced in weights/LATEST) a worker draws only
 the groups it claimed of the version it holds, flushes them, and waits for the next version
-(buffer/sync.py). SIGTERM/SIGINT (what SLURM sends first) finish the current batch, flush, and
+(buffer/control/sync.py). SIGTERM/SIGINT (what SLURM sends first) finish the current batch, flush, and
 exit 0.
 """
 from __future__ import annotations
@@ -24,11 +24,11 @@ import sys
 import time
 import zlib
 
-from buffer import sync
+from buffer.control import sync
 from buffer.layout import check_worker_id
-from buffer.run import Run
+from buffer.run import setup_worker_run
 from buffer.storage import is_disk_full
-from buffer.stores.base import WeightSource
+from buffer.weights.base import WeightSource
 from buffer.writer import ShardWriter
 from protocol.config import parse_cli
 from protocol.experience import Sample
@@ -85,7 +85,7 @@ class RolloutWorker:
         self.cfg = cfg
         self.id = cfg.worker.id or f"{socket.gethostname()}-{os.getpid()}"
         check_worker_id(self.id)  # before any work
-        self.stores = Run.open(cfg)
+        self.stores = setup_worker_run(cfg)
         self.score = reward.resolve(cfg.custom_reward_function.path, cfg.custom_reward_function.name)
         # Before writing anything, waiting for weights or loading an engine: every row can be scored.
         reward.check_data_sources(data_sources(cfg.data.train_files), cfg.custom_reward_function.path)

@@ -81,9 +81,9 @@ def experience(tmp_path_factory):
     from buffer.writer import ShardWriter
     from rollout import builtin_task
     from rollout.engine import HFEngine, SamplingSettings
-    from buffer.run import Run
+    from buffer.run import setup_trainer_run
     base = tmp_path_factory.mktemp("experience")
-    Run.local(str(base / "data")).state.ensure_run_id()  # the shards belong to the runs made by run_folder()
+    setup_trainer_run(str(base / "data")).state.ensure_run_id()  # the shards belong to the runs made by run_folder()
     builtin_task.write_model(base / "model")
     engine = HFEngine(str(base / "model"))
     prompts = [[3 + (i * 3 + j) % 5 for j in range(1 + i % 3)] + [13] for i in range(STEPS * GROUPS)]
@@ -162,7 +162,7 @@ def uninterrupted_run(experience, name, nproc=2, *extra):
 
 def final_weights(root):
     """The newest published version's tensors, checksums verified."""
-    from buffer.stores.weights import WeightStore
+    from buffer.weights.fs import WeightStore
     store = WeightStore(str(root))
     return dict(store.tensors(store.versions()[-1]))
 

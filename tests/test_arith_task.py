@@ -14,7 +14,7 @@ import torch
 
 from benchmarks import plot_learning
 from buffer.layout import RunLayout
-from buffer.run import Run
+from buffer.run import setup_trainer_run
 from conftest import REPO_ROOT
 from launch import local
 from launch.status import split_metrics
@@ -138,7 +138,7 @@ def test_both_parquet_formats_load_in_their_readers(task):
 def test_launch_local_task_arith_writes_the_task_and_its_recipe(tmp_path):
     args = local.parse_args(["--root", str(tmp_path), "--task", "arith"])
     layout = RunLayout(str(tmp_path))
-    model, data, val = local.prepare(Run.local(layout.root), args, {})
+    model, data, val = local.prepare(setup_trainer_run(layout.root), args, {})
     assert model == layout.init_model and data == layout.prepared_parquet("rl", "train")
     assert val == [layout.prepared_parquet("rl", "val")]
     assert pq.read_table(data).column("data_source").to_pylist()[0] == "openai/gsm8k"

@@ -12,11 +12,11 @@ from pathlib import Path
 
 import pytest
 
-from buffer.backpressure import backlog, wait_for_room
+from buffer.control.backpressure import backlog, wait_for_room
 from buffer.config import BufferConfig
-from buffer.run import Run
+from buffer.run import setup_trainer_run
 from buffer.layout import TMP_MARK, RunLayout
-from buffer.stores.reader import ExperienceReader
+from buffer.experience.reader import ExperienceReader
 from buffer.storage import atomic_write, atomic_write_json, filesystem
 from buffer.writer import ShardWriter
 from conftest import TESTS_DIR, make_group, subprocess_env
@@ -415,7 +415,7 @@ def _progress(fs, layout, retired):
 def test_backlog_from_heartbeats_and_progress(tmp_path):
     fs, root = filesystem(str(tmp_path / "run"))
     layout = RunLayout(root)
-    run = Run.local(root)
+    run = setup_trainer_run(root)
     assert backlog(run.heartbeats, run.progress) == 0  # nothing yet
     _beat(fs, layout, "w-a", 100)
     _beat(fs, layout, "w-b", 40)
@@ -432,7 +432,7 @@ def test_backlog_from_heartbeats_and_progress(tmp_path):
 def test_wait_for_room(tmp_path):
     fs, root = filesystem(str(tmp_path / "run"))
     layout = RunLayout(root)
-    run = Run.local(root)
+    run = setup_trainer_run(root)
     _beat(fs, layout, "w-a", 100)
     _progress(fs, layout, 60)  # backlog 40
     never = lambda: False  # noqa: E731

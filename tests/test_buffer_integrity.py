@@ -17,8 +17,8 @@ import pytest
 from buffer.inspect import report as inspect_report
 from buffer.config import BufferConfig
 from buffer.layout import TMP_MARK, RunLayout
-from buffer.stores.reader import ExperienceReader
-from buffer.stores.retention import clean_stale_temps, prune_consumed
+from buffer.experience.reader import ExperienceReader
+from buffer.experience.retention import clean_stale_temps, prune_consumed
 from buffer.storage import atomic_write, atomic_write_json, filesystem
 from buffer.writer import ShardWriter
 from conftest import REPO_ROOT, TESTS_DIR, make_group, subprocess_env

@@ -9,7 +9,7 @@ from buffer.layout import RunLayout
 from protocol.experience import decode, from_table
 from conftest import STEPS, final_weights as _final_weights, run_folder as _run_folder, trainer_proc as _trainer
 from conftest import REORDER_REL_BOUND, kill_tree, uninterrupted_run, weight_distances
-from buffer.stores.checkpoints import FsCheckpoints
+from buffer.checkpoints import FsCheckpoints
 
 
 def _processes_of(run: Path) -> list[int]:

@@ -522,9 +522,9 @@ def local_args(**kw):
 
 
 def test_launch_local_takes_inputs_from_the_config_and_the_recipe_yields_to_it(tmp_path):
-    from buffer.run import Run
+    from buffer.run import setup_trainer_run
     from launch import local
-    run = Run.local(str(tmp_path / "run"))
+    run = setup_trainer_run(str(tmp_path / "run"))
     config = local.from_config(local_args(), run)
     assert config[local.MODEL] == "~/models/Qwen2-7B-Instruct" and config[local.STEPS] == 3
     with pytest.raises(SystemExit, match=r"actor_rollout_ref.model.path in --config .*not found"):

@@ -8,7 +8,7 @@ import torch
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
-from buffer.stores.weights import WeightStore
+from buffer.weights.fs import WeightStore
 from rollout import builtin_task
 
 VERL_SAVER = """

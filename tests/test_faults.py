@@ -10,9 +10,9 @@ import pytest
 
 from buffer.config import BufferConfig
 from buffer.layout import RunLayout
-from buffer.run import Run
-from buffer.stores.reader import ExperienceReader
-from buffer.stores.retention import prune_consumed
+from buffer.run import setup_trainer_run
+from buffer.experience.reader import ExperienceReader
+from buffer.experience.retention import prune_consumed
 from buffer.writer import ShardWriter
 from conftest import descendants, free_port, make_group, small_filesystem
 from launch.status import split_metrics
@@ -91,7 +91,7 @@ def test_restarted_grpc_worker_is_not_acknowledged_as_a_duplicate(tmp_path, monk
                grpc_timeout_s=10, grpc_claim_ttl_s=1.0)
     spool, worker_root = str(tmp_path / "trainer"), str(tmp_path / "worker")
     readers = []  # the server asks the trainer's ledger, as trainer.main wires it
-    server = Run.local(spool).serve(cfg, consumed=lambda: readers[0].consumed if readers else ())
+    server = setup_trainer_run(spool).serve(cfg, consumed=lambda: readers[0].consumed if readers else ())
     writers = []
 
     def make(beat):
@@ -125,7 +125,7 @@ def test_a_restarted_grpc_worker_counts_each_written_sample_once(tmp_path, monke
                grpc_timeout_s=10, grpc_claim_ttl_s=1.0, max_backlog_samples=N)
     root = str(tmp_path / "run")
     retired = [0]  # what the trainer has retired: nothing, then everything
-    server = Run.local(root).serve(cfg, retired=lambda: retired[0])
+    server = setup_trainer_run(root).serve(cfg, retired=lambda: retired[0])
     writers = []
     try:
         w = ShardWriter.at(root, "w0", cfg)
@@ -154,7 +154,7 @@ def test_a_restarted_grpc_worker_counts_each_written_sample_once(tmp_path, monke
 # --- 7. a version pruned while a worker loads it ----------------------------------------------
 
 def test_worker_survives_a_version_pruned_while_it_loads(tmp_path):
-    from buffer.stores.weights import WeightStore
+    from buffer.weights.fs import WeightStore
     from protocol.config import build
     from rollout import builtin_task
     from rollout.config import WorkerConfig
@@ -187,7 +187,7 @@ def _waiting_for_the_shard_lock(servicer) -> int:
     their innermost frames are Push itself (or the lock helpers it calls), not gRPC's reading."""
     import sys
     import threading
-    from buffer import grpc_transport
+    from buffer.experience import net_server as grpc_transport
     count = 0
     for ident, frame in sys._current_frames().items():
         if ident == threading.get_ident():
@@ -223,7 +223,7 @@ def test_concurrent_pushes_of_one_shard_never_publish_damaged_bytes(tmp_path, mo
 
     import grpc
 
-    from buffer.grpc_transport import ShardServer
+    from buffer.experience.net_server import ShardServer
     from protocol import experience_pb2 as pb
     from protocol import experience_pb2_grpc as pb_grpc
     from protocol.experience import SCHEMA_VERSION, encode, load_shard, to_table
@@ -564,7 +564,7 @@ def test_a_worker_blocked_by_backpressure_still_flushes_by_age(tmp_path):
     import sys
 
     from buffer.storage import atomic_write_json, filesystem
-    from buffer.stores.weights import WeightStore
+    from buffer.weights.fs import WeightStore
     from rollout import builtin_task
     builtin_task.write_model(tmp_path / "m")
     builtin_task.write_parquet(tmp_path / "t.parquet", builtin_task.make_rows(50, 3))
@@ -629,7 +629,7 @@ def test_reader_reads_no_further_than_a_step_needs(tmp_path):
 
 
 def test_grpc_spool_stops_growing_while_the_trainer_does_not_consume(tmp_path, monkeypatch):
-    from buffer.backpressure import retired
+    from buffer.control.backpressure import retired
     port = free_port()
     monkeypatch.setenv("TANDEM_GRPC_TOKEN", "t0ken")
     cap, inflight, shards = 4 * N, 2, 20
@@ -638,7 +638,7 @@ def test_grpc_spool_stops_growing_while_the_trainer_does_not_consume(tmp_path, m
                backlog_timeout_s=300)
     spool = tmp_path / "trainer"
     reader = ExperienceReader(str(spool), _cfg(), max_staleness=10)
-    server = Run.local(str(spool)).serve(cfg, consumed=lambda: reader.consumed,
+    server = setup_trainer_run(str(spool)).serve(cfg, consumed=lambda: reader.consumed,
                                          retired=lambda: retired(reader.stats))
     writer = ShardWriter.at(str(tmp_path / "worker"), "w0", cfg)
     import threading
@@ -816,7 +816,7 @@ def test_a_stop_request_checkpoints_and_a_restart_resumes(experience):
     assert p.returncode == 0, out[-3000:]
     assert not (root / "DONE").exists(), "the trainer ran on to DONE: the stop request was ignored"
     assert not (root / "trainer.stop").exists()
-    from buffer.stores.checkpoints import FsCheckpoints
+    from buffer.checkpoints import FsCheckpoints
     assert FsCheckpoints(layout).latest_complete() is not None, "no checkpoint on the way out"
     p = trainer_proc(root, experience / "model", 2, "trainer.log_sample_ids=true")
     out, _ = p.communicate(timeout=600)

@@ -25,8 +25,9 @@ from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
 from buffer.config import BufferConfig
-from buffer.grpc_transport import WRITER_KEY, ShardServer
-from buffer.stores.reader import ExperienceReader
+from buffer.channel import WRITER_KEY
+from buffer.experience.net_server import ShardServer
+from buffer.experience.reader import ExperienceReader
 from conftest import free_port, make_group
 from protocol import config as pconfig
 from protocol import control

@@ -9,12 +9,13 @@ import time
 import grpc
 import pytest
 
-from buffer.run import Run
+from buffer.run import setup_trainer_run
 from buffer.config import BufferConfig
-from buffer.grpc_transport import DAMAGED_RESENDS, ShardServer
+from buffer.experience.net_client import DAMAGED_RESENDS
+from buffer.experience.net_server import ShardServer
 from buffer.writer import ShardWriter
 from buffer.layout import RunLayout
-from buffer.stores.reader import ExperienceReader
+from buffer.experience.reader import ExperienceReader
 from conftest import TESTS_DIR, free_port, make_group, subprocess_env
 from launch.local import rl_metrics
 from protocol import experience_pb2 as pb
@@ -99,7 +100,7 @@ def test_damaged_shard_is_resent_then_refused(tmp_path):
     (then its own copy must be the bad one) and reports the refusal instead of hanging."""
     port = free_port()
     cfg = _cfg(tmp_path, port, grpc_timeout_s=5)
-    server = Run.local(str(tmp_path / "trainer")).serve(cfg)  # a grpc writer asks the run service too
+    server = setup_trainer_run(str(tmp_path / "trainer")).serve(cfg)  # a grpc writer asks the run service too
     writer = ShardWriter.at(str(tmp_path / "worker"), "w0", cfg)
     try:
         data = bytearray(encode(to_table(make_group("w0", 0, 0, 0, 4))))
@@ -140,9 +141,9 @@ SERVER = """
 import sys, time
 sys.path.insert(0, sys.argv[3])
 from buffer.config import BufferConfig
-from buffer.run import Run
+from buffer.run import setup_trainer_run
 cfg = BufferConfig(grpc_bind=sys.argv[2], grpc_token_file=sys.argv[4], transport="grpc")
-server = Run.local(sys.argv[1]).serve(cfg)  # keep a reference: GC stops it
+server = setup_trainer_run(sys.argv[1]).serve(cfg)  # keep a reference: GC stops it
 print("ready", flush=True)
 time.sleep(3600)
 """
@@ -209,7 +210,7 @@ def test_pipeline_over_grpc(tmp_path):
                            "--worker", f"buffer.grpc_address=127.0.0.1:{port}"],
                           capture_output=True, text=True, timeout=500, env=env)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    rows, vals = rl_metrics(Run.local(str(root)))
+    rows, vals = rl_metrics(setup_trainer_run(str(root)))
     # the validator (weights and validation still go through the run folder) measured v0 and v4
     assert len(rows) == 4 and [[p[0] for p in v] for v in vals.values()] == [[0, 4]]
     assert "experience gRPC server listening" in (root / "logs" / "trainer.log").read_text()

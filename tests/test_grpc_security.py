@@ -14,8 +14,9 @@ import grpc
 import pytest
 
 from buffer.config import BufferConfig
-from buffer.grpc_transport import WRITER_KEY, ShardServer
-from buffer.run import Run
+from buffer.channel import WRITER_KEY
+from buffer.experience.net_server import ShardServer
+from buffer.run import setup_trainer_run
 from buffer.writer import ShardWriter
 from conftest import free_port, make_group
 from protocol import experience_pb2 as pb
@@ -87,7 +88,7 @@ def _listening(port: int) -> list[str]:
 def test_default_bind_is_this_node_not_every_interface(tmp_path, caplog):
     assert BufferConfig().grpc_bind == ":50051"
     port = free_port()
-    caplog.set_level(logging.WARNING, logger="buffer.grpc_transport")
+    caplog.set_level(logging.WARNING, logger="buffer.experience.net_server")
     server = ShardServer(str(tmp_path / "t"), _cfg(tmp_path, f":{port}"))
     try:
         addrs = _listening(port)
@@ -118,7 +119,7 @@ def test_tls_carries_pushes_and_cert_and_key_come_together(tmp_path):
     port = free_port()
     cfg = _cfg(tmp_path, f"127.0.0.1:{port}", f"localhost:{port}", grpc_tls_cert=cert,
                grpc_tls_key=key, grpc_tls_ca=cert, grpc_timeout_s=20)
-    server = Run.local(str(tmp_path / "t")).serve(cfg)  # a grpc writer asks the run service too
+    server = setup_trainer_run(str(tmp_path / "t")).serve(cfg)  # a grpc writer asks the run service too
     try:
         writer = ShardWriter.at(str(tmp_path / "w"), "w0", cfg)
         writer.sink.publish(0, _shard())

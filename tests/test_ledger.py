@@ -8,8 +8,8 @@ from conftest import make_group
 
 from buffer.config import BufferConfig
 from buffer.ledger import Ledger, as_ledger
-from buffer.stores.reader import ExperienceReader
-from buffer.stores.retention import prune_consumed
+from buffer.experience.reader import ExperienceReader
+from buffer.experience.retention import prune_consumed
 from buffer.writer import ShardWriter
 
 

@@ -9,7 +9,7 @@ import time
 import pytest
 
 from buffer.config import BufferConfig
-from buffer.stores.reader import ExperienceReader
+from buffer.experience.reader import ExperienceReader
 from buffer.storage import atomic_write_json, stop_watch, watch
 from conftest import subprocess_env
 from protocol.config import ConfigError, build
@@ -137,7 +137,7 @@ def test_trainer_wait_says_what_it_has_needs_and_who_is_alive(tmp_path, caplog):
     atomic_write_json(fs, lay.heartbeat("w7"), {"worker_id": "w7", "state": "running",
                                                 "last_beat": time.time(), "samples_written": 0})
     reader = ExperienceReader(str(root), BufferConfig(poll_interval=0.05), max_staleness=1)
-    caplog.set_level(logging.INFO, logger="buffer.stores.reader")
+    caplog.set_level(logging.INFO, logger="buffer.experience.reader")
     try:
         with pytest.raises(TimeoutError, match="w7 running"):
             reader.next_batch(4, current_version=0, timeout_s=1.0, note_every_s=0.2)

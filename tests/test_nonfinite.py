@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from buffer.stores.weights import WeightStore
+from buffer.weights.fs import WeightStore
 from conftest import run_folder, trainer_proc
 from protocol.config import ConfigError, build
 from trainer.config import TrainerConfig

@@ -8,7 +8,7 @@ import sys
 import time
 
 
-from buffer.run import Run
+from buffer.run import setup_trainer_run
 from launch.local import rl_metrics
 from protocol.experience import decode, from_table
 
@@ -22,7 +22,7 @@ def test_local_pipeline_runs_steps_and_reloads_weights(tmp_path):
                            "--steps", str(steps), "--timeout", "400"],
                           capture_output=True, text=True, timeout=500)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    rows, vals = rl_metrics(Run.local(str(root)))
+    rows, vals = rl_metrics(setup_trainer_run(str(root)))
     assert [r["step"] for r in rows] == list(range(1, steps + 1))
     # the validator (on by default) measured v0 and the last step (test_freq 10 > steps)
     assert [[p[0] for p in points] for points in vals.values()] == [[0, steps]]

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from buffer.stores.weights import WeightStore
+from buffer.weights.fs import WeightStore
 from protocol.experience import decode, from_table
 from rollout import builtin_task
 

@@ -13,7 +13,7 @@ from pathlib import Path
 import pyarrow.parquet as pq
 import pytest
 
-from buffer.run import Run
+from buffer.run import setup_trainer_run
 from conftest import free_port, kill_tree
 from launch.local import BUILTIN_TRAINER, BUILTIN_WORKER, rl_metrics
 from rollout import builtin_task
@@ -40,7 +40,7 @@ def test_remote_workers_learn_the_builtin_task_like_a_shared_folder(tmp_path):
                            str(steps), "--test-freq", str(freq), "--timeout", "900",
                            "--remote-workers"], capture_output=True, text=True, timeout=1000, env=env)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    run = Run.local(str(root))
+    run = setup_trainer_run(str(root))
     rows, vals = rl_metrics(run)
     assert [r["step"] for r in rows] == list(range(1, steps + 1))
     first = sum(r["reward/mean"] for r in rows[:10]) / 10
@@ -226,7 +226,7 @@ def test_a_pool_supervisor_without_the_run_folder_takes_commands_through_the_ser
     service; the end of the run stops it."""
     from buffer.config import BufferConfig
     port = free_port()
-    trainer = Run.local(str(tmp_path / "trainer"))
+    trainer = setup_trainer_run(str(tmp_path / "trainer"))
     token = tmp_path / "token"
     token.write_text(TOKEN)
     server = trainer.serve(BufferConfig(transport="grpc", grpc_bind=f"127.0.0.1:{port}",

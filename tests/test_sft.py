@@ -13,13 +13,13 @@ import torch
 import torch.nn.functional as F
 from safetensors.torch import load_file
 
-from buffer.run import Run
+from buffer.run import setup_trainer_run
 from buffer.layout import RunLayout
 from conftest import REPO_ROOT, free_port, kill_tree
 from launch.local import rl_metrics
 from protocol.config import ConfigError, build
 from rollout import builtin_task, preprocess
-from buffer.stores.checkpoints import FsCheckpoints
+from buffer.checkpoints import FsCheckpoints
 from trainer.sft import packed_nll
 from trainer.sft_config import SFTConfig, SFTDataConfig
 from trainer.sft_data import SFTDataError, load_sequences, micro_batches, pack, split_by_tokens
@@ -219,7 +219,7 @@ def _local(root, *args):
                           "--nproc", "1", "--workers", "1", "--timeout", "600", *args],
                          capture_output=True, text=True, timeout=700, cwd=REPO_ROOT)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
-    rows, _ = rl_metrics(Run.local(str(root)))  # the trainer's rows (not the validator's)
+    rows, _ = rl_metrics(setup_trainer_run(str(root)))  # the trainer's rows (not the validator's)
     return sum(r["reward/mean"] for r in rows) / len(rows)
 
 

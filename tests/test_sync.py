@@ -11,7 +11,7 @@ import sys
 import pytest
 import torch
 
-from buffer.run import Run
+from buffer.run import setup_trainer_run
 from buffer.layout import RunLayout
 from launch.local import rl_metrics
 from protocol.config import build
@@ -31,7 +31,7 @@ FP32_MISMATCH_BOUND = 1e-9
 
 
 def test_claims_hand_out_each_slot_once_and_stop_at_a_retired_version(tmp_path):
-    layout, claims = RunLayout(str(tmp_path)), Run.local(str(tmp_path)).sync
+    layout, claims = RunLayout(str(tmp_path)), setup_trainer_run(str(tmp_path)).sync
     claims.open_version(3)
     got = [claims.claim(3, groups=5, want=2, worker_id=w) for w in ("a", "b", "a", "b")]
     assert got == [2, 2, 1, 0]
@@ -130,7 +130,7 @@ def test_synchronous_pipeline_trains_every_sample_at_staleness_0(tmp_path, worke
         capture_output=True, text=True, timeout=500,
         env=dict(os.environ, TANDEM_GRPC_TOKEN="sync-test-token"))
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    rows, _ = rl_metrics(Run.local(str(root)))
+    rows, _ = rl_metrics(setup_trainer_run(str(root)))
     assert [r["step"] for r in rows] == list(range(1, STEPS + 1))
     for r in rows:
         assert r["staleness/max"] == 0 and r["buffer/dropped_stale_samples"] == 0, r

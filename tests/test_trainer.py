@@ -8,7 +8,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from buffer.run import Run
+from buffer.run import setup_trainer_run
 from launch.local import rl_metrics
 from conftest import REORDER_REL_BOUND, final_weights, run_folder, trainer_proc, weight_distances
 from test_sync import FP32_MISMATCH_BOUND
@@ -116,7 +116,7 @@ def test_gae_critic_warmup_and_adaptive_kl_in_reward(experience):
                 "critic/returns/mean", "critic/grad_norm"} <= set(r)
     # Step 1 is warmup: only the critic trains, so the version published after it is v0.
     assert "actor/pg_loss" not in rows[0] and "actor/pg_loss" in rows[1]
-    from buffer.stores.weights import WeightStore
+    from buffer.weights.fs import WeightStore
     store = WeightStore(str(root))
     v0, v1 = dict(store.tensors(0)), dict(store.tensors(1))
     assert all(torch.equal(v0[k], v1[k]) for k in v0)
@@ -135,7 +135,7 @@ def test_gae_with_a_critic_learns_the_builtin_task(tmp_path):
                            "--timeout", "1200", "--trainer", "algorithm.adv_estimator=gae"],
                           capture_output=True, text=True, timeout=1500)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    rows, _ = rl_metrics(Run.local(str(root)))  # the trainer's rows, not the validator's
+    rows, _ = rl_metrics(setup_trainer_run(str(root)))  # the trainer's rows, not the validator's
     first = sum(r["reward/mean"] for r in rows[:10]) / 10
     last = sum(r["reward/mean"] for r in rows[-10:]) / 10
     assert last >= 0.5 and last >= 3 * first, (first, last)

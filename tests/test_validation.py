@@ -11,8 +11,8 @@ import pyarrow.parquet as pq
 import pytest
 
 from buffer.layout import RunLayout
-from buffer.run import Run
-from buffer.stores.weights import WeightStore
+from buffer.run import setup_trainer_run
+from buffer.weights.fs import WeightStore
 from conftest import run_folder, subprocess_env, trainer_proc
 from launch import status
 from launch.local import parse_args, prepare
@@ -28,7 +28,7 @@ CORE = "val-core/tandem/copy/reward/mean@1"
 
 def _metrics(root) -> tuple[list[dict], list[dict]]:
     """(trainer rows, validation rows) of a run's metrics.jsonl."""
-    return status.split_metrics(status.read_metrics(Run.local(str(root))))
+    return status.split_metrics(status.read_metrics(setup_trainer_run(str(root))))
 
 
 def _questions(path) -> list[str]:
@@ -37,13 +37,13 @@ def _questions(path) -> list[str]:
 
 def test_launch_local_holds_out_questions_for_validation(tmp_path):
     layout = RunLayout(str(tmp_path / "run"))
-    model, data, val = prepare(Run.local(layout.root), parse_args(["--root", layout.root]), {})
+    model, data, val = prepare(setup_trainer_run(layout.root), parse_args(["--root", layout.root]), {})
     assert (data, val) == (layout.prepared_parquet("rl", "train"), [layout.prepared_parquet("rl", "val")])
     train, held = set(_questions(data)), set(_questions(val[0]))
     assert len(held) == 25 and not train & held  # a fifth of the 125 strings, never trained on
-    assert prepare(Run.local(str(tmp_path / "b")), parse_args(
+    assert prepare(setup_trainer_run(str(tmp_path / "b")), parse_args(
         ["--root", str(tmp_path / "b"), "--model", model, "--test-freq", "0"]), {})[2] is None
-    assert prepare(Run.local(str(tmp_path / "c")), parse_args(
+    assert prepare(setup_trainer_run(str(tmp_path / "c")), parse_args(
         ["--root", str(tmp_path / "c"), "--model", model, "--data", data]), {})[2] is None
 
 
@@ -56,7 +56,7 @@ def test_launch_local_validates_as_a_verl_config_says(tmp_path):
                     "trainer:\n  test_freq: 5\n")
 
     def plan(root, *flags):
-        run = Run.local(str(tmp_path / root))
+        run = setup_trainer_run(str(tmp_path / root))
         args = parse_args(["--root", run.root, "--config", str(file), "--model", str(model), *flags])
         config = local.from_config(args, run)
         _, data, val = prepare(run, args, config)

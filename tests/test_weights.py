@@ -6,7 +6,7 @@ import shutil
 import pytest
 import torch
 
-from buffer.stores.weights import WeightStore
+from buffer.weights.fs import WeightStore
 from protocol.weights import ManifestError, verify_files
 from rollout import builtin_task
 from rollout.engine import HFEngine

@@ -1,4 +1,4 @@
-"""Weight versions over the network (buffer/weights_net.py), with real files, the trainer's real
+"""Weight versions over the network (buffer/weights/net_client.py, net_server.py), with real files, the trainer's real
 experience gRPC server carrying the weight service, real fetchers with their peer servers on
 loopback, and a real worker process killed mid-download."""
 import json
@@ -16,9 +16,10 @@ import torch
 from safetensors.torch import save_file
 
 from buffer.config import BufferConfig
-from buffer.grpc_transport import ShardServer
-from buffer.stores.weights import WeightStore
-from buffer.weights_net import WeightFetcher, add_weight_service
+from buffer.experience.net_server import ShardServer
+from buffer.weights.fs import WeightStore
+from buffer.weights.net_client import WeightFetcher
+from buffer.weights.net_server import add_weight_service
 from conftest import free_port, subprocess_env
 from protocol.weights import verify_files
 from protocol.weights_wire import (CHUNK_LIST_METHOD, CHUNK_METHOD, PEERS_METHOD, ChunkList,
@@ -147,7 +148,7 @@ _WORKER = """
 import logging, sys
 logging.basicConfig(level=logging.INFO)
 from buffer.config import BufferConfig
-from buffer.weights_net import WeightFetcher
+from buffer.weights.net_client import WeightFetcher
 cfg = BufferConfig(**{cfg!r})
 f = WeightFetcher(cfg.grpc_address, {token!r}, cfg, "w-killed")
 dest = f.fetch(1, {dest!r})
@@ -200,7 +201,7 @@ _PEER = """
 import logging, sys
 logging.basicConfig(level=logging.INFO)
 from buffer.config import BufferConfig
-from buffer.weights_net import WeightFetcher
+from buffer.weights.net_client import WeightFetcher
 cfg = BufferConfig(**{cfg!r})
 f = WeightFetcher(cfg.grpc_address, {token!r}, cfg, "doomed")
 f.fetch(1, {dest!r})

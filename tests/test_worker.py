@@ -3,7 +3,7 @@ import pytest
 
 import torch
 
-from buffer.stores.weights import WeightStore
+from buffer.weights.fs import WeightStore
 from protocol.config import build
 from protocol.experience import Sample
 from rollout import builtin_task

@@ -20,8 +20,8 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
-from buffer.stores.checkpoints import STATE_FILE, FsCheckpoints, pool_file, state_file
-from buffer.stores.reader import Group
+from buffer.checkpoints import STATE_FILE, FsCheckpoints, pool_file, state_file
+from buffer.experience.reader import Group
 from buffer.storage import is_disk_full
 from protocol.experience import decode, encode, from_table, to_table
 

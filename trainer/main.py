@@ -22,13 +22,13 @@ import time
 import torch
 import torch.distributed as dist
 
-from buffer import backpressure
+from buffer.control import backpressure
 from buffer.ledger import Ledger
-from buffer.run import Run
-from buffer.stores import retention
-from buffer.stores.reader import Group
+from buffer.run import setup_trainer_run
+from buffer.experience import retention
+from buffer.experience.reader import Group
 from buffer.storage import DISK_FULL_TIMEOUT_S, is_disk_full
-from buffer.stores.weights import hf_folder_problem
+from buffer.weights.fs import hf_folder_problem
 from protocol.config import parse_cli, to_dict
 from protocol.weights import SYNC_GROUPS
 from trainer import algo, checkpoint, update
@@ -106,9 +106,9 @@ class Trainer:
         from verl.trainer.ppo.core_algos import get_kl_controller
         self.kl_ctrl = get_kl_controller(cfg.algorithm.kl_ctrl)  # used with use_kl_in_reward
         self.pad_id = self.model.config.pad_token_id or 0
-        self.stores = Run.local(cfg.root)  # the trainer's own run folder (it serves it to others)
+        self.stores = setup_trainer_run(cfg.root)  # the trainer's own run folder (it serves it to others)
         self.store = self.stores.publisher
-        # trainer.max_staleness=0: synchronous rollouts (buffer/sync.py), whose claims need
+        # trainer.max_staleness=0: synchronous rollouts (buffer/control/sync.py), whose claims need
         # exclusive file creation in the run folder.
         self.synchronous = cfg.trainer.max_staleness == 0
         if self.synchronous and not self.stores.is_local():
@@ -550,7 +550,7 @@ def hold_run(root: str) -> RunLock | None:
     another trainer has it."""
     lock, refused = None, [None]
     if dist.get_rank() == 0:
-        run = Run.local(root)
+        run = setup_trainer_run(root)
         try:
             lock = RunLock.acquire(run)
         except RunLocked as e:

@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 
 from buffer.storage import when_space
-from buffer.stores.weights import WeightStore, copy_model_metadata
+from buffer.weights.fs import WeightStore, copy_model_metadata
 
 BUCKET_BYTES = 256 << 20
 WRITERS = 4  # bucket files of one rank written and hashed at once

@@ -31,7 +31,7 @@ class RunLock:
 
     @classmethod
     def acquire(cls, run) -> RunLock:
-        """Take the lock of `run` (buffer.stores.fs.FsRun) or raise RunLocked naming the
+        """Take the lock of `run` (buffer.run.TrainerRun) or raise RunLocked naming the
         holder. Not blocking."""
         os.makedirs(run.root, exist_ok=True)
         path = run.files.trainer_lock

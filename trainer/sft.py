@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from buffer.run import Run
+from buffer.run import setup_trainer_run
 from protocol.config import parse_cli, to_dict
 from trainer import algo, checkpoint
 from trainer.main import init_distributed
@@ -86,7 +86,7 @@ class SFTTrainer:
         if cfg.trainer.total_training_steps is not None:
             self.total = min(self.total, cfg.trainer.total_training_steps)
         self.lengths = {"train": train.lengths, "val": val.lengths if val else []}
-        self.stores = Run.local(os.path.abspath(cfg.trainer.output_dir))
+        self.stores = setup_trainer_run(os.path.abspath(cfg.trainer.output_dir))
         self.store = self.stores.publisher
         self.model_path = cfg.model.partial_pretrain
         self.model = build_actor(self.model_path, device, cfg.model.enable_gradient_checkpointing,

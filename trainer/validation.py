@@ -11,7 +11,7 @@ from __future__ import annotations
 import logging
 import time
 
-from buffer.stores.base import ValidationStore
+from buffer.control.base import ValidationRequests
 from protocol.validation import ValidationFormatError, ValidationResult
 from trainer.metrics import MetricsLog
 
@@ -31,7 +31,7 @@ def validation_due(tc, step: int, first: bool) -> bool:
 class ValidationLog:
     """Rank 0: requests validation of versions and logs each result once, when it arrives."""
 
-    def __init__(self, queue: ValidationStore, metrics: MetricsLog):
+    def __init__(self, queue: ValidationRequests, metrics: MetricsLog):
         self.queue = queue
         self.metrics = metrics
         self.pending: set[int] = set(self.queue.held())  # on resume: requests still open

@@ -83,8 +83,8 @@ def _q(words) -> str:
 
 
 def output_path(spec: JobSpec, role: str) -> str:
-    from buffer.run import Run
-    return spec.output or Run.local(spec.root).files.slurm_output(role)
+    from buffer.run import setup_trainer_run
+    return spec.output or setup_trainer_run(spec.root).files.slurm_output(role)
 
 
 def _common(spec: JobSpec, role: str) -> dict:
@@ -137,8 +137,8 @@ def render_trainer(spec: JobSpec, trainer_args: list[str], role: str = "trainer"
                          f"{spec.gpus_per_node} GPUs per node: use one rank per GPU")
     module, root_key = TORCHRUN_ROLES[role]
     values = _common(spec, role)
-    from buffer.run import Run
-    layout = Run.local(spec.root).files  # trainer.stop, DONE: the RL trainer's (trainer.sft has neither)
+    from buffer.run import setup_trainer_run
+    layout = setup_trainer_run(spec.root).files  # trainer.stop, DONE: the RL trainer's (trainer.sft has neither)
     values.update(nproc_per_node=spec.nproc_per_node, port=spec.port, role=role, module=module,
                   signal_before_s=spec.signal_before_s, stoppable=int(role == "trainer"),
                   stop_file=shlex.quote(layout.trainer_stop),

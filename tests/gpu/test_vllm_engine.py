@@ -29,7 +29,7 @@ def _generate(engine, prompts, temperature=0.8):
 
 
 def _engine_and_versions(base, tp, eager=False):
-    from buffer.stores.weights import WeightStore
+    from buffer.weights.fs import WeightStore
     from rollout.config import RolloutSamplingConfig
     from rollout.vllm_engine import VLLMEngine
     old, new = _model(base / "v0", seed=0), _model(base / "v1src", seed=1)

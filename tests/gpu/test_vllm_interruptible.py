@@ -17,7 +17,7 @@ SEGMENT = 3
 def test_interruptible_generation_resumes_on_new_weights(tmp_path):
     from transformers import AutoModelForCausalLM
 
-    from buffer.stores.weights import WeightStore
+    from buffer.weights.fs import WeightStore
     from protocol.config import build
     from protocol.experience import Sample
     from rollout import builtin_task

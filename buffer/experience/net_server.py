@@ -1,107 +1,42 @@
-"""The gRPC transport (`buffer.transport=grpc`) for clusters without a shared filesystem.
+"""The trainer's side of experience over the network (`buffer.transport=grpc`), `ShardServer`.
 
-Trainer side, `ShardServer`: receives shards (service in protocol/experience.proto) as a stream
-of chunks, checks the token and the schema version from the header, writes each chunk to a
-temporary file while hashing it, and publishes (fsync + rename) the run's own
-`experience/<worker>/<seq>.arrow` on the trainer's disk only if the sha256 trailer matches; only
-then it acknowledges. The filesystem reader consumes the spool, so
-both transports share one reader and its exactly-once ledger; a trainer crash loses nothing it
-acknowledged.
-
-Worker side, `GrpcSink`: the network ExperienceSink of `buffer.writer.ShardWriter`; shards are pushed
-concurrently by an owned pool of `grpc_max_inflight` sender threads, at most that many
-unacknowledged at a time (the writer blocks beyond that: flow control), each resent with the same
-(worker, seq) after any failure, with backoff, until acknowledged. Resends are idempotent on the
-server, which handles different shards in parallel.
+It receives shards (service in protocol/experience.proto) as a stream of chunks, checks the token
+and the schema version from the header, writes each chunk to a temporary file while hashing it,
+and publishes (fsync + rename) the run's own `experience/<worker>/<seq>.arrow` on the trainer's
+disk (buffer/experience/fs.py's FsSpool) only if the sha256 trailer matches; only then it
+acknowledges. The filesystem reader consumes the spool, so both transports share one reader and
+its exactly-once ledger; a trainer crash loses nothing it acknowledged. Resends of one (worker,
+seq) are idempotent; different shards are handled in parallel. The worker's side is
+buffer/experience/net_client.py.
 """
 from __future__ import annotations
 
 import collections
 import contextlib
 import dataclasses
-import hmac
-import ipaddress
 import itertools
 import logging
-import math
 import os
-import socket
 import threading
 import time
-import uuid
 from concurrent import futures
 
 import grpc
 import pyarrow as pa
 
+from buffer.channel import (MAX_MESSAGE_BYTES, WRITER_KEY, authorized, bind_hosts, is_loopback,
+                            server_credentials, token)
 from buffer.config import BufferConfig
+from buffer.experience.fs import FsSpool
+from buffer.layout import RunLayout
 from buffer.ledger import shard_key
-from buffer.run import Run
-from buffer.storage import is_disk_full
-from buffer.stores.base import ExperienceSink, RunState
+from buffer.storage import filesystem, is_disk_full
 from protocol import experience_pb2 as pb
 from protocol.experience import SCHEMA_VERSION, IntegrityError, StreamVerifier
-from protocol.shard_stream import (PUSH_METHOD, SERVICE, Undecodable, chunk_data, decode_chunk,
-                                   encode_chunk)
+from protocol.shard_stream import SERVICE, Undecodable, chunk_data, decode_chunk
 
 log = logging.getLogger(__name__)
-TOKEN_ENV = "TANDEM_GRPC_TOKEN"
-WRITER_KEY = "x-tandem-writer"  # metadata: one random id per writer, its claim on a worker id
 MAX_CLAIMS = 4096  # worker-id claims kept before the expired ones are dropped
-# One chunk (buffer.grpc_chunk_kb <= 4 MiB) plus protobuf framing; shards themselves are bounded
-# by buffer.grpc_max_shard_mb, checked against the header before any byte is written.
-MAX_MESSAGE_BYTES = (4 << 20) + (64 << 10)
-_REFUSALS = (grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.FAILED_PRECONDITION,
-             grpc.StatusCode.INVALID_ARGUMENT)  # resending the same bytes cannot help
-DAMAGED_RESENDS = 3
-RECONNECT_MAX_MS = 2000
-
-
-def token(cfg: BufferConfig) -> str:
-    """The shared secret: `buffer.grpc_token_file`, else $TANDEM_GRPC_TOKEN; required."""
-    if cfg.grpc_token_file:
-        with open(cfg.grpc_token_file) as f:
-            value = f.read().strip()
-    else:
-        value = os.environ.get(TOKEN_ENV, "")
-    if not value:
-        raise ValueError(f"buffer.transport=grpc needs a shared token: set buffer.grpc_token_file "
-                         f"or ${TOKEN_ENV}")
-    return value
-
-
-def _read(path: str | None) -> bytes | None:
-    if not path:
-        return None
-    with open(path, "rb") as f:
-        return f.read()
-
-
-def authorized(context, expected: bytes) -> bool:
-    """Whether a call carries `expected` (b"Bearer <token>") as its authorization, compared
-    in constant time."""
-    given = dict(context.invocation_metadata()).get("authorization", "")
-    return hmac.compare_digest(given.encode(), expected)
-
-
-def open_channel(cfg: BufferConfig, address: str, options: list | None = None) -> grpc.Channel:
-    """A channel to `address` (the trainer's buffer.grpc_address, or a peer's), TLS-verified
-    against buffer.grpc_tls_ca when it is set. It reconnects by itself, at most RECONNECT_MAX_MS
-    apart: a restarted trainer is found again within seconds (gRPC's default backoff grows to
-    two minutes)."""
-    options = [*(options or []), ("grpc.initial_reconnect_backoff_ms", 200),
-               ("grpc.min_reconnect_backoff_ms", 200), ("grpc.max_reconnect_backoff_ms", RECONNECT_MAX_MS)]
-    if cfg.grpc_tls_ca:
-        creds = grpc.ssl_channel_credentials(root_certificates=_read(cfg.grpc_tls_ca))
-        return grpc.secure_channel(address, creds, options)
-    return grpc.insecure_channel(address, options)
-
-
-def server_credentials(cfg: BufferConfig) -> grpc.ServerCredentials | None:
-    """TLS credentials of a server from buffer.grpc_tls_cert/key, None without TLS."""
-    if not cfg.grpc_tls_cert:
-        return None
-    return grpc.ssl_server_credentials([(_read(cfg.grpc_tls_key), _read(cfg.grpc_tls_cert))])
 
 
 class _KeyLocks:
@@ -151,7 +86,8 @@ class _Claim:
 class _Servicer:
     def __init__(self, root: str, secret: str, cfg: BufferConfig, consumed, retired=None,
                  cap=lambda: 0):
-        self.spool = Run.local(root).spool
+        fs, path = filesystem(root)
+        self.spool = FsSpool(fs, RunLayout(path))
         self.expected = f"Bearer {secret}".encode()
         self.max_shard_bytes = cfg.grpc_max_shard_mb << 20
         self.cfg = cfg
@@ -333,7 +269,7 @@ class _Servicer:
     def _backpressure(self, head: pb.ShardHeader, key: str, context) -> None:
         """Refuse a new shard (RESOURCE_EXHAUSTED: the worker retries later) while the trainer
         has more samples spooled and not yet retired than the cap, as workers writing to a
-        shared folder wait (buffer/backpressure.py): a trainer that stops consuming must stop
+        shared folder wait (buffer/control/backpressure.py): a trainer that stops consuming must stop
         the spool growing. A shard below one of its worker's spooled shards is always taken:
         the reader reads a worker's shards in order, so refusing it would hold back every
         shard after it until the reader's next full scan (buffer.full_scan_interval), and
@@ -373,7 +309,7 @@ class ShardServer:
         push = grpc.stream_unary_rpc_method_handler(self.servicer.Push, request_deserializer=decode_chunk,
                                                     response_serializer=pb.Ack.SerializeToString)
         self.server.add_generic_rpc_handlers([grpc.method_handlers_generic_handler(SERVICE, {"Push": push})])
-        for add in services:  # more services on this server and port (buffer/stores/net.py)
+        for add in services:  # more services on this server and port (buffer/run.py)
             add(self.server)  # before it starts: no client ever finds them missing
         creds = server_credentials(cfg)
         self.port = 0
@@ -385,7 +321,7 @@ class ShardServer:
             if not bound:
                 raise OSError(f"buffer.grpc_bind: cannot listen on {address} (from {cfg.grpc_bind!r})")
             self.port = bound
-            if creds is None and not _is_loopback(host):
+            if creds is None and not is_loopback(host):
                 log.warning("WARNING: the experience gRPC server listens on %s WITHOUT TLS: the "
                             "token and every shard cross the network in clear. Set "
                             "buffer.grpc_tls_cert and buffer.grpc_tls_key (workers: "
@@ -402,167 +338,3 @@ class ShardServer:
         self.server.stop(grace_s).wait(timeout=grace_s + 5)
 
 
-def bind_hosts(bind: str) -> list[str]:
-    """Hosts to listen on for `buffer.grpc_bind`: its host, or for ':PORT' this node's address
-    (what its hostname resolves to, how other nodes reach it) and loopback."""
-    host = bind.rpartition(":")[0]
-    if host:
-        return [host]
-    try:
-        node = socket.gethostbyname(socket.gethostname())
-    except OSError:
-        log.warning("cannot resolve this node's hostname %s: listening on loopback only",
-                    socket.gethostname())
-        return ["127.0.0.1"]
-    return list(dict.fromkeys([node, "127.0.0.1"]))
-
-
-def _is_loopback(host: str) -> bool:
-    host = host.strip("[]")
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:  # a name
-        try:
-            return ipaddress.ip_address(socket.gethostbyname(host)).is_loopback
-        except OSError:
-            return False
-
-
-class GrpcSink(ExperienceSink):
-    """The network ExperienceSink: shards go to the trainer over gRPC. Published shards are
-    pushed concurrently by an owned pool of `grpc_max_inflight` sender threads; the claim, the
-    resume listing and `has` are the worker's own folder's (`local`)."""
-
-    def __init__(self, local: ExperienceSink, cfg: BufferConfig, run: RunState):
-        self.local, self.cfg, self.run = local, cfg, run
-        self.worker_id = local.worker_id
-        self.secret = token(cfg)
-        self.writer_key = uuid.uuid4().hex  # this writer's claim on its worker id
-        self.unacked: collections.OrderedDict[int, bytes] = collections.OrderedDict()
-        self.cond = threading.Condition()
-        self.fatal = False  # the trainer refused a shard: retrying cannot help
-        self.stopping = False
-        self.last_error: str | None = None
-        self._noted_full = -math.inf  # when the trainer's backpressure was last logged
-        self.push = self._connect()
-        self.senders = futures.ThreadPoolExecutor(cfg.grpc_max_inflight, thread_name_prefix="grpc-push")
-
-    def _connect(self):
-        self.channel = open_channel(self.cfg, self.cfg.grpc_address,
-                                    [("grpc.max_send_message_length", MAX_MESSAGE_BYTES)])
-        return self.channel.stream_unary(PUSH_METHOD, request_serializer=encode_chunk,
-                                         response_deserializer=pb.Ack.FromString)
-
-    def publish(self, seq: int, data: bytes) -> str:
-        """Hand the shard to a sender; block while `grpc_max_inflight` await acknowledgement."""
-        deadline = time.monotonic() + self.cfg.backlog_timeout_s
-        with self.cond:
-            while len(self.unacked) >= self.cfg.grpc_max_inflight and not self.fatal:
-                if self.run.done():  # no trainer will take it: do not wait for one
-                    log.warning("the run is finished (%s): shard %d not pushed",
-                                self.run.where(), seq)
-                    return f"grpc://{self.cfg.grpc_address}/{self.worker_id}/{seq} (not pushed)"
-                if time.monotonic() > deadline:
-                    raise TimeoutError(f"{len(self.unacked)} shards unacknowledged by "
-                                       f"{self.cfg.grpc_address} for {self.cfg.backlog_timeout_s:.0f} s;"
-                                       f" last error: {self.last_error}")
-                self.cond.wait(timeout=min(1.0, max(0.0, deadline - time.monotonic())))
-            if self.fatal:
-                raise RuntimeError(f"the trainer refused a shard: {self.last_error}")
-            self.unacked[seq] = data
-        self.senders.submit(self._push_until_acked, seq, data)
-        return f"grpc://{self.cfg.grpc_address}/{self.worker_id}/{seq}"
-
-    def unsure_from(self, seq: int) -> int:
-        with self.cond:  # a shard is published once acknowledged
-            return min([seq, *self.unacked])
-
-    def published(self) -> list[int]:
-        return self.local.published()
-
-    def samples_in(self, seq: int) -> int:
-        return self.local.samples_in(seq)
-
-    def has(self, seq: int) -> bool:
-        return self.local.has(seq)
-
-    def read_claim(self) -> dict | None:
-        return self.local.read_claim()
-
-    def write_claim(self, claim: dict) -> None:
-        self.local.write_claim(claim)
-
-    def wait_for_room(self, limit: int, timeout_s: float, should_stop, on_wait=lambda: None,
-                      group_size: int = 1) -> float:
-        return 0.0  # unacknowledged pushes bound the worker (publish blocks), and the trainer
-        # refuses shards (RESOURCE_EXHAUSTED) while its own backlog is full
-
-    def where(self) -> str:
-        return f"grpc://{self.cfg.grpc_address}"
-
-    def _chunks(self, seq: int, data: bytes):
-        yield pb.ShardChunk(header=pb.ShardHeader(worker_id=self.worker_id, seq=seq, size=len(data),
-                                                  schema_version=SCHEMA_VERSION))
-        step, view = self.cfg.grpc_chunk_kb << 10, memoryview(data)
-        for start in range(0, len(data), step):
-            yield view[start:start + step]  # encode_chunk frames it without another copy
-
-    def _push_until_acked(self, seq: int, data: bytes) -> None:
-        """One sender thread per in-flight shard, so hashing and fsync on the trainer overlap
-        for consecutive shards. Retries with backoff until acknowledged or refused; a shard that
-        arrives damaged (DATA_LOSS) is resent, but only DAMAGED_RESENDS times: past that the
-        worker's own copy is the damaged one."""
-        backoff, damaged = 0.2, 0
-        while not self.stopping:
-            try:
-                self.push(self._chunks(seq, data), timeout=self.cfg.grpc_timeout_s,
-                          metadata=[("authorization", f"Bearer {self.secret}"),
-                                    (WRITER_KEY, self.writer_key)])
-            except grpc.RpcError as e:
-                code = e.code()
-                self.last_error = f"{code.name}: {e.details()}"
-                damaged += code == grpc.StatusCode.DATA_LOSS
-                if code in _REFUSALS or damaged > DAMAGED_RESENDS:
-                    log.error("trainer refused shard %d: %s", seq, self.last_error)
-                    with self.cond:  # not retryable: surfaced by the next publish or close
-                        self.fatal = True
-                        self.cond.notify_all()
-                    return
-                if code != grpc.StatusCode.RESOURCE_EXHAUSTED:
-                    log.warning("push of shard %d failed (%s); retrying in %.1f s", seq,
-                                self.last_error, backoff)
-                elif time.monotonic() - self._noted_full > 30:  # backpressure: normal, say so
-                    log.info("the trainer is not taking shards yet (%s); retrying", self.last_error)
-                    self._noted_full = time.monotonic()
-                time.sleep(backoff)
-                # the trainer's backpressure lifts as soon as it trains: look again soon
-                backoff = min(backoff * 2, 2.0 if code == grpc.StatusCode.RESOURCE_EXHAUSTED else 10.0)
-                continue
-            with self.cond:
-                self.unacked.pop(seq, None)
-                self.cond.notify_all()
-            return
-
-    def close(self, timeout_s: float = 60.0) -> None:
-        """Wait until every shard is acknowledged (bounded), then stop the senders: always (a
-        sender left retrying would keep the process from exiting)."""
-        try:
-            deadline = time.monotonic() + timeout_s
-            with self.cond:
-                while self.unacked and not self.fatal and time.monotonic() < deadline:
-                    if self.run.done():
-                        log.warning("the run is finished (%s): %d shards not pushed",
-                                    self.run.where(), len(self.unacked))
-                        self.unacked.clear()
-                        break
-                    self.cond.wait(timeout=min(1.0, max(0.0, deadline - time.monotonic())))
-                left = len(self.unacked)
-        finally:
-            self.stopping = True
-            self.senders.shutdown(wait=True)
-            self.channel.close()
-        if self.fatal:
-            raise RuntimeError(f"the trainer refused a shard ({left} unacknowledged): {self.last_error}")
-        if left:
-            raise TimeoutError(f"{left} shards still unacknowledged by {self.cfg.grpc_address} "
-                               f"after {timeout_s:.0f} s; last error: {self.last_error}")

@@ -1,6 +1,6 @@
-"""Filesystem implementations of the run's stores: the run folder (buffer/layout.py) on a shared
-filesystem (local, NFS, Lustre; any fsspec URL where noted). With `buffer.transport=fs` every role
-uses these; with `grpc` the trainer does (and serves them to the others)."""
+"""The control plane's stores on the run folder (buffer/layout.py) on a shared filesystem (local,
+NFS, Lustre; any fsspec URL where noted): with `buffer.transport=fs` every role uses these; with
+`grpc` the trainer does, and serves them to the others (buffer/control/net_server.py)."""
 from __future__ import annotations
 
 import dataclasses
@@ -16,15 +16,13 @@ from typing import Callable
 
 import fsspec
 
-from buffer import backpressure
+from buffer.control.base import (ControlStore, HeartbeatStore, ProgressWriter, RunStateWriter,
+                                 SyncRounds, ValidationRequests)
 from buffer.layout import RunLayout
-from buffer.storage import (atomic_write, atomic_write_json, atomic_writer, create_new, is_local,
-                            read_json, stop_watch, watch, when_space)
-from buffer.stores.base import (ControlStore, ExperienceSink, HeartbeatStore, ProgressStore,
-                                RunState, ShouldStop, SyncClaims, ValidationStore, WeightSource)
+from buffer.storage import (atomic_write, atomic_write_json, create_new, is_local, read_json,
+                            stop_watch, watch, when_space)
 from protocol import control
 from protocol.validation import ValidationFormatError, ValidationRequest, ValidationResult
-from protocol.weights import ManifestError, WeightManifest, verify_files
 
 log = logging.getLogger(__name__)
 
@@ -34,12 +32,13 @@ MAX_SUBMIT_ATTEMPTS = 1000  # command ids taken by concurrent launch.control cal
 
 
 @dataclasses.dataclass
-class _Fs:
+class FsStore:
+    """A store on the run folder: its filesystem and its layout."""
     fs: fsspec.AbstractFileSystem
     layout: RunLayout
 
 
-class FsHeartbeats(_Fs, HeartbeatStore):
+class FsHeartbeats(FsStore, HeartbeatStore):
     """workers/<worker>.json, one small file per worker."""
 
     def write(self, worker_id: str, beat: dict) -> None:
@@ -66,7 +65,7 @@ class FsHeartbeats(_Fs, HeartbeatStore):
         return self.layout.heartbeat(worker_id) if worker_id else self.layout.workers_dir
 
 
-class FsProgress(_Fs, ProgressStore):
+class FsProgress(FsStore, ProgressWriter):
     """progress.json."""
 
     def write(self, progress: dict) -> None:
@@ -79,7 +78,7 @@ class FsProgress(_Fs, ProgressStore):
         return self.layout.progress
 
 
-class FsRunState(_Fs, RunState):
+class FsRunState(FsStore, RunStateWriter):
     """run.json (the run id) and the DONE marker."""
 
     def run_id(self) -> str | None:
@@ -111,9 +110,9 @@ class FsRunState(_Fs, RunState):
 
 
 @dataclasses.dataclass
-class FsSyncClaims(SyncClaims):
+class FsSyncClaims(SyncRounds):
     """sync/v<version>/<slot>, created exclusively (O_CREAT|O_EXCL: exactly one creator wins, on
-    a local disk and on NFSv3+/Lustre): a mounted filesystem only (buffer/sync.py)."""
+    a local disk and on NFSv3+/Lustre): a mounted filesystem only (buffer/control/sync.py)."""
     layout: RunLayout
     heartbeats: HeartbeatStore
 
@@ -194,7 +193,7 @@ class FsSyncClaims(SyncClaims):
 
 
 @dataclasses.dataclass
-class FsControl(_Fs, ControlStore):
+class FsControl(FsStore, ControlStore):
     """control.json (by hand), control.d/<id>.json (launch.control), pool/<supervisor>.json."""
 
     def _read(self, path: str, parse, errors: list[str]) -> list[control.Command]:
@@ -274,7 +273,7 @@ class FsControl(_Fs, ControlStore):
 
 
 @dataclasses.dataclass
-class FsValidation(_Fs, ValidationStore):
+class FsValidation(FsStore, ValidationRequests):
     """validation/requests/v<N>.json, validation/v<N>.json, validation/validator.json. The
     result is written atomically before the request is removed: a crash in between leaves a
     request whose result exists, which `requests` releases without evaluating it again."""
@@ -340,111 +339,3 @@ class FsValidation(_Fs, ValidationStore):
         return self.layout.validation_requests_dir
 
 
-class FsWeightSource(_Fs, WeightSource):
-    """weights/LATEST and weights/v<N>/ of the run folder, read in place."""
-
-    def pointer(self) -> dict | None:
-        return read_json(self.fs, self.layout.latest_pointer)
-
-    def manifest(self, version: int) -> WeightManifest:
-        path = self.layout.manifest(version)
-        try:
-            text = self.fs.cat_file(path).decode()
-        except FileNotFoundError:
-            raise ManifestError(f"{path}: missing (version pruned or never published)") from None
-        manifest = WeightManifest.from_json(text, where=path)
-        if manifest.version != version:
-            raise ManifestError(f"{path}: says version {manifest.version}, expected {version}")
-        return manifest
-
-    def fetch(self, version: int) -> str:
-        # Engines read the files themselves (vLLM's worker processes open them directly), so
-        # the bytes are checked once here and never shipped between processes.
-        folder = self.layout.version_dir(version)
-        verify_files(self.manifest(version), folder)
-        return folder
-
-    def files(self, version: int) -> list[str]:
-        manifest = self.manifest(version)
-        folder = self.layout.version_dir(version)
-        verify_files(manifest, folder)
-        return [os.path.join(folder, f) for f in sorted({t.file for t in manifest.tensors.values()})]
-
-    def exists(self, version: int) -> bool:
-        return self.fs.isdir(self.layout.version_dir(version))
-
-    def where(self) -> str:
-        return self.layout.latest_pointer
-
-
-@dataclasses.dataclass
-class FsExperienceSink(_Fs, ExperienceSink):
-    """experience/<worker>/<seq>.arrow, written to a temporary name, fsynced and renamed into
-    place (readers see all of it or nothing); the claim in workers/<worker>.claim; backpressure
-    from every worker's heartbeat and the trainer's progress.json."""
-    worker_id: str
-    heartbeats: HeartbeatStore
-    progress: ProgressStore
-
-    def __post_init__(self) -> None:
-        self.dir = self.layout.worker_shard_dir(self.worker_id)
-        self.fs.makedirs(self.dir, exist_ok=True)
-
-    def publish(self, seq: int, data: bytes) -> str:
-        path = self.layout.shard(self.worker_id, seq)
-        atomic_write(self.fs, path, data, tmp=self.layout.shard_tmp(self.worker_id, seq, os.getpid()))
-        return path
-
-    def unsure_from(self, seq: int) -> int:
-        return seq
-
-    def published(self) -> list[int]:
-        listed = (RunLayout.shard_seq(p) for p in self.fs.ls(self.dir, detail=False))
-        return sorted(s for s in listed if s is not None)
-
-    def samples_in(self, seq: int) -> int:
-        import pyarrow as pa
-        with self.fs.open(self.layout.shard(self.worker_id, seq), "rb") as f:
-            meta = pa.ipc.open_stream(f).schema.metadata
-        return int(meta[b"tandem.num_samples"])
-
-    def has(self, seq: int) -> bool:
-        return any(self.fs.exists(p) for p in (self.layout.shard(self.worker_id, seq),
-                                               self.layout.archive_shard(self.worker_id, seq)))
-
-    def read_claim(self) -> dict | None:
-        return read_json(self.fs, self.layout.seq_claim(self.worker_id))
-
-    def write_claim(self, claim: dict) -> None:
-        atomic_write_json(self.fs, self.layout.seq_claim(self.worker_id), claim)
-
-    def wait_for_room(self, limit: int, timeout_s: float, should_stop: ShouldStop,
-                      on_wait: Callable[[], object] = lambda: None, group_size: int = 1) -> float:
-        return backpressure.wait_for_room(self.heartbeats, self.progress, limit, timeout_s,
-                                          should_stop, on_wait=on_wait, group_size=group_size)
-
-    def close(self, timeout_s: float = 60.0) -> None:
-        pass  # every shard was renamed into place by `publish`
-
-    def where(self) -> str:
-        return self.dir
-
-
-@dataclasses.dataclass
-class FsSpool(_Fs):
-    """The trainer's side of a network ExperienceSink: shards received into the same
-    experience/<worker>/<seq>.arrow the reader reads, spooled beside the worker folders (so a
-    refused push never creates experience/<worker>/) under a temporary name of one push."""
-
-    def path(self, worker_id: str, seq: int) -> str:
-        """Where the shard is published; ValueError for an invalid worker id."""
-        return self.layout.shard(worker_id, seq)
-
-    def has(self, worker_id: str, seq: int) -> bool:
-        return self.fs.exists(self.path(worker_id, seq))
-
-    def writer(self, worker_id: str, seq: int, push: str):
-        """A binary file to write the shard through; it appears (fsynced) only if the block
-        ends without an exception (buffer.storage.atomic_writer)."""
-        tmp = self.layout.spool_tmp(worker_id, seq, push)
-        return atomic_writer(self.fs, self.path(worker_id, seq), tmp)

@@ -1,4 +1,6 @@
-"""Weight versions delivered over the network: chunked, checksummed, resumable, peer fan-out.
+"""A worker's side of weight versions over the network: `NetWeightSource` (the run's
+WeightSource with `buffer.transport=grpc`: LATEST from the run service, versions fetched into the
+worker's own cache) and its `WeightFetcher`.
 
 Trainer side, `WeightService` (on the trainer's rank-0 grpc.Server, beside the experience
 service: same port, token, TLS): for a published version folder it serves the chunk list (every
@@ -21,6 +23,7 @@ least often. So each chunk leaves the trainer about once however many workers fe
 workers' own uplinks carry the copies. A peer that fails a request is skipped for
 `weights_peer_ttl_s`; a peer whose chunk fails its sha256 is never used again for the version;
 the chunk goes back to the missing set, taken from another peer or the trainer.
+
 """
 from __future__ import annotations
 
@@ -36,319 +39,26 @@ import shutil
 import threading
 import time
 import uuid
-from collections.abc import Callable
 from concurrent import futures
 
 import grpc
 
+from buffer.channel import RunClient, bind_hosts, open_channel, server_credentials, token
 from buffer.config import BufferConfig
-from buffer.grpc_transport import (MAX_MESSAGE_BYTES, authorized, bind_hosts, open_channel,
-                                   server_credentials)
-from protocol.weights import ManifestError, WeightManifest, sha256_file
-from protocol.weights_wire import (CHUNK_LIST_METHOD, CHUNK_METHOD, PEERS_METHOD, SERVICE,
-                                   SIDECAR_PREFIX, ChunkList, ChunkListRequest, ChunkReply,
-                                   ChunkRequest, PeerInfo, PeerList, PeerReport, WireError,
-                                   from_bitmap, to_bitmap)
+from buffer.layout import RunLayout
+from buffer.weights.base import WeightSource
+from buffer.weights.chunks import OPTIONS, REDIRECT, ChunkServicer, Holding
+from protocol import run_service as rs
+from protocol.weights import ManifestError, WeightManifest, sha256_file, verify_files
+from protocol.weights_wire import (CHUNK_LIST_METHOD, CHUNK_METHOD, PEERS_METHOD, SIDECAR_PREFIX,
+                                   ChunkList, ChunkListRequest, ChunkReply, ChunkRequest, PeerInfo,
+                                   PeerList, PeerReport, WireError, from_bitmap, to_bitmap)
 
 log = logging.getLogger(__name__)
-# Chunks (<= 4 MiB) fit the experience stream's limit; a chunk list (32 bytes a chunk: 2 MiB
-# for 256 GB in 4 MiB chunks) is the largest message a worker receives.
-_OPTIONS = [("grpc.max_receive_message_length", 64 << 20),
-            ("grpc.max_send_message_length", MAX_MESSAGE_BYTES)]
-CACHED_VERSIONS = 4  # chunk lists the trainer keeps in memory (the newest versions' are asked)
 NOTE_EVERY_S = 30.0  # a waiting fetch logs what it waits for this often
-_PACE_BYTES = 256 << 10  # the uplink model's packet: concurrent replies interleave at this grain
 _CHUNKS_FILE = SIDECAR_PREFIX + "chunks"
 _VERIFIED_FILE = SIDECAR_PREFIX + "verified"
 TRAINER = "trainer"  # the source name of chunks from the trainer in FetchStats
-REDIRECT = -1  # a ChunkReply's index: every chunk asked for is with live peers, ask them
-
-
-class _Uplink:
-    """A sender's link of `rate` bytes/s: each reply reserves its packets' slots on one clock,
-    so concurrent replies share the rate (a FIFO of _PACE_BYTES packets); 0: no limit."""
-
-    def __init__(self, rate: float):
-        self.rate = rate
-        self.lock = threading.Lock()
-        self.free_at = 0.0
-
-    def send(self, n: int) -> None:
-        if not self.rate:
-            return
-        for start in range(0, n, _PACE_BYTES):
-            size = min(_PACE_BYTES, n - start)
-            with self.lock:
-                now = time.monotonic()
-                self.free_at = max(now, self.free_at) + size / self.rate
-                until = self.free_at
-            time.sleep(max(0.0, until - time.monotonic()))
-
-
-def _check_token(context, expected: bytes) -> None:
-    if not authorized(context, expected):
-        context.abort(grpc.StatusCode.UNAUTHENTICATED, "missing or wrong token")
-
-
-def _decode(cls, raw: bytes, context):
-    try:
-        return cls.decode(raw)
-    except WireError as e:
-        context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
-
-
-class _Holding:
-    """The chunks of one version a process holds and serves: all of a published folder (the
-    trainer), or the verified ones of a fetch in progress. `folder` moves once, from
-    `<dest>.partial` to `<dest>`, under `lock`."""
-
-    def __init__(self, chunks: ChunkList, folder: str, have: set[int]):
-        self.chunks, self.folder, self.have = chunks, folder, have
-        self.lock = threading.Lock()
-        self.served = collections.Counter()  # chunk -> times sent
-        self.recent: dict[str, dict[int, float]] = {}  # peer -> chunk -> when sent to it
-
-    def read(self, index: int) -> bytes:
-        pos, offset, length = self.chunks.locate(index)
-        with self.lock:
-            fd = os.open(os.path.join(self.folder, self.chunks.files[pos].name), os.O_RDONLY)
-        try:
-            return os.pread(fd, length, offset)
-        finally:
-            os.close(fd)
-
-    def pick(self, want: set[int], peer: str, window_s: float,
-             covered: Callable[[], set[int]] = set) -> int | None:
-        """The chunk of `want` this holder has sent least often, preferring those not sent to
-        `peer` within `window_s` (its request for them may still be on the way back). A chunk
-        sent before is only sent again when it is not in `covered()` (held by, or just sent
-        to, a live peer the requester can use); REDIRECT when every one is."""
-        now = time.monotonic()
-        with self.lock:
-            for who, sent in list(self.recent.items()):
-                for k in [k for k, t in sent.items() if now - t > window_s]:
-                    del sent[k]
-                if not sent:
-                    del self.recent[who]
-            sent = self.recent.setdefault(peer, {})
-            options = [i for i in want if i in self.have]
-            if not options:
-                return None
-            if all(self.served[i] for i in options):
-                elsewhere = covered()
-                options = [i for i in options if i not in elsewhere]
-                if not options:
-                    return REDIRECT
-            best = min(options, key=lambda i: (i in sent, self.served[i], random.random()))
-            self.served[best] += 1
-            sent[best] = now
-            return best
-
-
-class _ChunkServicer:
-    """The Chunk method, served from `holding(version)`; shared by the trainer and the peers."""
-
-    def __init__(self, holding: Callable[[int], _Holding | None], secret: str, cfg: BufferConfig,
-                 max_waiting: int, covered=None):
-        self.holding = holding
-        self.max_waiting, self.waiting = max_waiting, 0
-        self.covered = covered  # (version, requester, its peers to avoid) -> chunks peers cover
-        self.expected = f"Bearer {secret}".encode()
-        self.cfg = cfg
-        self.uplink = _Uplink(cfg.weights_upload_mb_s * 1e6)
-        self.slots = threading.BoundedSemaphore(cfg.weights_send_slots)
-        self.stats = collections.Counter()
-        self.stats_lock = threading.Lock()  # handlers run concurrently: += alone loses counts
-
-    def count(self, **add: int) -> None:
-        with self.stats_lock:
-            self.stats.update(add)
-
-    def Chunk(self, raw: bytes, context) -> bytes:
-        """A chunk, sent in one of weights_send_slots slots: few chunks at a time, each at a
-        good share of the uplink, so they reach peers early one after another (all at once,
-        every one would arrive late). The chunk is picked when the slot is free."""
-        _check_token(context, self.expected)
-        req = _decode(ChunkRequest, raw, context)
-        if not self._take_slot():
-            self.count(busy=1)
-            context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, "weight send slots busy: retry later")
-        try:
-            return self._send(req, context)
-        finally:
-            self.slots.release()
-
-    def _take_slot(self) -> bool:
-        """A send slot; waits (at most weights_chunk_timeout_s / 2) only while fewer than
-        `max_waiting` handlers wait already: a waiting handler holds one of the server's
-        threads, which on the trainer serve experience pushes too."""
-        if self.slots.acquire(blocking=False):
-            return True
-        with self.stats_lock:
-            if self.waiting >= self.max_waiting:
-                return False
-            self.waiting += 1
-        try:
-            return self.slots.acquire(timeout=self.cfg.weights_chunk_timeout_s / 2)
-        finally:
-            with self.stats_lock:
-                self.waiting -= 1
-
-    def _send(self, req: ChunkRequest, context) -> bytes:
-        held = self.holding(req.version)
-        if held is None:
-            context.abort(grpc.StatusCode.NOT_FOUND, f"weight version {req.version} not held here")
-        if req.index >= 0:
-            index = req.index if req.index in held.have else None
-        else:
-            covered = set
-            if self.covered is not None and req.peers:
-                covered = lambda: self.covered(req.version, req.peer_id, set(req.avoid))  # noqa: E731
-            index = held.pick(from_bitmap(req.want, held.chunks.total), req.peer_id,
-                              self.cfg.weights_chunk_timeout_s, covered)
-            if index == REDIRECT:
-                self.count(redirects=1)
-                return ChunkReply(req.version, REDIRECT, b"").encode()
-        if index is None:
-            context.abort(grpc.StatusCode.NOT_FOUND, f"v{req.version}: no chunk asked for is held here")
-        try:
-            data = held.read(index)
-        except OSError as e:  # pruned meanwhile (trainer) or the folder went away (peer)
-            context.abort(grpc.StatusCode.NOT_FOUND, f"v{req.version} chunk {index}: {e}")
-        self.uplink.send(len(data))
-        self.count(chunks=1, bytes=len(data))
-        return ChunkReply(req.version, index, data).encode()
-
-    def handlers(self, **more) -> grpc.GenericRpcHandler:
-        methods = {"Chunk": self.Chunk, **more}
-        return grpc.method_handlers_generic_handler(SERVICE, {
-            name: grpc.unary_unary_rpc_method_handler(fn) for name, fn in methods.items()})
-
-
-@dataclasses.dataclass
-class _Peer:
-    address: str
-    have: bytes
-    seen: float
-
-
-class WeightService:
-    """The trainer's side: chunk lists, chunks and the peer registry of published versions.
-
-    version_dir(v) -> the published folder of version v (with its manifest.json), or None when
-    it is not (or no longer) published. `register(server)` adds the service to a grpc.Server
-    (e.g. the experience ShardServer's `.server`; before or after it starts)."""
-
-    def __init__(self, version_dir: Callable[[int], str | None], secret: str, cfg: BufferConfig):
-        self.version_dir, self.cfg = version_dir, cfg
-        self.chunk_bytes = cfg.weights_chunk_kb << 10
-        # half the experience server's threads at most wait for a send slot
-        self.chunks = _ChunkServicer(self._holding, secret, cfg, max(1, cfg.grpc_server_threads // 2),
-                                     self._covered)
-        self.stats = self.chunks.stats
-        self._held: collections.OrderedDict[int, _Holding] = collections.OrderedDict()
-        self._lock = threading.Lock()  # guards _held, _making, peers
-        self._making: dict[int, threading.Lock] = {}
-        self.peers: dict[int, dict[str, _Peer]] = {}
-
-    def register(self, server: grpc.Server) -> None:
-        server.add_generic_rpc_handlers([self.chunks.handlers(ChunkList=self.ChunkList,
-                                                              Peers=self.Peers)])
-
-    def _holding(self, version: int) -> _Holding | None:
-        """The version's chunk list, hashed once (one thread per version; others wait)."""
-        with self._lock:
-            if version in self._held:
-                self._held.move_to_end(version)
-                return self._held[version]
-            making = self._making.setdefault(version, threading.Lock())
-        with making:
-            with self._lock:
-                if version in self._held:
-                    return self._held[version]
-            folder = self.version_dir(version)
-            if folder is None or not os.path.isfile(os.path.join(folder, "manifest.json")):
-                return None
-            started = time.monotonic()
-            path = os.path.join(folder, "manifest.json")
-            with open(path) as f:
-                text = f.read()
-            manifest = WeightManifest.from_json(text, where=path)
-            chunks = ChunkList.of_folder(folder, manifest, text, self.chunk_bytes)
-            held = _Holding(chunks, folder, set(range(chunks.total)))
-            log.info("weight version %d: %d chunks of %d KiB over %d files hashed in %.1f s",
-                     version, chunks.total, self.chunk_bytes >> 10, len(chunks.files),
-                     time.monotonic() - started)
-            with self._lock:
-                self._held[version] = held
-                while len(self._held) > CACHED_VERSIONS:
-                    self._held.popitem(last=False)
-                self._making.pop(version, None)
-            return held
-
-    def _covered(self, version: int, requester: str, avoid: set[str]) -> set[int]:
-        """Chunks that live peers (heard from within weights_peer_ttl_s, not the requester nor
-        one it avoids) hold, or were sent within weights_chunk_timeout_s."""
-        now, ttl = time.monotonic(), self.cfg.weights_peer_ttl_s
-        held = self._held.get(version)
-        with self._lock:
-            live = [(p, e.have) for p, e in self.peers.get(version, {}).items()
-                    if now - e.seen <= ttl and p != requester and p not in avoid]
-        bits = 0
-        for _, have in live:
-            bits |= int.from_bytes(have, "little")
-        out = from_bitmap(bits.to_bytes((bits.bit_length() + 7) // 8, "little"), bits.bit_length())
-        if held is not None:  # called under held.lock
-            for p, _ in live:
-                out.update(held.recent.get(p, ()))
-        return out
-
-    def ChunkList(self, raw: bytes, context) -> bytes:
-        _check_token(context, self.chunks.expected)
-        req = _decode(ChunkListRequest, raw, context)
-        try:
-            held = self._holding(req.version)
-        except (OSError, ManifestError, ValueError) as e:  # pruned while hashing, or damaged
-            context.abort(grpc.StatusCode.NOT_FOUND, f"weight version {req.version}: {e}")
-        if held is None:
-            context.abort(grpc.StatusCode.NOT_FOUND,
-                          f"weight version {req.version} is not published on the trainer "
-                          "(pruned, or not yet)")
-        return held.chunks.encode()
-
-    def Peers(self, raw: bytes, context) -> bytes:
-        """Record the caller's holdings; answer with up to weights_max_peers live peers that
-        hold chunks it lacks: in random order (load spreads), first those that add chunks the
-        ones before do not hold (the answer covers what the registry knows), then others."""
-        _check_token(context, self.chunks.expected)
-        rep = _decode(PeerReport, raw, context)
-        now, ttl = time.monotonic(), self.cfg.weights_peer_ttl_s
-        lacks = ~int.from_bytes(rep.have, "little")
-        with self._lock:
-            table = self.peers.setdefault(rep.version, {})
-            if rep.address:
-                table[rep.peer_id] = _Peer(rep.address, rep.have, now)
-            for gone in [p for p, e in table.items() if now - e.seen > ttl]:
-                del table[gone]
-            for version in [v for v, t in self.peers.items() if not t]:
-                del self.peers[version]
-            useful = [PeerInfo(p, e.address, e.have) for p, e in table.items()
-                      if p != rep.peer_id and int.from_bytes(e.have, "little") & lacks]
-        random.shuffle(useful)
-        first, rest = [], []
-        for peer in useful:
-            adds = int.from_bytes(peer.have, "little") & lacks
-            (first if adds else rest).append(peer)
-            lacks &= ~adds
-        return PeerList(rep.version, (first + rest)[:self.cfg.weights_max_peers]).encode()
-
-
-def add_weight_service(server: grpc.Server, version_dir: Callable[[int], str | None], secret: str,
-                       cfg: BufferConfig) -> WeightService:
-    """Serve the published versions `version_dir` finds on `server`; returns the service."""
-    service = WeightService(version_dir, secret, cfg)
-    service.register(server)
-    return service
 
 
 class _Corrupt(Exception):
@@ -455,13 +165,13 @@ class WeightFetcher:
         self.address, self.secret, self.cfg = address, secret, cfg
         self.peer_id = peer_id or uuid.uuid4().hex[:12]
         self.metadata = [("authorization", f"Bearer {secret}")]
-        self.trainer = open_channel(cfg, address, _OPTIONS)
+        self.trainer = open_channel(cfg, address, OPTIONS)
         self._calls = {name: self.trainer.unary_unary(method) for name, method in
                        (("ChunkList", CHUNK_LIST_METHOD), ("Chunk", CHUNK_METHOD),
                         ("Peers", PEERS_METHOD))}
         self.stats: dict[int, FetchStats] = {}
         self._lock = threading.Lock()  # guards _holdings, _peer_lists, _channels
-        self._holdings: collections.OrderedDict[int, _Holding] = collections.OrderedDict()
+        self._holdings: collections.OrderedDict[int, Holding] = collections.OrderedDict()
         self._peer_lists: dict[int, list[PeerInfo]] = {}
         self._channels: dict[str, grpc.Channel] = {}
         self._stop = threading.Event()
@@ -477,8 +187,8 @@ class WeightFetcher:
         host = self.cfg.weights_peer_host or bind_hosts(":0")[0]
         self.server = grpc.server(futures.ThreadPoolExecutor(self.cfg.weights_peer_threads,
                                                              thread_name_prefix="weights-peer"),
-                                  options=_OPTIONS)
-        self.servicer = _ChunkServicer(self._held, self.secret, self.cfg,
+                                  options=OPTIONS)
+        self.servicer = ChunkServicer(self._held, self.secret, self.cfg,
                                        max(1, self.cfg.weights_peer_threads // 2))
         self.server.add_generic_rpc_handlers([self.servicer.handlers()])
         creds = server_credentials(self.cfg)
@@ -491,18 +201,18 @@ class WeightFetcher:
         log.info("weight peer server of %s listening on %s%s", self.peer_id, self.peer_address,
                  "" if creds else " (no TLS)")
 
-    def _held(self, version: int) -> _Holding | None:
+    def _held(self, version: int) -> Holding | None:
         with self._lock:
             return self._holdings.get(version)
 
-    def _hold(self, version: int, holding: _Holding) -> None:
+    def _hold(self, version: int, holding: Holding) -> None:
         with self._lock:
             self._holdings[version] = holding
             self._holdings.move_to_end(version)
             while len(self._holdings) > self.cfg.weights_serve_versions:
                 self._holdings.popitem(last=False)
 
-    def _report(self, version: int, holding: _Holding) -> None:
+    def _report(self, version: int, holding: Holding) -> None:
         """Tell the trainer what we hold of `version`; keep the peers it answers with."""
         with holding.lock:
             have = to_bitmap(holding.have, holding.chunks.total)
@@ -531,7 +241,7 @@ class WeightFetcher:
     def _peer_call(self, address: str):
         with self._lock:
             if address not in self._channels:
-                self._channels[address] = open_channel(self.cfg, address, _OPTIONS)
+                self._channels[address] = open_channel(self.cfg, address, OPTIONS)
             return self._channels[address].unary_unary(CHUNK_METHOD)
 
     def peers(self, version: int) -> list[PeerInfo]:
@@ -566,7 +276,7 @@ class WeightFetcher:
             state = _Partial(partial, chunks)
             try:
                 stats = self.stats[version] = FetchStats(chunks=chunks.total, resumed=len(state.durable))
-                holding = _Holding(chunks, partial, set(state.durable))
+                holding = Holding(chunks, partial, set(state.durable))
                 if self.server is not None:
                     self._hold(version, holding)
                 _Transfer(self, version, state, holding, stats).run()
@@ -592,7 +302,7 @@ class WeightFetcher:
         except (grpc.RpcError, WireError) as e:
             log.info("not serving cached weight version %d to peers: %s", version, _why(e))
             return
-        self._hold(version, _Holding(chunks, dest, set(range(chunks.total))))
+        self._hold(version, Holding(chunks, dest, set(range(chunks.total))))
 
     def _chunk_list(self, version: int) -> ChunkList:
         deadline = time.monotonic() + self.cfg.weights_stall_timeout_s
@@ -601,7 +311,7 @@ class WeightFetcher:
             metadata=self.metadata)), deadline, f"the chunk list of weight version {version} "
                                                 f"from the trainer at {self.address}")
 
-    def _finish(self, state: _Partial, holding: _Holding, dest: str) -> None:
+    def _finish(self, state: _Partial, holding: Holding, dest: str) -> None:
         """Check every file against the manifest's sha256 (a bad one is fetched again: its
         chunks leave the bitmap), then drop the sidecars and rename into place."""
         state.save(0)
@@ -639,7 +349,7 @@ class _Transfer:
     weights_trainer_streams to the trainer in flight; results verified and written by the
     request threads, counted and made durable here."""
 
-    def __init__(self, fetcher: WeightFetcher, version: int, state: _Partial, holding: _Holding,
+    def __init__(self, fetcher: WeightFetcher, version: int, state: _Partial, holding: Holding,
                  stats: FetchStats):
         self.f, self.version, self.state, self.holding, self.stats = fetcher, version, state, holding, stats
         self.cfg = fetcher.cfg
@@ -886,7 +596,6 @@ def _flock(path: str, timeout_s: float):
 
 def _folder_problem(folder: str) -> str | None:
     """Why a finished folder is not the version its manifest.json describes, or None."""
-    from protocol.weights import verify_files
     path = os.path.join(folder, "manifest.json")
     try:
         with open(path) as f:
@@ -894,3 +603,94 @@ def _folder_problem(folder: str) -> str | None:
     except (OSError, ManifestError) as e:
         return str(e)
     return None
+
+
+class NetWeightSource(WeightSource):
+    """LATEST from the run service; versions fetched into the process's own folder's weights/
+    (`layout`, its weight cache) by a WeightFetcher (chunked, verified, resumable, from peers
+    too), made on the first fetch (its peer server is of no use to a process that never
+    fetches). The newest `keep` versions (buffer.grpc_cache_versions) are kept."""
+
+    def __init__(self, client: RunClient, layout: RunLayout, keep: int):
+        self.client, self.layout, self.keep = client, layout, keep
+        self._fetcher: WeightFetcher | None = None
+        self._verified: set[int] = set()  # cache folders this process fetched or checked
+        # (version, thread, errors) of the one background fetch. A daemon thread: a process
+        # that exits mid-fetch leaves a resumable partial folder (the next fetch continues it).
+        self._background: tuple[int, threading.Thread, list[BaseException]] | None = None
+
+    def pointer(self) -> dict | None:
+        doc = self.client.call("WeightsPointer").doc
+        if doc is not None:
+            self._prefetch(int(doc["version"]))
+        return doc
+
+    def _prefetch(self, version: int) -> None:
+        """Fetch `version` in the background, one version at a time (a newer one seen while
+        another is in flight starts at a later `pointer()`). Called from one thread (the role's)."""
+        bg = self._background
+        if version in self._verified or (bg is not None and (bg[0] == version or bg[1].is_alive())):
+            return
+        errors: list[BaseException] = []
+
+        def run() -> None:
+            try:
+                self._fetch(version)
+            except Exception as e:  # handed to fetch(version); a pruned version is retried later
+                errors.append(e)
+
+        thread = threading.Thread(target=run, name=f"prefetch-v{version}", daemon=True)
+        self._background = (version, thread, errors)
+        thread.start()
+
+    def ready(self, version: int) -> bool:
+        bg = self._background
+        return version in self._verified or (bg is not None and bg[0] == version
+                                              and not bg[1].is_alive())
+
+    def exists(self, version: int) -> bool:
+        return self.client.call("VersionExists", rs.VersionRef(version)).value
+
+    def where(self) -> str:
+        return f"the trainer's weights at {self.client.address} (cached in {self.layout.weights_dir})"
+
+    def fetch(self, version: int) -> str:
+        bg = self._background
+        if bg is not None and bg[0] == version:  # in flight or done in the background
+            bg[1].join()  # bounded: the fetcher gives up after buffer.weights_stall_timeout_s
+            self._background = None
+            if bg[2]:
+                raise bg[2][0]
+        return self._fetch(version)
+
+    def _fetch(self, version: int) -> str:
+        folder = self.layout.version_dir(version)
+        if version in self._verified and os.path.isdir(folder):
+            return folder
+        if self._fetcher is None:
+            self._fetcher = WeightFetcher(self.client.address, token(self.client.cfg), self.client.cfg)
+        t0 = time.monotonic()
+        self._fetcher.fetch(version, folder)  # a folder already there is checked, else fetched
+        self._verified.add(version)
+        log.info("weight version %d in %s (%.2f s)", version, folder, time.monotonic() - t0)
+        self._prune()
+        return folder
+
+    def _prune(self) -> None:
+        """Keep the newest `keep` versions of the cache, and the partial fetches of newer ones."""
+        names = os.listdir(self.layout.weights_dir)
+        versions = sorted(v for v in map(RunLayout.version_of, names) if v is not None)
+        if len(versions) <= self.keep:
+            return
+        oldest_kept = versions[-self.keep]
+        for name in names:
+            version = RunLayout.version_of(name.split(".", 1)[0])  # also v<N>.partial(.lock)
+            if version is None or version >= oldest_kept:
+                continue
+            path = os.path.join(self.layout.weights_dir, name)
+            if os.path.isdir(path):
+                shutil.rmtree(path, ignore_errors=True)
+            else:
+                with contextlib.suppress(FileNotFoundError):
+                    os.remove(path)
+            self._verified.discard(version)

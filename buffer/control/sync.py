@@ -15,7 +15,7 @@ one, retires the older folders by renaming each away before removing it, so a wo
 tries to claim a slot of an old version finds no folder and claims nothing (a rename is atomic;
 an rmtree alone could let a claim in between its unlink and its rmdir).
 
-The claims are the run's SyncClaims store (buffer/stores/fs.py: `sync/v<N>/<slot>` files). A
+The claims are the run's SyncClaims store (buffer/control/fs.py: `sync/v<N>/<slot>` files). A
 worker that dies after claiming slots leaves them unfilled: the trainer then fails after
 trainer.data_timeout_s, naming the claims (`SyncClaims.claims`). Restarting the run resumes from its
 checkpoint under a fresh version.

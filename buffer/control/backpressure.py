@@ -17,7 +17,7 @@ import logging
 import time
 from typing import Callable
 
-from buffer.stores.base import HeartbeatStore, ProgressStore
+from buffer.control.base import HeartbeatStore, ProgressStore
 
 log = logging.getLogger(__name__)
 NOTE_EVERY_S = 30.0  # a waiting side says why at least this often

@@ -1,34 +1,77 @@
-"""Weight versions on the shared filesystem: the trainer publishes, workers subscribe.
+"""Weight versions on the run folder: the trainer publishes (`WeightStore`), workers read in
+place (`FsWeightSource`).
 
 A version is staged in a hidden temporary folder, fsynced, renamed to `weights/v<N>/`, and only
 then announced by atomically replacing `weights/LATEST`. A reader that follows LATEST therefore
 never sees a partial version; it still verifies checksums against the manifest before loading.
 Only the newest `keep` versions are kept on disk, plus up to `keep` older ones that wait for
-validation (FsValidation, buffer/stores/fs.py).
+validation (FsValidation, buffer/control/fs.py). Tensors are read and written by
+buffer/weights/tensors.py, imported where they are (it imports torch; the tools on the run
+folder never need it).
 """
 from __future__ import annotations
 
-import contextlib
-import hashlib
-import json
 import logging
 import os
 import shutil
-import struct
 import time
 from collections.abc import Iterator, Mapping
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import torch
-
+from buffer.control.fs import FsStore, FsValidation
 from buffer.layout import TMP_MARK, RunLayout
-from buffer.stores.fs import FsValidation, FsWeightSource
-from buffer.storage import atomic_write_json, filesystem, fsync_tree, when_space
-from protocol.weights import FileEntry, TensorEntry, WeightManifest, sha256_file
+from buffer.storage import atomic_write_json, filesystem, fsync_tree, read_json, when_space
+from buffer.weights.base import WeightPublisher, WeightSource
+from protocol.weights import FileEntry, ManifestError, TensorEntry, WeightManifest, verify_files
+
+if TYPE_CHECKING:
+    import torch
 
 log = logging.getLogger(__name__)
 _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".safetensors.index.json", ".bin.index.json")
+
+
+class FsWeightSource(FsStore, WeightSource):
+    """weights/LATEST and weights/v<N>/ of the run folder, read in place."""
+
+    def pointer(self) -> dict | None:
+        return read_json(self.fs, self.layout.latest_pointer)
+
+    def manifest(self, version: int) -> WeightManifest:
+        path = self.layout.manifest(version)
+        try:
+            text = self.fs.cat_file(path).decode()
+        except FileNotFoundError:
+            raise ManifestError(f"{path}: missing (version pruned or never published)") from None
+        manifest = WeightManifest.from_json(text, where=path)
+        if manifest.version != version:
+            raise ManifestError(f"{path}: says version {manifest.version}, expected {version}")
+        return manifest
+
+    def fetch(self, version: int) -> str:
+        # Engines read the files themselves (vLLM's worker processes open them directly), so
+        # the bytes are checked once here and never shipped between processes.
+        folder = self.layout.version_dir(version)
+        verify_files(self.manifest(version), folder)
+        return folder
+
+    def files(self, version: int) -> list[str]:
+        manifest = self.manifest(version)
+        folder = self.layout.version_dir(version)
+        verify_files(manifest, folder)
+        return [os.path.join(folder, f) for f in sorted({t.file for t in manifest.tensors.values()})]
+
+    def exists(self, version: int) -> bool:
+        return self.fs.isdir(self.layout.version_dir(version))
+
+    def where(self) -> str:
+        return self.layout.latest_pointer
+
+    def tensors(self, version: int) -> Iterator[tuple[str, torch.Tensor]]:
+        """Verify the version's checksums, then yield its tensors one at a time (bounded memory)."""
+        from buffer.weights.tensors import read_tensors  # torch: where tensors are read
+        yield from read_tensors(self.files(version))
 
 
 def copy_model_metadata(model_path: str, dest: str) -> None:
@@ -50,16 +93,9 @@ def hf_folder_problem(folder: str) -> str | None:
     return None
 
 
-_SAFETENSORS_DTYPES = {
-    torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
-    torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8",
-    torch.uint8: "U8", torch.bool: "BOOL", torch.float8_e4m3fn: "F8_E4M3",
-    torch.float8_e5m2: "F8_E5M2"}
-
-
-class WeightStore(FsWeightSource):
-    """The trainer's weight store (publish, prune), on the run folder it also reads as a
-    worker's FsWeightSource."""
+class WeightStore(FsWeightSource, WeightPublisher):
+    """The trainer's weights on its run folder: it publishes and prunes versions, and reads
+    them as any FsWeightSource does (a trainer resuming, tests, launch tools)."""
 
     def __init__(self, root: str):
         fs, root_path = filesystem(root)
@@ -81,66 +117,16 @@ class WeightStore(FsWeightSource):
 
     @staticmethod
     def describe(folder: str, names: list[str]) -> tuple[list[FileEntry], dict[str, TensorEntry]]:
-        """Manifest entries (size, sha256, tensor dtypes and shapes) of some files in `folder`;
-        trainer ranks describe the files they wrote in parallel."""
-        from safetensors import safe_open
-        files, tensors = [], {}
-        for name in names:
-            path = os.path.join(folder, name)
-            files.append(FileEntry(name, os.path.getsize(path), sha256_file(path)))
-            if name.endswith(".safetensors"):
-                with safe_open(path, framework="pt") as f:
-                    for key in f.keys():
-                        sl = f.get_slice(key)
-                        tensors[key] = TensorEntry(name, sl.get_dtype(), list(sl.get_shape()))
-        return files, tensors
+        """buffer.weights.tensors.describe_files: trainer ranks describe the files they wrote."""
+        from buffer.weights.tensors import describe_files  # torch: where tensors are written
+        return describe_files(folder, names)
 
     @staticmethod
     def write_file(folder: str, name: str, tensors: Mapping[str, torch.Tensor]
                    ) -> tuple[FileEntry, dict[str, TensorEntry]]:
-        """Write `tensors` as the safetensors file `folder/name` (fsynced) and return its
-        manifest entries without reading the file back: each tensor's bytes go straight from
-        its memory to the file, and the sha256 of piece k runs in a thread while piece k+1 is
-        written (both release the GIL). What `save_file` + `describe` give, for about the cost
-        of the write alone."""
-        header, pieces, offset = {}, [], 0
-        for key, t in sorted(tensors.items()):
-            if t.dtype not in _SAFETENSORS_DTYPES:
-                raise ValueError(f"{key}: dtype {t.dtype} has no safetensors name")
-            raw = t.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy()
-            header[key] = {"dtype": _SAFETENSORS_DTYPES[t.dtype], "shape": list(t.shape),
-                           "data_offsets": [offset, offset + raw.nbytes]}
-            pieces.append(raw)
-            offset += raw.nbytes
-        header["__metadata__"] = {"format": "pt"}
-        head = json.dumps(header, separators=(",", ":")).encode()
-        head += b" " * (-len(head) % 8)  # the format aligns the data to 8 bytes
-        pieces.insert(0, struct.pack("<Q", len(head)) + head)
-        path = os.path.join(folder, name)
-
-        def write() -> str:
-            sha, hashing = hashlib.sha256(), None
-            try:
-                with ThreadPoolExecutor(1, thread_name_prefix="sha256") as pool:
-                    with open(path, "wb") as f:
-                        for piece in pieces:
-                            f.write(piece)
-                            if hashing is not None:
-                                hashing.result()  # in order: the digest is of the file's bytes
-                            hashing = pool.submit(sha.update, piece)
-                        hashing.result()
-                        f.flush()
-                        os.fsync(f.fileno())
-            except BaseException:
-                with contextlib.suppress(OSError):
-                    os.remove(path)  # a partial file would hold the space a retry needs
-                raise
-            return sha.hexdigest()
-
-        digest = when_space(write, path)
-        entries = {k: TensorEntry(name, v["dtype"], v["shape"])
-                   for k, v in header.items() if k != "__metadata__"}
-        return FileEntry(name, len(pieces[0]) + offset, digest), entries
+        """buffer.weights.tensors.write_file: `tensors` as a safetensors file, hashed as written."""
+        from buffer.weights.tensors import write_file  # torch: where tensors are written
+        return write_file(folder, name, tensors)
 
     def publish(self, staged: str, version: int, step: int, keep: int,
                 described: tuple[list[FileEntry], dict[str, TensorEntry]] | None = None,
@@ -252,16 +238,3 @@ class WeightStore(FsWeightSource):
                 log.warning("pruning weight version %d before its validation: more than "
                             "keep_versions=%d versions wait for rollout.validate", v, keep)
             shutil.rmtree(self.layout.version_dir(v), ignore_errors=True)
-
-    def tensors(self, version: int) -> Iterator[tuple[str, torch.Tensor]]:
-        """Verify the version's checksums, then yield its tensors one at a time (bounded memory)."""
-        yield from read_tensors(self.files(version))
-
-
-def read_tensors(paths: list[str]) -> Iterator[tuple[str, torch.Tensor]]:
-    """HF-named tensors of safetensors files, one at a time (memory-mapped, bounded memory)."""
-    from safetensors import safe_open
-    for path in paths:
-        with safe_open(path, framework="pt") as f:
-            for key in f.keys():
-                yield key, f.get_tensor(key)

@@ -1,4 +1,5 @@
-"""Trainer side of the filesystem transport: discover shards, consume each once, batch groups.
+"""The trainer's ExperienceSource on the run folder: discover shards, consume each once, batch
+groups (shards pushed over the network are spooled into the same folder and read alike).
 
 Discovery always polls (`poll_interval`); with `discovery=auto` a watchdog observer also wakes the
 reader as soon as a shard is renamed into place on this node. Across nodes on NFS/Lustre no
@@ -34,12 +35,13 @@ from typing import Callable
 
 import pyarrow as pa
 
-from buffer.backpressure import NOTE_EVERY_S, backlog, describe_workers
+from buffer.control.backpressure import NOTE_EVERY_S, backlog, describe_workers
 from buffer.config import BufferConfig
 from buffer.layout import SHARD_SUFFIX, RunLayout, check_worker_id
 from buffer.ledger import Ledger, as_ledger, shard_key
 from buffer.storage import atomic_write, filesystem, is_local, stop_watch, watch
-from buffer.stores.fs import FsHeartbeats, FsProgress
+from buffer.control.fs import FsHeartbeats, FsProgress
+from buffer.experience.base import ExperienceSource
 from protocol.experience import RUN_ID_KEY, Sample, SchemaError, from_table, load_shard
 
 log = logging.getLogger(__name__)
@@ -56,7 +58,7 @@ class Group:
     samples: list[Sample]
 
 
-class ExperienceReader:
+class ExperienceReader(ExperienceSource):
     def __init__(self, root: str, cfg: BufferConfig, max_staleness: int,
                  consumed=None, vocab_size: int | None = None, run_id: str | None = None):
         self.fs, root_path = filesystem(root)

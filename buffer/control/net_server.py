@@ -1,13 +1,13 @@
 """The run service's server side: the trainer's rank 0 answers workers, validators and pools
 that have no access to its run folder (`buffer.transport=grpc`; messages in
-protocol/run_service.py, clients in buffer/stores/net.py).
+protocol/run_service.py, clients in buffer/control/net_client.py).
 
-It runs on the experience ShardServer's grpc.Server (buffer/grpc_transport.py: same port, token,
-TLS) and executes each call on the trainer's filesystem Run (buffer/stores/fs.py). Only the
+It runs on the experience ShardServer's grpc.Server (buffer/experience/net_server.py: same port,
+token, TLS) and executes each call on the trainer's run folder stores (buffer/control/fs.py). Only the
 operations of protocol.run_service.RPCS exist: a remote role reads the run's state, writes its own
 heartbeat (the worker id's first writer holds it for buffer.grpc_claim_ttl_s after its last
 write, as for shard pushes), claims sync slots, answers validation requests, reads and writes
-pool state; it never names a path. Weight files are the weight service's (buffer/weights_net.py,
+pool state; it never names a path. Weight files are the weight service's (buffer/weights/net_server.py,
 on the same server), which serves only the files of published versions. Calls that change the
 run carry a request id and are done once per id.
 
@@ -23,14 +23,16 @@ import json
 import logging
 import threading
 import time
+from typing import Protocol
 
 import grpc
 
+from buffer.channel import WRITER_KEY, authorized
 from buffer.config import BufferConfig
-from buffer.grpc_transport import WRITER_KEY, authorized
-from buffer.layout import check_worker_id
+from buffer.control.base import ControlStore, HeartbeatStore, ProgressStore, RunState, SyncClaims, ValidationStore
+from buffer.layout import RunLayout, check_worker_id
 from buffer.storage import is_disk_full
-from buffer.stores.fs_run import FsRun
+from buffer.weights.base import WeightSource
 from protocol import run_service as rs
 from protocol.validation import ValidationResult
 
@@ -58,11 +60,33 @@ def _doc(value, what: str) -> dict:
     return value
 
 
+class ServedRun(Protocol):
+    """What the run service serves: the stores of the trainer's run folder (buffer.run.TrainerRun)
+    as the roles beside the trainer see them."""
+
+    @property
+    def files(self) -> RunLayout: ...
+    @property
+    def heartbeats(self) -> HeartbeatStore: ...
+    @property
+    def progress(self) -> ProgressStore: ...
+    @property
+    def state(self) -> RunState: ...
+    @property
+    def weights(self) -> WeightSource: ...
+    @property
+    def sync(self) -> SyncClaims: ...
+    @property
+    def control(self) -> ControlStore: ...
+    @property
+    def validation(self) -> ValidationStore: ...
+
+
 class RunService:
-    """Serves `run` (the trainer's filesystem Run) to remote roles; `handler()` goes on the
+    """Serves `run` (the trainer's run folder) to remote roles; `handler()` goes on the
     grpc.Server, `linger()` before the server stops."""
 
-    def __init__(self, run: FsRun, cfg: BufferConfig, secret: str):
+    def __init__(self, run: ServedRun, cfg: BufferConfig, secret: str):
         self.run, self.cfg = run, cfg
         self.expected = f"Bearer {secret}".encode()
         self.lock = threading.Lock()
@@ -186,7 +210,7 @@ class RunService:
 
     def version_dir(self, version: int) -> str | None:
         """The published folder of `version`, None when it is not (or no longer) published:
-        what the weight service (buffer/weights_net.py) serves chunks from."""
+        what the weight service (buffer/weights/net_server.py) serves chunks from."""
         return self.run.files.version_dir(version) if self.run.weights.exists(version) else None
 
     def _do_SyncClaim(self, request, context) -> rs.Count:

@@ -1,0 +1,88 @@
+"""Experience on the run folder: a worker's shards renamed into experience/<worker>/<seq>.arrow
+(`FsExperienceSink`), and the trainer's spool of shards pushed over the network into the same
+place (`FsSpool`, written by buffer/experience/net_server.py). The trainer reads both alike
+(buffer/experience/reader.py)."""
+from __future__ import annotations
+
+import dataclasses
+import os
+from typing import Callable
+
+import pyarrow as pa
+
+from buffer.control.base import ShouldStop
+from buffer.control.fs import FsStore
+from buffer.experience.base import ExperienceSink
+from buffer.layout import RunLayout
+from buffer.storage import atomic_write, atomic_write_json, atomic_writer, read_json
+
+
+@dataclasses.dataclass
+class FsExperienceSink(FsStore, ExperienceSink):
+    """experience/<worker>/<seq>.arrow, written to a temporary name, fsynced and renamed into
+    place (readers see all of it or nothing); the claim in workers/<worker>.claim. `room` is the
+    run's backpressure (buffer/control/backpressure.py's wait_for_room on every worker's
+    heartbeat and the trainer's progress, as buffer/run.py binds it)."""
+    worker_id: str
+    room: Callable[..., float]
+
+    def __post_init__(self) -> None:
+        self.dir = self.layout.worker_shard_dir(self.worker_id)
+        self.fs.makedirs(self.dir, exist_ok=True)
+
+    def publish(self, seq: int, data: bytes) -> str:
+        path = self.layout.shard(self.worker_id, seq)
+        atomic_write(self.fs, path, data, tmp=self.layout.shard_tmp(self.worker_id, seq, os.getpid()))
+        return path
+
+    def unsure_from(self, seq: int) -> int:
+        return seq
+
+    def published(self) -> list[int]:
+        listed = (RunLayout.shard_seq(p) for p in self.fs.ls(self.dir, detail=False))
+        return sorted(s for s in listed if s is not None)
+
+    def samples_in(self, seq: int) -> int:
+        with self.fs.open(self.layout.shard(self.worker_id, seq), "rb") as f:
+            meta = pa.ipc.open_stream(f).schema.metadata
+        return int(meta[b"tandem.num_samples"])
+
+    def has(self, seq: int) -> bool:
+        return any(self.fs.exists(p) for p in (self.layout.shard(self.worker_id, seq),
+                                               self.layout.archive_shard(self.worker_id, seq)))
+
+    def read_claim(self) -> dict | None:
+        return read_json(self.fs, self.layout.seq_claim(self.worker_id))
+
+    def write_claim(self, claim: dict) -> None:
+        atomic_write_json(self.fs, self.layout.seq_claim(self.worker_id), claim)
+
+    def wait_for_room(self, limit: int, timeout_s: float, should_stop: ShouldStop,
+                      on_wait: Callable[[], object] = lambda: None, group_size: int = 1) -> float:
+        return self.room(limit, timeout_s, should_stop, on_wait=on_wait, group_size=group_size)
+
+    def close(self, timeout_s: float = 60.0) -> None:
+        pass  # every shard was renamed into place by `publish`
+
+    def where(self) -> str:
+        return self.dir
+
+
+@dataclasses.dataclass
+class FsSpool(FsStore):
+    """The trainer's side of a network ExperienceSink: shards received into the same
+    experience/<worker>/<seq>.arrow the reader reads, spooled beside the worker folders (so a
+    refused push never creates experience/<worker>/) under a temporary name of one push."""
+
+    def path(self, worker_id: str, seq: int) -> str:
+        """Where the shard is published; ValueError for an invalid worker id."""
+        return self.layout.shard(worker_id, seq)
+
+    def has(self, worker_id: str, seq: int) -> bool:
+        return self.fs.exists(self.path(worker_id, seq))
+
+    def writer(self, worker_id: str, seq: int, push: str):
+        """A binary file to write the shard through; it appears (fsynced) only if the block
+        ends without an exception (buffer.storage.atomic_writer)."""
+        tmp = self.layout.spool_tmp(worker_id, seq, push)
+        return atomic_writer(self.fs, self.path(worker_id, seq), tmp)

@@ -1,0 +1,172 @@
+"""A worker's side of experience over the network (`buffer.transport=grpc`), `GrpcSink`: the
+network ExperienceSink of `buffer.writer.ShardWriter`. Shards are pushed concurrently by an owned
+pool of `grpc_max_inflight` sender threads, at most that many unacknowledged at a time (the
+writer blocks beyond that: flow control), each resent with the same (worker, seq) after any
+failure, with backoff, until acknowledged by buffer/experience/net_server.py."""
+from __future__ import annotations
+
+import collections
+import logging
+import math
+import threading
+import time
+import uuid
+from concurrent import futures
+
+import grpc
+
+from buffer.channel import MAX_MESSAGE_BYTES, WRITER_KEY, open_channel, token
+from buffer.config import BufferConfig
+from buffer.control.base import RunState
+from buffer.experience.base import ExperienceSink
+from protocol import experience_pb2 as pb
+from protocol.experience import SCHEMA_VERSION
+from protocol.shard_stream import PUSH_METHOD, encode_chunk
+
+log = logging.getLogger(__name__)
+
+_REFUSALS = (grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.FAILED_PRECONDITION,
+             grpc.StatusCode.INVALID_ARGUMENT)  # resending the same bytes cannot help
+
+
+DAMAGED_RESENDS = 3
+
+
+class GrpcSink(ExperienceSink):
+    """The network ExperienceSink: shards go to the trainer over gRPC. Published shards are
+    pushed concurrently by an owned pool of `grpc_max_inflight` sender threads; the claim, the
+    resume listing and `has` are the worker's own folder's (`local`)."""
+
+    def __init__(self, local: ExperienceSink, cfg: BufferConfig, run: RunState):
+        self.local, self.cfg, self.run = local, cfg, run
+        self.worker_id = local.worker_id
+        self.secret = token(cfg)
+        self.writer_key = uuid.uuid4().hex  # this writer's claim on its worker id
+        self.unacked: collections.OrderedDict[int, bytes] = collections.OrderedDict()
+        self.cond = threading.Condition()
+        self.fatal = False  # the trainer refused a shard: retrying cannot help
+        self.stopping = False
+        self.last_error: str | None = None
+        self._noted_full = -math.inf  # when the trainer's backpressure was last logged
+        self.push = self._connect()
+        self.senders = futures.ThreadPoolExecutor(cfg.grpc_max_inflight, thread_name_prefix="grpc-push")
+
+    def _connect(self):
+        self.channel = open_channel(self.cfg, self.cfg.grpc_address,
+                                    [("grpc.max_send_message_length", MAX_MESSAGE_BYTES)])
+        return self.channel.stream_unary(PUSH_METHOD, request_serializer=encode_chunk,
+                                         response_deserializer=pb.Ack.FromString)
+
+    def publish(self, seq: int, data: bytes) -> str:
+        """Hand the shard to a sender; block while `grpc_max_inflight` await acknowledgement."""
+        deadline = time.monotonic() + self.cfg.backlog_timeout_s
+        with self.cond:
+            while len(self.unacked) >= self.cfg.grpc_max_inflight and not self.fatal:
+                if self.run.done():  # no trainer will take it: do not wait for one
+                    log.warning("the run is finished (%s): shard %d not pushed",
+                                self.run.where(), seq)
+                    return f"grpc://{self.cfg.grpc_address}/{self.worker_id}/{seq} (not pushed)"
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"{len(self.unacked)} shards unacknowledged by "
+                                       f"{self.cfg.grpc_address} for {self.cfg.backlog_timeout_s:.0f} s;"
+                                       f" last error: {self.last_error}")
+                self.cond.wait(timeout=min(1.0, max(0.0, deadline - time.monotonic())))
+            if self.fatal:
+                raise RuntimeError(f"the trainer refused a shard: {self.last_error}")
+            self.unacked[seq] = data
+        self.senders.submit(self._push_until_acked, seq, data)
+        return f"grpc://{self.cfg.grpc_address}/{self.worker_id}/{seq}"
+
+    def unsure_from(self, seq: int) -> int:
+        with self.cond:  # a shard is published once acknowledged
+            return min([seq, *self.unacked])
+
+    def published(self) -> list[int]:
+        return self.local.published()
+
+    def samples_in(self, seq: int) -> int:
+        return self.local.samples_in(seq)
+
+    def has(self, seq: int) -> bool:
+        return self.local.has(seq)
+
+    def read_claim(self) -> dict | None:
+        return self.local.read_claim()
+
+    def write_claim(self, claim: dict) -> None:
+        self.local.write_claim(claim)
+
+    def wait_for_room(self, limit: int, timeout_s: float, should_stop, on_wait=lambda: None,
+                      group_size: int = 1) -> float:
+        return 0.0  # unacknowledged pushes bound the worker (publish blocks), and the trainer
+        # refuses shards (RESOURCE_EXHAUSTED) while its own backlog is full
+
+    def where(self) -> str:
+        return f"grpc://{self.cfg.grpc_address}"
+
+    def _chunks(self, seq: int, data: bytes):
+        yield pb.ShardChunk(header=pb.ShardHeader(worker_id=self.worker_id, seq=seq, size=len(data),
+                                                  schema_version=SCHEMA_VERSION))
+        step, view = self.cfg.grpc_chunk_kb << 10, memoryview(data)
+        for start in range(0, len(data), step):
+            yield view[start:start + step]  # encode_chunk frames it without another copy
+
+    def _push_until_acked(self, seq: int, data: bytes) -> None:
+        """One sender thread per in-flight shard, so hashing and fsync on the trainer overlap
+        for consecutive shards. Retries with backoff until acknowledged or refused; a shard that
+        arrives damaged (DATA_LOSS) is resent, but only DAMAGED_RESENDS times: past that the
+        worker's own copy is the damaged one."""
+        backoff, damaged = 0.2, 0
+        while not self.stopping:
+            try:
+                self.push(self._chunks(seq, data), timeout=self.cfg.grpc_timeout_s,
+                          metadata=[("authorization", f"Bearer {self.secret}"),
+                                    (WRITER_KEY, self.writer_key)])
+            except grpc.RpcError as e:
+                code = e.code()
+                self.last_error = f"{code.name}: {e.details()}"
+                damaged += code == grpc.StatusCode.DATA_LOSS
+                if code in _REFUSALS or damaged > DAMAGED_RESENDS:
+                    log.error("trainer refused shard %d: %s", seq, self.last_error)
+                    with self.cond:  # not retryable: surfaced by the next publish or close
+                        self.fatal = True
+                        self.cond.notify_all()
+                    return
+                if code != grpc.StatusCode.RESOURCE_EXHAUSTED:
+                    log.warning("push of shard %d failed (%s); retrying in %.1f s", seq,
+                                self.last_error, backoff)
+                elif time.monotonic() - self._noted_full > 30:  # backpressure: normal, say so
+                    log.info("the trainer is not taking shards yet (%s); retrying", self.last_error)
+                    self._noted_full = time.monotonic()
+                time.sleep(backoff)
+                # the trainer's backpressure lifts as soon as it trains: look again soon
+                backoff = min(backoff * 2, 2.0 if code == grpc.StatusCode.RESOURCE_EXHAUSTED else 10.0)
+                continue
+            with self.cond:
+                self.unacked.pop(seq, None)
+                self.cond.notify_all()
+            return
+
+    def close(self, timeout_s: float = 60.0) -> None:
+        """Wait until every shard is acknowledged (bounded), then stop the senders: always (a
+        sender left retrying would keep the process from exiting)."""
+        try:
+            deadline = time.monotonic() + timeout_s
+            with self.cond:
+                while self.unacked and not self.fatal and time.monotonic() < deadline:
+                    if self.run.done():
+                        log.warning("the run is finished (%s): %d shards not pushed",
+                                    self.run.where(), len(self.unacked))
+                        self.unacked.clear()
+                        break
+                    self.cond.wait(timeout=min(1.0, max(0.0, deadline - time.monotonic())))
+                left = len(self.unacked)
+        finally:
+            self.stopping = True
+            self.senders.shutdown(wait=True)
+            self.channel.close()
+        if self.fatal:
+            raise RuntimeError(f"the trainer refused a shard ({left} unacknowledged): {self.last_error}")
+        if left:
+            raise TimeoutError(f"{left} shards still unacknowledged by {self.cfg.grpc_address} "
+                               f"after {timeout_s:.0f} s; last error: {self.last_error}")
