@@ -9,6 +9,7 @@ RESOURCE_EXHAUSTED, ABORTED), a call is retried with backoff (0.2 s doubling to 
 retrying cannot change (a bad token, a malformed request) raises RunServiceError at once;
 NOT_FOUND (a weight version pruned) raises FileNotFoundError, as the filesystem stores do.
 """
+
 from __future__ import annotations
 
 import errno
@@ -20,7 +21,7 @@ import os
 import socket
 import time
 import uuid
-from typing import Callable
+from collections.abc import Callable
 
 import grpc
 
@@ -50,8 +51,7 @@ def token(cfg: BufferConfig) -> str:
     else:
         value = os.environ.get(TOKEN_ENV, "")
     if not value:
-        raise ValueError(f"buffer.transport=grpc needs a shared token: set buffer.grpc_token_file "
-                         f"or ${TOKEN_ENV}")
+        raise ValueError(f"buffer.transport=grpc needs a shared token: set buffer.grpc_token_file or ${TOKEN_ENV}")
     return value
 
 
@@ -74,8 +74,12 @@ def open_channel(cfg: BufferConfig, address: str, options: list | None = None) -
     against buffer.grpc_tls_ca when it is set. It reconnects by itself, at most RECONNECT_MAX_MS
     apart: a restarted trainer is found again within seconds (gRPC's default backoff grows to
     two minutes)."""
-    options = [*(options or []), ("grpc.initial_reconnect_backoff_ms", 200),
-               ("grpc.min_reconnect_backoff_ms", 200), ("grpc.max_reconnect_backoff_ms", RECONNECT_MAX_MS)]
+    options = [
+        *(options or []),
+        ("grpc.initial_reconnect_backoff_ms", 200),
+        ("grpc.min_reconnect_backoff_ms", 200),
+        ("grpc.max_reconnect_backoff_ms", RECONNECT_MAX_MS),
+    ]
     if cfg.grpc_tls_ca:
         creds = grpc.ssl_channel_credentials(root_certificates=_read(cfg.grpc_tls_ca))
         return grpc.secure_channel(address, creds, options)
@@ -98,8 +102,7 @@ def bind_hosts(bind: str) -> list[str]:
     try:
         node = socket.gethostbyname(socket.gethostname())
     except OSError:
-        log.warning("cannot resolve this node's hostname %s: listening on loopback only",
-                    socket.gethostname())
+        log.warning("cannot resolve this node's hostname %s: listening on loopback only", socket.gethostname())
         return ["127.0.0.1"]
     return list(dict.fromkeys([node, "127.0.0.1"]))
 
@@ -115,8 +118,12 @@ def is_loopback(host: str) -> bool:
             return False
 
 
-RETRIED = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED,
-           grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.ABORTED)
+RETRIED = (
+    grpc.StatusCode.UNAVAILABLE,
+    grpc.StatusCode.DEADLINE_EXCEEDED,
+    grpc.StatusCode.RESOURCE_EXHAUSTED,
+    grpc.StatusCode.ABORTED,
+)
 
 
 NOTE_S = 30.0  # a waiting call says so at least this often
@@ -140,25 +147,28 @@ class RunClient:
     def __init__(self, cfg: BufferConfig):
         self.cfg = cfg
         self.address = cfg.grpc_address
-        self.channel = open_channel(cfg, cfg.grpc_address,
-                                    [("grpc.max_receive_message_length", MAX_MESSAGE_BYTES)])
-        self.metadata = (("authorization", f"Bearer {token(cfg)}"),
-                         (rs.SCHEMA_KEY, str(rs.SCHEMA)), (WRITER_KEY, uuid.uuid4().hex))
+        self.channel = open_channel(cfg, cfg.grpc_address, [("grpc.max_receive_message_length", MAX_MESSAGE_BYTES)])
+        self.metadata = (
+            ("authorization", f"Bearer {token(cfg)}"),
+            (rs.SCHEMA_KEY, str(rs.SCHEMA)),
+            (WRITER_KEY, uuid.uuid4().hex),
+        )
         self._stubs: dict[str, Callable] = {}
 
     def _stub(self, name: str):
         if name not in self._stubs:
             self._stubs[name] = self.channel.unary_unary(
-                rs.method(name), request_serializer=rs.encode,
-                response_deserializer=functools.partial(rs.decode, rs.RPCS[name].reply))
+                rs.method(name),
+                request_serializer=rs.encode,
+                response_deserializer=functools.partial(rs.decode, rs.RPCS[name].reply),
+            )
         return self._stubs[name]
 
     def call(self, name: str, request=None):
         """The reply to one unary call, retried while the trainer is unreachable or busy."""
         request = rs.RPCS[name].request() if request is None else request
         stub = self._stub(name)
-        return self._retrying(name, lambda: stub(request, timeout=self.cfg.grpc_call_timeout_s,
-                                                metadata=self.metadata))
+        return self._retrying(name, lambda: stub(request, timeout=self.cfg.grpc_call_timeout_s, metadata=self.metadata))
 
     def _retrying(self, what: str, attempt: Callable[[], object]):
         """`attempt()`, again after each retryable failure (backoff, a line every NOTE_S s),
@@ -179,18 +189,30 @@ class RunClient:
                     raise TimeoutError(
                         f"the trainer's run service at {self.address} did not answer {what} for "
                         f"{waited:.0f} s ({code.name}: {details}; buffer.grpc_trainer_wait_s): "
-                        "is the trainer running?") from None
+                        "is the trainer running?"
+                    ) from None
                 if noted is None or now - noted >= NOTE_S:
-                    log.warning("waiting for the trainer's run service at %s (%s: %s: %s): "
-                                "%.0f s of %.0f (buffer.grpc_trainer_wait_s)", self.address, what,
-                                code.name, details, waited, self.cfg.grpc_trainer_wait_s)
+                    log.warning(
+                        "waiting for the trainer's run service at %s (%s: %s: %s): "
+                        "%.0f s of %.0f (buffer.grpc_trainer_wait_s)",
+                        self.address,
+                        what,
+                        code.name,
+                        details,
+                        waited,
+                        self.cfg.grpc_trainer_wait_s,
+                    )
                     noted = now
                 time.sleep(backoff)
                 backoff = min(backoff * 2, MAX_BACKOFF_S)
                 continue
             if noted is not None:
-                log.info("the trainer's run service at %s answers again (%s, after %.0f s)",
-                         self.address, what, time.monotonic() - start)
+                log.info(
+                    "the trainer's run service at %s answers again (%s, after %.0f s)",
+                    self.address,
+                    what,
+                    time.monotonic() - start,
+                )
             return out
 
     def _error(self, what: str, code, details: str) -> Exception:

@@ -1,6 +1,7 @@
 """The trainer's checkpoint folders in a run (or SFT output) folder: checkpoints/step_<N>/, each
 written under a hidden temporary name and committed by one rename (trainer/checkpoint.py writes
 their contents with torch.distributed.checkpoint)."""
+
 from __future__ import annotations
 
 import dataclasses

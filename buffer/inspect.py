@@ -12,18 +12,20 @@ every bad shard and exits 1 if there is one. The vocabulary size comes from --vo
 from init_model/config.json when the run has one, else token ids are only checked to be >= 0.
 --json prints the same report as one JSON object.
 """
+
 from __future__ import annotations
 
 import argparse
 import json
 import sys
+from typing import Any
 
 import pyarrow as pa
 
 from buffer.control.backpressure import backlog
+from buffer.experience.reader import check_origin
 from buffer.layout import SHARD_SUFFIX, TMP_MARK, check_worker_id
 from buffer.run import setup_trainer_run
-from buffer.experience.reader import check_origin
 from buffer.storage import read_json
 from protocol.experience import SchemaError, from_table, load_shard
 
@@ -51,8 +53,11 @@ def _summary(fs, path: str) -> tuple[int, int | None, int | None]:
         reader = pa.ipc.open_stream(f)
         meta = reader.schema.metadata or {}
         if b"tandem.min_weight_version" in meta and b"tandem.num_samples" in meta:
-            return (int(meta[b"tandem.num_samples"]), int(meta[b"tandem.min_weight_version"]),
-                    int(meta[b"tandem.max_weight_version"]))
+            return (
+                int(meta[b"tandem.num_samples"]),
+                int(meta[b"tandem.min_weight_version"]),
+                int(meta[b"tandem.max_weight_version"]),
+            )
         col = reader.read_all().column("weight_version").to_pylist()
     return len(col), (min(col) if col else None), (max(col) if col else None)
 
@@ -66,8 +71,9 @@ def _vocab_size(fs, layout, given: int | None) -> tuple[int | None, str]:
     return None, "unknown (token ids checked >= 0 only)"
 
 
-def verify_shard(fs, path: str, worker: str, seq: int, vocab_size: int | None,
-                 run_id: str | None = None) -> tuple[int, list]:
+def verify_shard(
+    fs, path: str, worker: str, seq: int, vocab_size: int | None, run_id: str | None = None
+) -> tuple[int, list]:
     """Full check of one shard as the trainer does it; returns (samples, versions); raises."""
     data = fs.cat_file(path)
     table = load_shard(data, vocab_size)
@@ -82,14 +88,38 @@ def report(root: str, verify: bool = False, vocab_size: int | None = None) -> di
     fs, layout = run.fs, run.files
     vocab, vocab_from = _vocab_size(fs, layout, vocab_size)
     run_id = run.state.run_id()
-    out: dict = {"root": layout.root, "workers": {}, "bad": [], "quarantine": [], "archive": {},
-                 "vocab_size": vocab, "vocab_from": vocab_from, "verified": verify}
-    total = {"shards": 0, "samples": 0, "bytes": 0, "temporaries": 0, "min_version": None,
-             "max_version": None, "other_files": 0}
+    out: dict = {
+        "root": layout.root,
+        "workers": {},
+        "bad": [],
+        "quarantine": [],
+        "archive": {},
+        "vocab_size": vocab,
+        "vocab_from": vocab_from,
+        "verified": verify,
+    }
+    total = {
+        "shards": 0,
+        "samples": 0,
+        "bytes": 0,
+        "temporaries": 0,
+        "min_version": None,
+        "max_version": None,
+        "other_files": 0,
+    }
     for worker in _workers(fs, layout.experience_dir):
         wdir = layout.worker_shard_dir(worker)
-        w = {"shards": 0, "samples": 0, "bytes": 0, "temporaries": 0, "first_seq": None,
-             "last_seq": None, "min_version": None, "max_version": None, "other_files": 0}
+        w: dict[str, Any] = {
+            "shards": 0,
+            "samples": 0,
+            "bytes": 0,
+            "temporaries": 0,
+            "first_seq": None,
+            "last_seq": None,
+            "min_version": None,
+            "max_version": None,
+            "other_files": 0,
+        }
         for name in _names(fs, wdir):
             path = f"{wdir}/{name}"
             seq = layout.shard_seq(name)
@@ -122,9 +152,11 @@ def report(root: str, verify: bool = False, vocab_size: int | None = None) -> di
                 total[key] = w[key] if total[key] is None else pick(total[key], w[key])
     out["total"] = total
     progress = run.progress.read() or {}
-    out["backlog"] = {"samples": backlog(run.heartbeats, run.progress),
-                      "retired": int(progress.get("samples_retired", 0)),
-                      "trainer_version": progress.get("version")}
+    out["backlog"] = {
+        "samples": backlog(run.heartbeats, run.progress),
+        "retired": int(progress.get("samples_retired", 0)),
+        "trainer_version": progress.get("version"),
+    }
     out["backlog"]["written"] = out["backlog"]["samples"] + out["backlog"]["retired"]
     for worker in _workers(fs, layout.quarantine_dir):
         qdir = f"{layout.quarantine_dir}/{worker}"
@@ -134,16 +166,17 @@ def report(root: str, verify: bool = False, vocab_size: int | None = None) -> di
             reason_path = layout.quarantine_reason(f"{qdir}/{name}")
             try:
                 text = fs.cat_file(reason_path).decode(errors="replace")
-                reason = next((ln[len("reason: "):] for ln in text.splitlines()
-                               if ln.startswith("reason: ")), text.strip())
+                reason = next(
+                    (ln[len("reason: ") :] for ln in text.splitlines() if ln.startswith("reason: ")), text.strip()
+                )
             except FileNotFoundError:
                 reason = "(no reason file)"
             out["quarantine"].append({"path": f"{qdir}/{name}", "reason": reason})
     for worker in _workers(fs, layout.archive_dir):
         wdir = f"{layout.archive_dir}/{worker}"
-        out["archive"][worker] = sum(1 for bucket in _names(fs, wdir)
-                                     for name in _names(fs, f"{wdir}/{bucket}")
-                                     if name.endswith(SHARD_SUFFIX))
+        out["archive"][worker] = sum(
+            1 for bucket in _names(fs, wdir) for name in _names(fs, f"{wdir}/{bucket}") if name.endswith(SHARD_SUFFIX)
+        )
     return out
 
 
@@ -155,39 +188,53 @@ def print_report(r: dict, file=sys.stdout) -> None:
     p = lambda *a: print(*a, file=file)  # noqa: E731
     t = r["total"]
     p(f"run {r['root']}")
-    p(f"experience: {len(r['workers'])} workers, {t['shards']} shards, {t['samples']} samples, "
-      f"versions {_range(t['min_version'], t['max_version'])}, {t['bytes'] / 1e6:.1f} MB, "
-      f"{t['temporaries']} temporaries" + (f", {t['other_files']} other files"
-                                            if t["other_files"] else ""))
+    p(
+        f"experience: {len(r['workers'])} workers, {t['shards']} shards, {t['samples']} samples, "
+        f"versions {_range(t['min_version'], t['max_version'])}, {t['bytes'] / 1e6:.1f} MB, "
+        f"{t['temporaries']} temporaries" + (f", {t['other_files']} other files" if t["other_files"] else "")
+    )
     for name, w in r["workers"].items():
         beat = w["heartbeat"] or {}
         seqs = "-" if w["first_seq"] is None else f"seq {w['first_seq']}..{w['last_seq']}"
-        hb = (f"heartbeat: {beat.get('state', '?')}, next_seq {beat.get('next_seq', '?')}, "
-              f"samples_written {beat.get('samples_written', '?')}") if beat else "no heartbeat"
-        p(f"  {name}: {w['shards']} shards ({seqs}), {w['samples']} samples, versions "
-          f"{_range(w['min_version'], w['max_version'])}, {w['temporaries']} temporaries; {hb}")
+        hb = (
+            (
+                f"heartbeat: {beat.get('state', '?')}, next_seq {beat.get('next_seq', '?')}, "
+                f"samples_written {beat.get('samples_written', '?')}"
+            )
+            if beat
+            else "no heartbeat"
+        )
+        p(
+            f"  {name}: {w['shards']} shards ({seqs}), {w['samples']} samples, versions "
+            f"{_range(w['min_version'], w['max_version'])}, {w['temporaries']} temporaries; {hb}"
+        )
     b = r["backlog"]
-    p(f"backlog: {b['samples']} samples (written {b['written']} per heartbeats - retired "
-      f"{b['retired']} per progress.json); trainer at version {b['trainer_version']}")
+    p(
+        f"backlog: {b['samples']} samples (written {b['written']} per heartbeats - retired "
+        f"{b['retired']} per progress.json); trainer at version {b['trainer_version']}"
+    )
     p(f"archive: {sum(r['archive'].values())} shards")
     p(f"quarantine: {len(r['quarantine'])} shards")
     for q in r["quarantine"]:
         p(f"  {q['path']}: {q['reason']}")
     if r["verified"]:
-        p(f"verify (vocab size {r['vocab_size']}, from {r['vocab_from']}): "
-          f"{t['shards'] - len(r['bad'])}/{t['shards']} shards ok")
+        p(
+            f"verify (vocab size {r['vocab_size']}, from {r['vocab_from']}): "
+            f"{t['shards'] - len(r['bad'])}/{t['shards']} shards ok"
+        )
     for bad in r["bad"]:
         p(f"BAD {bad['path']}: {bad['reason']}")
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m buffer.inspect", description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        prog="python -m buffer.inspect", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("root", help="the run folder (the one holding experience/)")
-    ap.add_argument("--verify", action="store_true",
-                    help="read and check every shard in full; exit 1 if any is bad")
-    ap.add_argument("--vocab-size", type=int, default=None,
-                    help="token ids must be below this (default: init_model/config.json)")
+    ap.add_argument("--verify", action="store_true", help="read and check every shard in full; exit 1 if any is bad")
+    ap.add_argument(
+        "--vocab-size", type=int, default=None, help="token ids must be below this (default: init_model/config.json)"
+    )
     ap.add_argument("--json", action="store_true", help="print the report as JSON")
     args = ap.parse_args(argv)
     run = setup_trainer_run(args.root)

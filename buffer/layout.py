@@ -1,6 +1,7 @@
 """The on-disk layout of a run. Every path of a run folder is computed here and nowhere else,
-and used only by the stores (buffer/experience/, buffer/weights/, buffer/control/) and buffer/run.py: roles get stores from
-their Run and never see a path (tests/test_structure.py checks it).
+and used only by the stores (buffer/experience/, buffer/weights/, buffer/control/) and
+buffer/run.py: roles get stores from their Run and never see a path (tests/test_structure.py
+checks it).
 
     ROOT/
       init_model/                  the built-in tiny model (HF folder), when launch.local made it
@@ -49,6 +50,7 @@ An SFT output folder (`trainer.sft`'s trainer.default_local_dir) uses the same n
 shares with a run: checkpoints/, weights/v<step>/ (an HF folder per saved step), metrics.jsonl,
 tensorboard/, and hf -> weights/v<last step> (a symlink: the final HF folder).
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -109,8 +111,7 @@ class RunLayout:
         return self._p("experience", check_worker_id(worker_id), f"{seq:09d}{SHARD_SUFFIX}")
 
     def shard_tmp(self, worker_id: str, seq: int, pid: int | str) -> str:
-        return self._p("experience", check_worker_id(worker_id),
-                       f".{seq:09d}{SHARD_SUFFIX}{TMP_MARK}{pid}")
+        return self._p("experience", check_worker_id(worker_id), f".{seq:09d}{SHARD_SUFFIX}{TMP_MARK}{pid}")
 
     def spool_tmp(self, worker_id: str, seq: int, pid: int | str) -> str:
         """Where the gRPC server receives a shard: beside the worker folders, so a refused push
@@ -151,8 +152,9 @@ class RunLayout:
     def archive_shard(self, worker_id: str, seq: int) -> str:
         # The archive only grows; buckets keep every folder listable on Lustre/NFS. (experience/
         # needs none: retention keeps it to the unconsumed shards plus one checkpoint interval.)
-        return self._p("archive", check_worker_id(worker_id), f"{seq // ARCHIVE_BUCKET:05d}",
-                       f"{seq:09d}{SHARD_SUFFIX}")
+        return self._p(
+            "archive", check_worker_id(worker_id), f"{seq // ARCHIVE_BUCKET:05d}", f"{seq:09d}{SHARD_SUFFIX}"
+        )
 
     # weights
     @property

@@ -15,6 +15,7 @@ adds. Each add changes state with single assignments in an order that never make
 key look unconsumed (`below` is raised before the seqs it covers leave `above`); there is only
 one writer (the reader thread), which also is the only caller of `to_json`.
 """
+
 from __future__ import annotations
 
 import itertools
@@ -38,8 +39,7 @@ def parse_key(key) -> tuple[str, int]:
     except ValueError as e:
         raise ValueError(f"ledger key {key!r}: {e}") from None
     if not _canonical_seq(seq):
-        raise ValueError(f"ledger key {key!r}: seq must be a non-negative integer without "
-                         "leading zeros")
+        raise ValueError(f"ledger key {key!r}: seq must be a non-negative integer without leading zeros")
     return worker, int(seq)
 
 
@@ -50,6 +50,7 @@ def _canonical_seq(seq: str) -> bool:
 
 class _Worker:
     """One worker's consumed seqs: all of range(below), plus `above` (each > below)."""
+
     __slots__ = ("above", "below")
 
     def __init__(self, below: int = 0):
@@ -141,8 +142,7 @@ class Ledger:
     # --- checkpoint form ---------------------------------------------------------------------
     def to_json(self) -> dict:
         """A fresh JSON-ready dict (a snapshot: later adds do not change it)."""
-        return {w: {"below": e.below, "above": sorted(e.above)}
-                for w, e in sorted(self._workers.items())}
+        return {w: {"below": e.below, "above": sorted(e.above)} for w, e in sorted(self._workers.items())}
 
     @classmethod
     def from_keys(cls, keys: Iterable[str]) -> Ledger:
@@ -161,8 +161,7 @@ class Ledger:
             return ledger
         if isinstance(obj, (list, tuple, set, frozenset)):
             return cls.from_keys(obj)
-        raise ValueError(f"consumed ledger: expected a dict or a list of keys, got "
-                         f"{type(obj).__name__}")
+        raise ValueError(f"consumed ledger: expected a dict or a list of keys, got {type(obj).__name__}")
 
     def _load_worker(self, worker, entry) -> None:
         where = f"consumed ledger, worker {worker!r}"
@@ -171,12 +170,10 @@ class Ledger:
         except (TypeError, ValueError) as e:  # TypeError: not a string (a dict built in Python)
             raise ValueError(f"{where}: {e}") from None
         if not isinstance(entry, dict) or set(entry) != {"below", "above"}:
-            raise ValueError(f"{where}: expected {{'below': int, 'above': [int, ...]}}, "
-                             f"got {entry!r}")
+            raise ValueError(f"{where}: expected {{'below': int, 'above': [int, ...]}}, got {entry!r}")
         below, above = entry["below"], entry["above"]
         if not _is_seq(below) or not isinstance(above, list) or not all(map(_is_seq, above)):
-            raise ValueError(f"{where}: 'below' and 'above' must hold non-negative integers, "
-                             f"got {entry!r}")
+            raise ValueError(f"{where}: 'below' and 'above' must hold non-negative integers, got {entry!r}")
         self._workers[worker] = _Worker(below)
         self._count += below
         for seq in above:  # add() folds in redundant or gap-closing entries

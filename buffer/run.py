@@ -15,13 +15,14 @@ shard claim, logs) and the rest goes to the trainer's run service.
 This is the top floor of buffer/: nothing inside buffer/ imports it but buffer/writer.py and the
 buffer.inspect tool (tests/test_structure.py).
 """
+
 from __future__ import annotations
 
 import dataclasses
 import functools
 import logging
 import os
-from typing import Callable
+from collections.abc import Callable
 
 import fsspec
 
@@ -29,14 +30,12 @@ from buffer.channel import RunClient, token
 from buffer.checkpoints import FsCheckpoints
 from buffer.config import BufferConfig
 from buffer.control import backpressure
-from buffer.control.base import (ControlStore, HeartbeatStore, ProgressStore, RunState, SyncClaims,
-                                 ValidationStore)
+from buffer.control.base import ControlStore, HeartbeatStore, ProgressStore, RunState, SyncClaims, ValidationStore
 from buffer.control.fs import FsControl, FsHeartbeats, FsProgress, FsRunState, FsSyncClaims, FsValidation
-from buffer.control.net_client import (NetControl, NetHeartbeats, NetProgress, NetRunState,
-                                       NetSyncClaims, NetValidation)
+from buffer.control.net_client import NetControl, NetHeartbeats, NetProgress, NetRunState, NetSyncClaims, NetValidation
 from buffer.control.net_server import RunService
 from buffer.experience.base import ExperienceSink
-from buffer.experience.fs import FsExperienceSink, FsSpool
+from buffer.experience.fs import FsExperienceSink
 from buffer.experience.net_client import GrpcSink
 from buffer.experience.net_server import ShardServer
 from buffer.experience.reader import ExperienceReader
@@ -53,6 +52,7 @@ log = logging.getLogger(__name__)
 @dataclasses.dataclass
 class WorkerRun:
     """The stores of one run as a worker, the validator, a pool or launch.control sees them."""
+
     root: str  # this process's own folder: the run folder (fs) or its local one (grpc)
     transport: str
     weights: WeightSource
@@ -74,6 +74,7 @@ class TrainerRun:
     """The run folder (fsspec URL or local path) with every store on it: the trainer's, and the
     other roles' as the trainer sees them; `files` names the folder's other files (metrics, logs,
     inputs, lock) for the trainer and the tools that work on the folder itself (launch/*)."""
+
     root: str
     fs: fsspec.AbstractFileSystem
     files: RunLayout
@@ -85,7 +86,6 @@ class TrainerRun:
     sync: FsSyncClaims
     control: FsControl
     validation: FsValidation
-    spool: FsSpool  # shards pushed over the network land here
 
     @functools.cached_property
     def checkpoints(self) -> FsCheckpoints:
@@ -115,11 +115,19 @@ def setup_trainer_run(root: str) -> TrainerRun:
     fs, path = filesystem(root)
     layout = RunLayout(path)
     heartbeats = FsHeartbeats(fs, layout)
-    return TrainerRun(root=root, fs=fs, files=layout, weights=FsWeightSource(fs, layout),
-                      publisher=WeightStore(root), heartbeats=heartbeats, progress=FsProgress(fs, layout),
-                      state=FsRunState(fs, layout), sync=FsSyncClaims(layout, heartbeats),
-                      control=FsControl(fs, layout), validation=FsValidation(fs, layout),
-                      spool=FsSpool(fs, layout))
+    return TrainerRun(
+        root=root,
+        fs=fs,
+        files=layout,
+        weights=FsWeightSource(fs, layout),
+        publisher=WeightStore(root),
+        heartbeats=heartbeats,
+        progress=FsProgress(fs, layout),
+        state=FsRunState(fs, layout),
+        sync=FsSyncClaims(layout, heartbeats),
+        control=FsControl(fs, layout),
+        validation=FsValidation(fs, layout),
+    )
 
 
 def setup_worker_run(cfg) -> WorkerRun:
@@ -141,10 +149,18 @@ def _folder_sink(folder: TrainerRun, worker_id: str) -> FsExperienceSink:
 def _shared_folder_run(root: str) -> WorkerRun:
     """`buffer.transport=fs`: every store on the shared run folder."""
     folder = setup_trainer_run(root)
-    return WorkerRun(root=root, transport="fs", weights=folder.weights, heartbeats=folder.heartbeats,
-                     progress=folder.progress, state=folder.state, sync=folder.sync,
-                     control=folder.control, validation=folder.validation,
-                     make_sink=functools.partial(_folder_sink, folder))
+    return WorkerRun(
+        root=root,
+        transport="fs",
+        weights=folder.weights,
+        heartbeats=folder.heartbeats,
+        progress=folder.progress,
+        state=folder.state,
+        sync=folder.sync,
+        control=folder.control,
+        validation=folder.validation,
+        make_sink=functools.partial(_folder_sink, folder),
+    )
 
 
 def _network_run(root: str, buffer: BufferConfig) -> WorkerRun:
@@ -152,19 +168,29 @@ def _network_run(root: str, buffer: BufferConfig) -> WorkerRun:
     and shard claim; everything else is the trainer's run service's."""
     own = setup_trainer_run(root)
     if not own.is_local():
-        raise ValueError(f"root={root}: with buffer.transport=grpc the root is this process's "
-                         "own local folder (weight cache, claim file, logs), not a URL")
+        raise ValueError(
+            f"root={root}: with buffer.transport=grpc the root is this process's "
+            "own local folder (weight cache, claim file, logs), not a URL"
+        )
     os.makedirs(own.files.weights_dir, exist_ok=True)
     client = RunClient(buffer)
     state = NetRunState(client)
 
     def make_sink(worker_id: str) -> GrpcSink:  # shards pushed; the claim file in `root`
         return GrpcSink(_folder_sink(own, worker_id), buffer, state)
-    return WorkerRun(root=root, transport="grpc",
-                     weights=NetWeightSource(client, own.files, buffer.grpc_cache_versions),
-                     heartbeats=NetHeartbeats(client), progress=NetProgress(client), state=state,
-                     sync=NetSyncClaims(client), control=NetControl(client),
-                     validation=NetValidation(client), make_sink=make_sink)
+
+    return WorkerRun(
+        root=root,
+        transport="grpc",
+        weights=NetWeightSource(client, own.files, buffer.grpc_cache_versions),
+        heartbeats=NetHeartbeats(client),
+        progress=NetProgress(client),
+        state=state,
+        sync=NetSyncClaims(client),
+        control=NetControl(client),
+        validation=NetValidation(client),
+        make_sink=make_sink,
+    )
 
 
 class RunServer:
@@ -180,9 +206,13 @@ class RunServer:
 
         def add_weights(server) -> None:
             self.weights = add_weight_service(server, self.run_service.version_dir, secret, buffer)
-        self.shards = ShardServer(run.root, buffer, **hooks, services=[
-            lambda server: server.add_generic_rpc_handlers([self.run_service.handler()]),
-            add_weights])
+
+        self.shards = ShardServer(
+            run.root,
+            buffer,
+            **hooks,
+            services=[lambda server: server.add_generic_rpc_handlers([self.run_service.handler()]), add_weights],
+        )
         self.server, self.port, self.linger_s = self.shards.server, self.shards.port, buffer.grpc_linger_s
         self.servicer = self.shards.servicer  # the experience stream's (its stats)
         log.info("run service and weight service on port %d beside the experience stream", self.port)

@@ -4,6 +4,7 @@
 same folder, flush and fsync, then rename. A reader that lists the folder sees either nothing or
 the whole file.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -15,7 +16,6 @@ import time
 
 import fsspec
 from fsspec.implementations.local import LocalFileSystem
-
 
 log = logging.getLogger(__name__)
 DISK_FULL = (errno.ENOSPC, errno.EDQUOT)
@@ -42,11 +42,14 @@ def when_space(action, path: str, timeout_s: float = DISK_FULL_TIMEOUT_S):
                 raise
             waited = time.monotonic() - start
             if waited > timeout_s:
-                raise OSError(e.errno, f"disk full at {path} for {waited:.0f} s: giving up "
-                                       f"({e.strerror})") from e
+                raise OSError(e.errno, f"disk full at {path} for {waited:.0f} s: giving up ({e.strerror})") from e
             if waited - noted >= DISK_FULL_NOTE_S:
-                log.warning("disk full at %s (%s): waiting for space (retrying with backoff up "
-                            "to 30 s, for at most %.0f s)", path, e.strerror, timeout_s)
+                log.warning(
+                    "disk full at %s (%s): waiting for space (retrying with backoff up to 30 s, for at most %.0f s)",
+                    path,
+                    e.strerror,
+                    timeout_s,
+                )
                 noted = waited
             time.sleep(wait)
             wait = min(wait * 2, 30.0)
@@ -84,7 +87,7 @@ def atomic_writer(fs: fsspec.AbstractFileSystem, path: str, tmp: str | None = No
     fs.makedirs(tmp.rsplit("/", 1)[0], exist_ok=True)  # `path`'s folder only once it is whole
     local = is_local(fs)
     try:
-        with (open(tmp, "wb") if local else fs.open(tmp, "wb")) as f:
+        with open(tmp, "wb") if local else fs.open(tmp, "wb") as f:
             yield f
             if local:
                 f.flush()
@@ -162,7 +165,7 @@ def respect_umask(path: str) -> None:
     (0666/0777 less the umask). safetensors writes 0600, unreadable for the other users of a
     shared cluster whatever their umask says."""
     mask = umask()
-    for dirpath, dirs, files in os.walk(path):
+    for dirpath, _dirs, files in os.walk(path):
         os.chmod(dirpath, 0o777 & ~mask)
         for name in files:
             os.chmod(os.path.join(dirpath, name), 0o666 & ~mask)
@@ -193,6 +196,7 @@ def watch(path: str, on_event, recursive: bool):
     """A started watchdog observer (daemon) calling `on_event(event)` for each event under the
     local folder `path`; end it with `stop_watch`. Events only cut latency: callers also poll."""
     from watchdog.observers import Observer
+
     logging.getLogger("watchdog.observers.inotify").addFilter(_STOP_RACE)  # once: same object
 
     class Handler:

@@ -1,6 +1,7 @@
 """Worker side of experience: buffer whole groups, encode shards, hand them to the run's
 ExperienceSink (a shared folder or gRPC: buffer/experience/base.py). On the top floor of buffer/
 beside buffer/run.py, whose factory `ShardWriter.at` uses."""
+
 from __future__ import annotations
 
 import logging
@@ -44,8 +45,14 @@ class ShardWriter:
     sample ids are unique across restarts.
     """
 
-    def __init__(self, sink: ExperienceSink, worker_id: str, cfg: BufferConfig,
-                 resume: dict | None = None, run_id: str | None = None):
+    def __init__(
+        self,
+        sink: ExperienceSink,
+        worker_id: str,
+        cfg: BufferConfig,
+        resume: dict | None = None,
+        run_id: str | None = None,
+    ):
         self.sink = sink
         self.worker_id = worker_id
         self.cfg = cfg
@@ -62,7 +69,7 @@ class ShardWriter:
         self._resume(resume or {})
 
     @classmethod
-    def at(cls, root: str, worker_id: str, cfg: BufferConfig, resume: dict | None = None) -> "ShardWriter":
+    def at(cls, root: str, worker_id: str, cfg: BufferConfig, resume: dict | None = None) -> ShardWriter:
         """A writer into the run at `root` over `cfg.transport` (tests, benchmarks)."""
         run = setup_worker_run(types.SimpleNamespace(root=root, buffer=cfg))
         return cls(run.sink(worker_id), worker_id, cfg, resume, run_id=run.state.run_id())
@@ -91,8 +98,13 @@ class ShardWriter:
         """Durably reserve `seq` before its shard can appear anywhere (see the class doc)."""
         fill_from = self.sink.unsure_from(seq)
         self._unsure_samples = {s: n for s, n in self._unsure_samples.items() if s >= fill_from}
-        self.sink.write_claim({"next_seq": seq + 1, "fill_from": fill_from,
-                               "samples_before": self.samples_written - sum(self._unsure_samples.values())})
+        self.sink.write_claim(
+            {
+                "next_seq": seq + 1,
+                "fill_from": fill_from,
+                "samples_before": self.samples_written - sum(self._unsure_samples.values()),
+            }
+        )
 
     def _fill_gaps(self) -> None:
         """Empty shards under the numbers a killed predecessor claimed but may not have
@@ -100,8 +112,9 @@ class ShardWriter:
         for seq in self._gaps:
             if not self.sink.has(seq):
                 self.sink.publish(seq, self._encode(seq, []))
-                log.info("published an empty shard %d of %s: claimed before a restart, not "
-                         "published", seq, self.worker_id)
+                log.info(
+                    "published an empty shard %d of %s: claimed before a restart, not published", seq, self.worker_id
+                )
         self._gaps = []
 
     def add_group(self, group: list[Sample]) -> str | None:
@@ -138,14 +151,17 @@ class ShardWriter:
             self.sink.close(timeout_s)
 
     def _encode(self, seq: int, samples: list[Sample]) -> bytes:
-        meta = {"tandem.worker_id": self.worker_id, "tandem.shard_seq": seq,
-                "tandem.num_samples": len(samples), "tandem.created_at": time.time()}
+        meta: dict[str, object] = {
+            "tandem.worker_id": self.worker_id,
+            "tandem.shard_seq": seq,
+            "tandem.num_samples": len(samples),
+            "tandem.created_at": time.time(),
+        }
         if self.run_id is not None:
             meta["tandem.run_id"] = self.run_id
         if samples:
             versions = [s.weight_version for s in samples]
-            meta |= {"tandem.min_weight_version": min(versions),
-                     "tandem.max_weight_version": max(versions)}
+            meta |= {"tandem.min_weight_version": min(versions), "tandem.max_weight_version": max(versions)}
         return encode(to_table(samples, meta))
 
     def flush(self) -> str | None:
@@ -158,9 +174,13 @@ class ShardWriter:
         if self._gaps:
             when_space(self._fill_gaps, self.sink.where())
         data = self._encode(self.seq, self.pending)
+
+        def claim_and_publish() -> str:
+            self._claim(self.seq)
+            return self.sink.publish(self.seq, data)
+
         # On a full disk the samples wait here, in memory, until there is space again.
-        path = when_space(lambda: (self._claim(self.seq), self.sink.publish(self.seq, data))[1],
-                          self.sink.where())
+        path = when_space(claim_and_publish, self.sink.where())
         self.samples_written += len(self.pending)
         self._unsure_samples[self.seq] = len(self.pending)
         self.shards_written += 1

@@ -89,7 +89,7 @@ _NAMES = [f.name for f in dataclasses.fields(Sample)]
 assert _NAMES == SCHEMA.names, "Sample and SCHEMA must list the same columns in the same order"
 
 
-def to_table(samples: Iterable[Sample], extra_metadata: dict[str, str] | None = None) -> pa.Table:
+def to_table(samples: Iterable[Sample], extra_metadata: dict[str, object] | None = None) -> pa.Table:
     rows = list(samples)
     cols = {name: [getattr(s, name) for s in rows] for name in _NAMES}
     meta = {k.encode(): str(v).encode() for k, v in (extra_metadata or {}).items()}
@@ -199,7 +199,7 @@ def encode(table: pa.Table) -> bytes:
     return sink.getvalue()
 
 
-def _check_trailer(trailer: bytes, payload_len: int, digest_of_payload) -> None:
+def _check_trailer(trailer: bytes | memoryview, payload_len: int, digest_of_payload) -> None:
     """Raise IntegrityError unless `trailer` closes a payload of `payload_len` bytes whose sha256
     (computed lazily by `digest_of_payload()`, the expensive part) matches."""
     magic, n, digest = _TRAILER.unpack(trailer)

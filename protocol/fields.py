@@ -56,7 +56,9 @@ def _read_yaml(path) -> dict:
         raise ConfigError(f"--config {path}: cannot read: {e}") from None
     if not isinstance(loaded, DictConfig):
         raise ConfigError(f"--config {path}: top level must be a mapping")
-    return OmegaConf.to_container(loaded, resolve=False)
+    tree = OmegaConf.to_container(loaded, resolve=False)
+    assert isinstance(tree, dict)  # a DictConfig's container is a dict
+    return tree
 
 
 def _flatten(d: dict, stops: set[str], prefix: str = "") -> dict[str, Any]:

@@ -17,6 +17,7 @@ the wire as a little-endian bitmap (`to_bitmap` / `from_bitmap`). Every call car
 from __future__ import annotations
 
 import bisect
+import builtins
 import dataclasses
 import hashlib
 import os
@@ -41,7 +42,7 @@ class _Message:
     """msgpack of the dataclass's fields as a map; decoding checks names and types."""
 
     def encode(self) -> bytes:
-        return msgpack.packb(dataclasses.asdict(self), use_bin_type=True)
+        return msgpack.packb(dataclasses.asdict(self), use_bin_type=True)  # type: ignore[call-overload]
 
     @classmethod
     def decode(cls, raw: bytes):
@@ -56,8 +57,8 @@ class _Message:
     @classmethod
     def _build(cls, d: dict):
         obj = cls(**d)
-        for f in dataclasses.fields(cls):
-            want = {"int": int, "str": str, "bytes": bytes, "bool": bool}.get(f.type)
+        for f in dataclasses.fields(cls):  # type: ignore[arg-type]
+            want = {"int": int, "str": str, "bytes": bytes, "bool": bool}.get(str(f.type))
             if want is not None and not isinstance(getattr(obj, f.name), want):
                 raise TypeError(f"field {f.name}: {type(getattr(obj, f.name)).__name__}, expected {f.type}")
         return obj
@@ -73,7 +74,7 @@ class FileChunks:
     name: str
     bytes: int
     sha256: str  # of the whole file, as the manifest says
-    chunks: list[bytes]  # raw 32-byte sha256 digest of each chunk, in order
+    chunks: "list[builtins.bytes]"  # raw 32-byte sha256 digest of each chunk, in order
 
 
 @dataclasses.dataclass
@@ -159,7 +160,7 @@ def _chunk_digests(path: str, entry: FileEntry, chunk_bytes: int) -> list[bytes]
     size = os.path.getsize(path)
     if size != entry.bytes:
         raise ValueError(f"{path}: {size} bytes, the manifest says {entry.bytes}")
-    out = []
+    out: list[bytes] = []
     with open(path, "rb", buffering=0) as f:
         while True:
             block = f.read(chunk_bytes)

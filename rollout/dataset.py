@@ -109,7 +109,7 @@ class PromptStream:
         self.epoch = 0
 
     def take(self, k: int) -> list[Prompt]:
-        out = []
+        out: list[Prompt] = []
         while len(out) < k:
             if not self.order:
                 self.order = list(range(len(self.prompts)))

@@ -74,7 +74,7 @@ class HFEngine:
         return results
 
     def load_files(self, paths: list[str]) -> int:
-        from buffer.weights.tensors import read_tensors
+        from buffer.weights.fs import read_tensors
         return self.load_weights(read_tensors(paths))
 
     @torch.no_grad()

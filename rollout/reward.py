@@ -45,8 +45,9 @@ def verl_handles(data_source: str) -> bool:
     import inspect
     import textwrap
     from verl.utils.reward_score import default_compute_score
-    body = ast.parse(textwrap.dedent(inspect.getsource(default_compute_score))).body[0].body
-    node = next((n for n in body if isinstance(n, ast.If)), None)
+    function = ast.parse(textwrap.dedent(inspect.getsource(default_compute_score))).body[0]
+    body = function.body if isinstance(function, ast.FunctionDef) else []
+    node: ast.stmt | None = next((n for n in body if isinstance(n, ast.If)), None)
     if node is None:
         return True  # not the shape we know: let the first scoring decide
     while isinstance(node, ast.If):

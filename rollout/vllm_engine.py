@@ -19,6 +19,7 @@ runs the model in this process, where its errors surface directly; never needed 
 from __future__ import annotations
 
 import os
+from typing import Any
 
 from rollout.engine_types import Completion, SamplingSettings
 
@@ -28,9 +29,11 @@ RELOAD_TIMEOUT_S = 600.0  # a reload that takes longer is a hung engine process,
 class WeightLoader:
     """Mixed into vLLM's worker class in each engine process (`worker_extension_cls`)."""
 
+    model_runner: Any  # the vLLM worker's, which this class is mixed into
+
     def tandem_load_files(self, paths: list[str]) -> int:
         """Load HF-named tensors from verified safetensors files into the running model."""
-        from buffer.weights.tensors import read_tensors
+        from buffer.weights.fs import read_tensors
         count = 0
 
         def counted():

@@ -32,7 +32,7 @@ from buffer.weights.base import WeightSource
 from buffer.writer import ShardWriter
 from protocol.config import parse_cli
 from protocol.experience import Sample
-from protocol.weights import SYNC_GROUPS, ManifestError
+from protocol.weights import ManifestError
 from rollout import reward
 from rollout.config import WorkerConfig
 from rollout.dataset import DatasetError, Prompt, PromptStream, data_sources, load_prompts
@@ -108,9 +108,9 @@ class RolloutWorker:
         self.reload_seconds = 0.0
         self.reloads = 0
         self.wait_seconds = 0.0
-        # Synchronous mode: the groups the trainer announced for the loaded version (None:
-        # the trainer runs asynchronously, generate freely).
-        self.sync_groups: int | None = None
+        # Synchronous mode: the groups the trainer announced for the loaded version (none while
+        # the trainer runs asynchronously: generate freely).
+        self.rounds = sync.WorkerRounds(self.stores.sync, self.id)
         self.resumed_on_new_weights = 0  # responses continued on newer weights (interruptible)
         self.rewards_dropped = 0  # samples whose reward was not a finite float32
         self.seed = cfg.worker.seed * 1_000_003 + zlib.crc32(self.id.encode())
@@ -136,18 +136,13 @@ class RolloutWorker:
             log.warning("%s: the run has weight versions but no run id (a trainer older than "
                         "this worker?): a trainer that checks run ids refuses these shards",
                         self.stores.state.where())
-        pointer = self.store.pointer() or {}
         # a newer version already named: claim nothing of the one loaded, the loop reloads first
-        self._announced(pointer, pointer.get(SYNC_GROUPS) if pointer.get("version") == self.version else 0)
+        self.rounds.follow(self.store.pointer() or {}, self.version)
         self.prompts = PromptStream(
             load_prompts(self.cfg.data.train_files, self.engine.tokenizer, self.cfg.data.prompt_key,
                          self.cfg.data.max_prompt_length),
             self.cfg.data.shuffle, self.seed)
         return True
-
-    def _announced(self, pointer: dict, groups: int | None) -> None:
-        """Synchronous mode is on exactly when the trainer's LATEST pointer says so."""
-        self.sync_groups = groups if SYNC_GROUPS in pointer else None
 
     def maybe_reload(self) -> bool:
         """Load the newest published version in place, if it is newer; True when loaded."""
@@ -155,7 +150,7 @@ class RolloutWorker:
         if pointer is None or pointer["version"] == self.version:
             return False
         latest = pointer["version"]
-        if self.sync_groups is None and not self.store.ready(latest):
+        if not self.rounds.on and not self.store.ready(latest):
             return False  # still arriving (network source): generate on, reload when it is here
         t0 = time.monotonic()
         try:
@@ -170,7 +165,7 @@ class RolloutWorker:
             log.warning("weight version %d vanished while loading (%s); retrying later", latest, e)
             return False
         self.version = latest
-        self._announced(pointer, pointer.get(SYNC_GROUPS))
+        self.rounds.follow(pointer, latest)
         self.versions_loaded.append(latest)
         self.loads = _bounded(self.loads, [latest, time.time()])
         t2 = time.monotonic()
@@ -260,7 +255,7 @@ class RolloutWorker:
             rewards += [s.reward for s in samples]
             if samples:  # every reward of the group dropped: nothing to write
                 self.writer.add_group(samples)
-        if self.sync_groups is not None:
+        if self.rounds.on:
             self.writer.flush()  # the trainer waits for exactly these groups
         return sum(rewards) / len(rewards) if rewards else float("nan")
 
@@ -275,15 +270,12 @@ class RolloutWorker:
 
     def claim(self) -> int:
         """Synchronous mode: claim this worker's share of the loaded version's groups."""
-        want = self.stores.sync.share(self.sync_groups,
-                                      self.cfg.actor_rollout_ref.rollout.prompts_per_batch)
-        return self.stores.sync.claim(self.version, self.sync_groups, want, self.id)
+        return self.rounds.claim(self.version, self.cfg.actor_rollout_ref.rollout.prompts_per_batch)
 
     def wait_for_next_version(self) -> None:
         self.heartbeat("waiting")
-        self.wait_seconds += sync.wait_newer(self.store.latest, self.version,
-                                             self.cfg.buffer.backlog_timeout_s,
-                                             self._stop_while_waiting, f"worker {self.id}")
+        self.wait_seconds += self.rounds.wait_newer(self.store.latest, self.version,
+                                                    self.cfg.buffer.backlog_timeout_s, self._stop_while_waiting)
 
     def heartbeat(self, state: str) -> None:
         try:
@@ -306,7 +298,7 @@ class RolloutWorker:
             "generate_s": self.gen_seconds, "reload_s": self.reload_seconds,
             "reloads": self.reloads, "wait_s": self.wait_seconds,
             "reload_fraction": self.reload_seconds / self.gen_seconds if self.gen_seconds else 0.0,
-            "synchronous": self.sync_groups is not None,
+            "synchronous": self.rounds.on,
             "resumed_on_new_weights": self.resumed_on_new_weights,
             "rewards_dropped": self.rewards_dropped,
             "loads": self.loads, "history": self.history, "last_beat": time.time()})
@@ -345,7 +337,7 @@ class RolloutWorker:
         try:
             while not self.should_stop():
                 # the sink's backpressure (over gRPC: unacknowledged pushes); in sync mode, the claims
-                if self.sync_groups is None:
+                if not self.rounds.on:
                     self.wait_seconds += self.writer.sink.wait_for_room(
                         self.cfg.buffer.max_backlog_samples,
                         self.cfg.buffer.backlog_timeout_s, self._stop_while_waiting,
@@ -354,7 +346,7 @@ class RolloutWorker:
                 if self.should_stop():
                     break
                 self.maybe_reload()
-                count = self.claim() if self.sync_groups is not None else None
+                count = self.claim() if self.rounds.on else None
                 if count == 0:  # this version's groups are all claimed: publish ours, then wait
                     if pending is not None:
                         self._log_batch(pending.result())

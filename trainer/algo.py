@@ -109,7 +109,7 @@ def compute_advantage(algorithm, rewards, mask, index: np.ndarray, values=None):
 def data_metrics(scores, rewards, adv, returns, values, mask) -> dict:
     """verl's compute_data_metrics names over the whole batch; `values` None without a critic."""
     valid = mask.bool()
-    out = {}
+    out: dict[str, float] = {}
     for name, seq in (("score", scores.sum(-1)), ("rewards", rewards.sum(-1))):
         out |= {f"critic/{name}/mean": seq.mean().item(), f"critic/{name}/max": seq.max().item(),
                 f"critic/{name}/min": seq.min().item()}

@@ -72,7 +72,11 @@ def save(model, optimizer, ckpts: FsCheckpoints, step: int, state: dict | None,
                 full = str(e)
         return _skipped(full, tmp, step)
 
-    if rank0_writes(lambda: (ckpts.remove_debris(), os.makedirs(tmp))):
+    def fresh_folder() -> None:
+        ckpts.remove_debris()
+        os.makedirs(tmp)
+
+    if rank0_writes(fresh_folder):
         return None
     try:
         dcp.save(_modules(model, optimizer, critic), checkpoint_id=tmp)

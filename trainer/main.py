@@ -18,11 +18,12 @@ import os
 import socket
 import sys
 import time
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from buffer.control import backpressure
+from buffer.control import backpressure, sync
 from buffer.ledger import Ledger
 from buffer.run import setup_trainer_run
 from buffer.experience import retention
@@ -30,7 +31,6 @@ from buffer.experience.reader import Group
 from buffer.storage import DISK_FULL_TIMEOUT_S, is_disk_full
 from buffer.weights.fs import hf_folder_problem
 from protocol.config import parse_cli, to_dict
-from protocol.weights import SYNC_GROUPS
 from trainer import algo, checkpoint, update
 from trainer.batch import collate
 from trainer.config import TrainerConfig
@@ -108,13 +108,9 @@ class Trainer:
         self.pad_id = self.model.config.pad_token_id or 0
         self.stores = setup_trainer_run(cfg.root)  # the trainer's own run folder (it serves it to others)
         self.store = self.stores.publisher
-        # trainer.max_staleness=0: synchronous rollouts (buffer/control/sync.py), whose claims need
-        # exclusive file creation in the run folder.
-        self.synchronous = cfg.trainer.max_staleness == 0
-        if self.synchronous and not self.stores.is_local():
-            raise ValueError(f"trainer.max_staleness=0 (synchronous rollouts) needs root={cfg.root} "
-                             "on a mounted filesystem (local, NFS, Lustre): workers claim each "
-                             "version's groups by exclusive file creation there")
+        # trainer.max_staleness=0: synchronous rollouts (buffer/control/sync.py)
+        self.rounds = sync.TrainerRounds(self.stores.sync, cfg.trainer.max_staleness == 0,
+                                         self.stores.is_local(), cfg.root)
         self.at_published = True  # the model holds exactly the weights of `self.version`
         self.version = 0
         self.step = 0
@@ -209,9 +205,9 @@ class Trainer:
         payloads = None
         if self.rank == 0:
             payloads = self._read_and_split()
-        out = [None]
+        out: list = [None]
         dist.scatter_object_list(out, payloads, src=0)
-        share = out[0]
+        share: dict = out[0]
         if "error" in share:
             raise RuntimeError(share["error"])
         if "stop" in share:
@@ -224,19 +220,14 @@ class Trainer:
             self._check_stop()
             groups: list[Group] = self.reader.next_batch(
                 self.cfg.data.train_batch_size, self.version, self.cfg.trainer.data_timeout_s,
-                on_wait=lambda: (self._report_progress(), self._check_stop()))
+                on_wait=self._report_and_check)
         except TimeoutError as e:
-            if self.synchronous:
-                claimed = self.stores.sync.claims(self.version)
-                e = f"{e}. Synchronous mode: {len(claimed)} of the groups of v{self.version} " \
-                    f"were claimed, by {sorted(set(claimed.values())) or 'no worker'} " \
-                    f"({self.stores.sync.where(self.version)})"
-            return [{"error": f"rank 0: {e}"}] * self.world
+            return [{"error": f"rank 0: {e}{self.rounds.why_missing(self.version)}"}] * self.world
         except StopRequested as e:  # also while waiting for experience
             return [{"stop": str(e)}] * self.world
         self._report_progress(force=True)
         samples = [s for g in groups for s in g.samples]
-        info = {"sample_ids": [s.sample_id for s in samples]} if self.cfg.trainer.log_sample_ids else {}
+        info: dict[str, Any] = {"sample_ids": [s.sample_id for s in samples]} if self.cfg.trainer.log_sample_ids else {}
         info |= {
             "wait_s": time.monotonic() - t0,
             "seqs": len(samples),
@@ -253,6 +244,11 @@ class Trainer:
         return [{"samples": [s for g in groups[r::self.world] for s in g.samples],
                  "groups": [i for i in range(r, len(groups), self.world) for _ in groups[i].samples],
                  "info": info} for r in range(self.world)]
+
+    def _report_and_check(self) -> None:
+        """While waiting for experience: report progress (workers' backpressure), then stop if asked."""
+        self._report_progress()
+        self._check_stop()
 
     def _check_stop(self) -> None:
         path = self.stores.files.trainer_stop
@@ -338,7 +334,7 @@ class Trainer:
         glob, first = update.gather_rows(torch.stack([local[n] for n in names]))
         g = dict(zip(names, glob))
         index, _ = update.gather_rows(groups.to(self.device).view(1, -1, 1))
-        metrics = {}
+        metrics: dict[str, Any] = {}
         rewards = g["scores"]
         if alg.use_kl_in_reward:
             rewards, metrics = algo.kl_in_reward(g["scores"], g["old"], g["ref"], g["mask"],
@@ -439,15 +435,11 @@ class Trainer:
                                f"{step}: {int(bad.item())} weights are not finite")
         dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}.get(
             self.cfg.trainer.publish_dtype, torch.bfloat16 if self.device.type == "cuda" else torch.float32)
-        announce = None
-        if self.synchronous:
-            announce = {SYNC_GROUPS: sync_groups(self.cfg.trainer, self.cfg.data.train_batch_size, step)}
-            if self.rank == 0:
-                self.stores.sync.open_version(self.version)
+        groups = sync_groups(self.cfg.trainer, self.cfg.data.train_batch_size, step)
+        announce = self.rounds.announce(self.version, groups, opener=self.rank == 0)
         out = publish_version(self.model, self.store, self.model_path, self.version, step,
                               self.cfg.trainer.keep_versions, dtype, announce)
-        if self.synchronous and self.rank == 0:
-            self.stores.sync.retire_before(self.version)
+        self.rounds.published(self.version, opener=self.rank == 0)
         self.at_published = True
         return out
 
@@ -470,7 +462,7 @@ class Trainer:
                 self.step = step - 1  # this step has not been taken
                 self.stop_for_resume(e)
                 return
-            metrics = {"step": step, "weights/version": self.version}
+            metrics: dict[str, Any] = {"step": step, "weights/version": self.version}
             metrics.update(self.train_step(samples, groups))
             self.count_nonfinite(step, metrics)
             self.at_published = False
@@ -548,7 +540,8 @@ def hold_run(root: str) -> RunLock | None:
     """Collective: rank 0 takes the run's lock before anything touches the run folder (and
     gives the folder a run id if it has none); every rank fails with the holder named when
     another trainer has it."""
-    lock, refused = None, [None]
+    lock = None
+    refused: list[str | None] = [None]
     if dist.get_rank() == 0:
         run = setup_trainer_run(root)
         try:

@@ -12,7 +12,7 @@ from __future__ import annotations
 import json
 import os
 import time
-from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 
 import torch
 import torch.distributed as dist
@@ -67,10 +67,12 @@ def publish_version(model, store: WeightStore, model_path: str, version: int, st
     items = [(k, v) for k, v in model.state_dict().items()
              if not (k == "lm_head.weight" and getattr(model.config, "tie_word_embeddings", False))]
     owner = _owners([v.numel() * dtype.itemsize for _, v in items], world)
-    staged = [store.stage(version) if rank == 0 else None]
-    dist.broadcast_object_list(staged, src=0)
-    staged = staged[0]
-    mine, size, nbytes, pending = {}, 0, 0, []
+    box = [store.stage(version) if rank == 0 else None]
+    dist.broadcast_object_list(box, src=0)
+    staged: str = box[0]
+    mine: dict[str, torch.Tensor] = {}
+    pending: list[Future] = []
+    size, nbytes = 0, 0
     with ThreadPoolExecutor(WRITERS, thread_name_prefix="publish") as pool:
         def flush():
             busy = [f for f in pending if not f.done()]
@@ -96,7 +98,7 @@ def publish_version(model, store: WeightStore, model_path: str, version: int, st
     files = [entry for entry, _ in written]
     tensors = {k: v for _, entries in written for k, v in entries.items()}
     written_at = time.monotonic()
-    gathered = [None] * world if rank == 0 else None
+    gathered: list = [None] * world if rank == 0 else None
     dist.gather_object((files, tensors), gathered, dst=0)
     totals = torch.tensor([nbytes], dtype=torch.float64, device=next(model.parameters()).device)
     dist.all_reduce(totals)

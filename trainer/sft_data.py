@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+from collections.abc import Sequence
 from pathlib import Path
 
 import numpy as np
@@ -73,7 +74,7 @@ def _read_rows(file: str, setting: str) -> list[dict]:
     return table.to_pylist()
 
 
-def _column(rows: list[dict], file: str, key: str, setting: str, dict_keys: list[str] = (),
+def _column(rows: list[dict], file: str, key: str, setting: str, dict_keys: Sequence[str] = (),
             dict_setting: str = "") -> list:
     if key not in rows[0]:
         raise SFTDataError(f"{file}: no column {key!r} ({setting}; row 0 and every other row lack "
@@ -137,7 +138,8 @@ def _multiturn_sequences(rows, file, tokenizer, cfg: SFTDataConfig) -> tuple[lis
     for i, value in enumerate(conversations):
         where = f"{file} row {i}: column {key!r}"
         messages = _as_messages(value, where)
-        seq, mask = [], []
+        seq: list[int] = []
+        mask: list[int] = []
         for k, m in enumerate(messages):
             text = tokenizer.apply_chat_template(messages[:k + 1], tokenize=False)
             now = _encode(tokenizer, [text])[0]
@@ -226,7 +228,10 @@ def pack(seqs: Sequences, indices: list[int]) -> Packed:
     """Concatenate sequences into one row. Logits at position p predict token p + 1 of the same
     sequence, so a sequence's target token j is predicted from position start + j - 1."""
     ids = np.concatenate([seqs.ids[i] for i in indices])
-    positions, logit_index, targets, start = [], [], [], 0
+    positions: list = []
+    logit_index: list = []
+    targets: list = []
+    start = 0
     for i in indices:
         n = len(seqs.ids[i])
         positions.append(np.arange(n))

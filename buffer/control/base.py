@@ -11,10 +11,11 @@ JSON-serialisable (it may travel over the network as it is). Times are unix seco
 (`time.time()`) unless named `*_s` (a duration in seconds). Versions are the trainer's weight
 version numbers (int >= 0).
 """
+
 from __future__ import annotations
 
 import abc
-from typing import Callable
+from collections.abc import Callable
 
 from protocol.control import Command
 from protocol.validation import ValidationRequest, ValidationResult
@@ -110,7 +111,6 @@ class SyncClaims(abc.ABC):
     @abc.abstractmethod
     def claims(self, version: int) -> dict[int, str]:
         """Slot -> worker id of every claim of `version` (named when a batch never comes)."""
-
 
 
 class SyncRounds(SyncClaims):

@@ -1,6 +1,7 @@
 """The control plane's stores on the run folder (buffer/layout.py) on a shared filesystem (local,
 NFS, Lustre; any fsspec URL where noted): with `buffer.transport=fs` every role uses these; with
 `grpc` the trainer does, and serves them to the others (buffer/control/net_server.py)."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -12,15 +13,29 @@ import shutil
 import socket
 import time
 import uuid
-from typing import Callable
+from collections.abc import Callable
 
 import fsspec
 
-from buffer.control.base import (ControlStore, HeartbeatStore, ProgressWriter, RunStateWriter,
-                                 SyncRounds, ValidationRequests)
+from buffer.control.base import (
+    ControlStore,
+    HeartbeatStore,
+    ProgressWriter,
+    RunStateWriter,
+    SyncRounds,
+    ValidationRequests,
+)
 from buffer.layout import RunLayout
-from buffer.storage import (atomic_write, atomic_write_json, create_new, is_local, read_json,
-                            stop_watch, watch, when_space)
+from buffer.storage import (
+    atomic_write,
+    atomic_write_json,
+    create_new,
+    is_local,
+    read_json,
+    stop_watch,
+    watch,
+    when_space,
+)
 from protocol import control
 from protocol.validation import ValidationFormatError, ValidationRequest, ValidationResult
 
@@ -34,6 +49,7 @@ MAX_SUBMIT_ATTEMPTS = 1000  # command ids taken by concurrent launch.control cal
 @dataclasses.dataclass
 class FsStore:
     """A store on the run folder: its filesystem and its layout."""
+
     fs: fsspec.AbstractFileSystem
     layout: RunLayout
 
@@ -90,8 +106,11 @@ class FsRunState(FsStore, RunStateWriter):
         run_id = self.run_id()
         if run_id is None:
             run_id = uuid.uuid4().hex
-            atomic_write_json(self.fs, self.layout.run_info, {
-                "run_id": run_id, "host": socket.gethostname(), "created_at": time.time()})
+            atomic_write_json(
+                self.fs,
+                self.layout.run_info,
+                {"run_id": run_id, "host": socket.gethostname(), "created_at": time.time()},
+            )
         return run_id
 
     def done(self) -> bool:
@@ -102,8 +121,7 @@ class FsRunState(FsStore, RunStateWriter):
         return read_json(self.fs, self.layout.done_marker)
 
     def mark_done(self, info: dict) -> None:
-        when_space(lambda: atomic_write_json(self.fs, self.layout.done_marker, info),
-                   self.layout.done_marker)
+        when_space(lambda: atomic_write_json(self.fs, self.layout.done_marker, info), self.layout.done_marker)
 
     def where(self) -> str:
         return self.layout.done_marker
@@ -113,6 +131,7 @@ class FsRunState(FsStore, RunStateWriter):
 class FsSyncClaims(SyncRounds):
     """sync/v<version>/<slot>, created exclusively (O_CREAT|O_EXCL: exactly one creator wins, on
     a local disk and on NFSv3+/Lustre): a mounted filesystem only (buffer/control/sync.py)."""
+
     layout: RunLayout
     heartbeats: HeartbeatStore
 
@@ -143,7 +162,7 @@ class FsSyncClaims(SyncRounds):
 
     def claims(self, version: int) -> dict[int, str]:
         folder = self.layout.sync_version_dir(version)
-        out = {}
+        out: dict[int, str] = {}
         try:
             names = os.listdir(folder)
         except FileNotFoundError:
@@ -184,8 +203,11 @@ class FsSyncClaims(SyncRounds):
     def share(self, groups: int, per_batch: int, now: float | None = None) -> int:
         # Balance only: correctness never depends on it, a worker claims again while slots are left.
         now = time.time() if now is None else now
-        live = sum(1 for b in self.heartbeats.all()
-                   if b.get("state") != "stopped" and now - b.get("last_beat", 0) < LIVE_BEAT_S)
+        live = sum(
+            1
+            for b in self.heartbeats.all()
+            if b.get("state") != "stopped" and now - b.get("last_beat", 0) < LIVE_BEAT_S
+        )
         return max(1, min(per_batch, math.ceil(groups / max(live, 1))))
 
     def where(self, version: int) -> str:
@@ -207,8 +229,7 @@ class FsControl(FsStore, ControlStore):
 
     def _command_names(self) -> list[str]:
         try:
-            return sorted(p.rstrip("/").rsplit("/", 1)[-1]
-                          for p in self.fs.ls(self.layout.control_dir, detail=False))
+            return sorted(p.rstrip("/").rsplit("/", 1)[-1] for p in self.fs.ls(self.layout.control_dir, detail=False))
         except FileNotFoundError:
             return []
 
@@ -219,15 +240,15 @@ class FsControl(FsStore, ControlStore):
         for name in self._command_names():
             if name.endswith(".json"):
                 path, cid = f"{self.layout.control_dir}/{name}", name[: -len(".json")]
-                cmds += self._read(path, lambda text: [control.parse_command_file(text, cid, path)],
-                                   errors)
+                cmds += self._read(
+                    path, lambda text, cid=cid, path=path: [control.parse_command_file(text, cid, path)], errors
+                )
         return cmds, errors
 
     def _taken_ids(self) -> set[str]:
         ids = {n[: -len(".json")] for n in self._command_names() if n.endswith(".json")}
         if self.fs.exists(self.layout.control):
-            ids |= {c.id for c in control.parse(self.fs.cat_file(self.layout.control).decode(),
-                                                self.layout.control)}
+            ids |= {c.id for c in control.parse(self.fs.cat_file(self.layout.control).decode(), self.layout.control)}
         return ids
 
     def submit(self, action: str, count: int) -> tuple[control.Command, str]:
@@ -238,8 +259,9 @@ class FsControl(FsStore, ControlStore):
             path = self.layout.control_command(cmd.id)
             if create_new(self.fs, path, text.encode()):
                 return cmd, path
-        raise control.ControlError(f"no free command id in {self.layout.control_dir} after "
-                                   f"{MAX_SUBMIT_ATTEMPTS} attempts")
+        raise control.ControlError(
+            f"no free command id in {self.layout.control_dir} after {MAX_SUBMIT_ATTEMPTS} attempts"
+        )
 
     def pool_state(self, supervisor_id: str) -> dict | None:
         return read_json(self.fs, self.layout.pool_state(supervisor_id))
@@ -248,7 +270,7 @@ class FsControl(FsStore, ControlStore):
         atomic_write_json(self.fs, self.layout.pool_state(supervisor_id), state)
 
     def pool_states(self) -> dict[str, dict]:
-        out = {}
+        out: dict[str, dict] = {}
         try:
             names = sorted(self.fs.ls(self.layout.pool_dir, detail=False))
         except FileNotFoundError:
@@ -256,7 +278,7 @@ class FsControl(FsStore, ControlStore):
         for path in names:
             sid = RunLayout.heartbeat_worker(path)  # same naming rule: <id>.json
             state = read_json(self.fs, path) if sid else None
-            if isinstance(state, dict):
+            if sid and isinstance(state, dict):
                 out[sid] = state
         return out
 
@@ -314,8 +336,9 @@ class FsValidation(FsStore, ValidationRequests):
                 continue  # answered meanwhile
             except ValidationFormatError as e:
                 log.warning("%s", e)
-                self.answer(ValidationResult(version=version, step=-1, metrics={}, skipped=str(e),
-                                             finished_at=time.time()))
+                self.answer(
+                    ValidationResult(version=version, step=-1, metrics={}, skipped=str(e), finished_at=time.time())
+                )
         return out
 
     def answer(self, result: ValidationResult) -> None:
@@ -337,5 +360,3 @@ class FsValidation(FsStore, ValidationRequests):
 
     def where(self) -> str:
         return self.layout.validation_requests_dir
-
-

@@ -8,14 +8,14 @@ operations of the roles beside the trainer exist here (buffer/control/base.py); 
 own (its progress, the end of the run, opening sync versions, validation requests) are the run
 folder's.
 """
+
 from __future__ import annotations
 
 import dataclasses
 import json
 
 from buffer.channel import RunClient
-from buffer.control.base import (ControlStore, HeartbeatStore, ProgressStore, RunState, SyncClaims,
-                                 ValidationStore)
+from buffer.control.base import ControlStore, HeartbeatStore, ProgressStore, RunState, SyncClaims, ValidationStore
 from protocol import run_service as rs
 from protocol.control import Command
 from protocol.validation import ValidationRequest, ValidationResult
@@ -83,8 +83,7 @@ class NetSyncClaims(SyncClaims):
 
     def claim(self, version: int, groups: int, want: int, worker_id: str) -> int:
         # one request id for all retries: a claim whose reply was lost is not made twice
-        return self.client.call("SyncClaim", rs.ClaimRequest(version, groups, want, worker_id,
-                                                             rs.new_request_id())).n
+        return self.client.call("SyncClaim", rs.ClaimRequest(version, groups, want, worker_id, rs.new_request_id())).n
 
     def share(self, groups: int, per_batch: int) -> int:
         return self.client.call("SyncShare", rs.ShareRequest(groups, per_batch)).n
@@ -126,12 +125,13 @@ class NetValidation(ValidationStore):
         return [r.version for r in self.requests()]
 
     def requests(self) -> list[ValidationRequest]:
-        return [ValidationRequest.from_json(json.dumps(d), where=f"a request from {self.client.address}")
-                for d in self.client.call("ValidationRequests").docs]
+        return [
+            ValidationRequest.from_json(json.dumps(d), where=f"a request from {self.client.address}")
+            for d in self.client.call("ValidationRequests").docs
+        ]
 
     def answer(self, result: ValidationResult) -> None:
-        self.client.call("ValidationAnswer", rs.ValidationAnswer(dataclasses.asdict(result),
-                                                                 rs.new_request_id()))
+        self.client.call("ValidationAnswer", rs.ValidationAnswer(dataclasses.asdict(result), rs.new_request_id()))
 
     def write_beat(self, beat: dict) -> None:
         self.client.call("WriteValidatorBeat", rs.HeartbeatWrite("", beat))
@@ -141,5 +141,3 @@ class NetValidation(ValidationStore):
 
     def where(self) -> str:
         return f"validation requests at {self.client.address}"
-
-

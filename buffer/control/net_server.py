@@ -15,6 +15,7 @@ After the trainer's last step (DONE) the server lingers, at most buffer.grpc_lin
 worker's and the validator's heartbeat says stopped: a worker learns that the run ended from the
 service, not from a file it could see after the trainer is gone.
 """
+
 from __future__ import annotations
 
 import collections
@@ -55,8 +56,7 @@ def _doc(value, what: str) -> dict:
     except (TypeError, ValueError) as e:
         raise _Refuse(grpc.StatusCode.INVALID_ARGUMENT, f"{what}: not JSON ({e})") from None
     if size > rs.MAX_DOC_BYTES:
-        raise _Refuse(grpc.StatusCode.INVALID_ARGUMENT,
-                      f"{what}: {size} bytes of JSON, over {rs.MAX_DOC_BYTES}")
+        raise _Refuse(grpc.StatusCode.INVALID_ARGUMENT, f"{what}: {size} bytes of JSON, over {rs.MAX_DOC_BYTES}")
     return value
 
 
@@ -93,7 +93,7 @@ class RunService:
         self.writers: dict[str, tuple[str, float]] = {}  # worker id -> (writer key, last write)
         self.answers: collections.OrderedDict[str, object] = collections.OrderedDict()
         self.running: dict[str, threading.Lock] = {}  # request id -> held while it executes
-        self.stats = collections.Counter()
+        self.stats: collections.Counter[str] = collections.Counter()
 
     # --- plumbing ----------------------------------------------------------------------------
     def handler(self) -> grpc.GenericRpcHandler:
@@ -101,7 +101,8 @@ class RunService:
         for name, rpc in rs.RPCS.items():
             decode = (lambda cls: lambda raw: _decoded(cls, raw))(rpc.request)
             methods[name] = grpc.unary_unary_rpc_method_handler(
-                self._unary(name), request_deserializer=decode, response_serializer=rs.encode)
+                self._unary(name), request_deserializer=decode, response_serializer=rs.encode
+            )
         return grpc.method_handlers_generic_handler(rs.SERVICE, methods)
 
     def _check(self, request, context) -> None:
@@ -110,8 +111,9 @@ class RunService:
             raise _Refuse(grpc.StatusCode.UNAUTHENTICATED, "missing or wrong token")
         schema = dict(context.invocation_metadata()).get(rs.SCHEMA_KEY)
         if schema != str(rs.SCHEMA):
-            raise _Refuse(grpc.StatusCode.FAILED_PRECONDITION,
-                          f"run-service schema {schema!r}, the trainer serves {rs.SCHEMA}")
+            raise _Refuse(
+                grpc.StatusCode.FAILED_PRECONDITION, f"run-service schema {schema!r}, the trainer serves {rs.SCHEMA}"
+            )
         if isinstance(request, rs.MessageError):
             raise _Refuse(grpc.StatusCode.INVALID_ARGUMENT, str(request))
 
@@ -121,12 +123,16 @@ class RunService:
         def handle(request, context):
             try:
                 self._check(request, context)
-                reply = self._once(request.request_id, lambda: do(request, context)) \
-                    if mutates and request.request_id else do(request, context)
+                reply = (
+                    self._once(request.request_id, lambda: do(request, context))
+                    if mutates and request.request_id
+                    else do(request, context)
+                )
                 self.stats[name] += 1
                 return reply
             except Exception as e:  # noqa: BLE001 - every failure becomes a status code
                 self._abort(name, e, context)
+
         return handle
 
     def _abort(self, name: str, e: Exception, context) -> None:
@@ -172,11 +178,13 @@ class RunService:
         with self.lock:
             held = self.writers.get(worker_id)
             if held is not None and held[0] != writer and now - held[1] < self.cfg.grpc_claim_ttl_s:
-                raise _Refuse(grpc.StatusCode.ABORTED,
-                              f"worker id {worker_id} is in use by another process (its last "
-                              f"heartbeat {now - held[1]:.0f} s ago): give every worker its own "
-                              "worker.id (a restarted worker takes it over after "
-                              "buffer.grpc_claim_ttl_s)")
+                raise _Refuse(
+                    grpc.StatusCode.ABORTED,
+                    f"worker id {worker_id} is in use by another process (its last "
+                    f"heartbeat {now - held[1]:.0f} s ago): give every worker its own "
+                    "worker.id (a restarted worker takes it over after "
+                    "buffer.grpc_claim_ttl_s)",
+                )
             self.writers[worker_id] = (writer, now)
 
     # --- the operations (protocol.run_service.RPCS) ------------------------------------------
@@ -187,8 +195,9 @@ class RunService:
         worker_id = check_worker_id(request.worker_id)
         beat = _doc(request.beat, f"heartbeat of {worker_id}")
         if beat.get("worker_id", worker_id) != worker_id:
-            raise _Refuse(grpc.StatusCode.PERMISSION_DENIED,
-                          f"a heartbeat of {beat.get('worker_id')!r} sent as {worker_id}'s")
+            raise _Refuse(
+                grpc.StatusCode.PERMISSION_DENIED, f"a heartbeat of {beat.get('worker_id')!r} sent as {worker_id}'s"
+            )
         self._claim_writer(worker_id, context)
         self.run.heartbeats.write(worker_id, beat)
         return rs.Empty()
@@ -272,18 +281,27 @@ class RunService:
         while time.monotonic() < deadline:
             now = time.time()
             beats = [*self.run.heartbeats.all(), self.run.validation.beat() or {}]
-            live = [b.get("worker_id", "validator") for b in beats
-                    if b and b.get("state") != "stopped" and now - b.get("last_beat", 0) < STALE_BEAT_S]
+            live = [
+                b.get("worker_id", "validator")
+                for b in beats
+                if b and b.get("state") != "stopped" and now - b.get("last_beat", 0) < STALE_BEAT_S
+            ]
             if not live:
                 return
             if time.monotonic() - noted >= NOTE_S:
-                log.info("run done: serving until %s stop (at most %.0f s more, "
-                         "buffer.grpc_linger_s)", ", ".join(live), deadline - time.monotonic())
+                log.info(
+                    "run done: serving until %s stop (at most %.0f s more, buffer.grpc_linger_s)",
+                    ", ".join(live),
+                    deadline - time.monotonic(),
+                )
                 noted = time.monotonic()
             time.sleep(0.2)
-        log.warning("run done: stopped serving after buffer.grpc_linger_s=%.0f s with workers "
-                    "still running; they stop once they find the trainer gone for "
-                    "buffer.grpc_trainer_wait_s", timeout_s)
+        log.warning(
+            "run done: stopped serving after buffer.grpc_linger_s=%.0f s with workers "
+            "still running; they stop once they find the trainer gone for "
+            "buffer.grpc_trainer_wait_s",
+            timeout_s,
+        )
 
 
 def _decoded(cls, raw: bytes):

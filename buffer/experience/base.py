@@ -7,10 +7,11 @@ renamed into experience/<worker>/) and the network (buffer/experience/net_client
 shards to buffer/experience/net_server.py on the trainer, which spools them into the same
 folder the reader reads).
 """
+
 from __future__ import annotations
 
 import abc
-from typing import Callable
+from collections.abc import Callable
 
 from buffer.control.base import ShouldStop
 
@@ -60,8 +61,14 @@ class ExperienceSink(abc.ABC):
         can appear anywhere."""
 
     @abc.abstractmethod
-    def wait_for_room(self, limit: int, timeout_s: float, should_stop: ShouldStop,
-                      on_wait: Callable[[], object] = lambda: None, group_size: int = 1) -> float:
+    def wait_for_room(
+        self,
+        limit: int,
+        timeout_s: float,
+        should_stop: ShouldStop,
+        on_wait: Callable[[], object] = lambda: None,
+        group_size: int = 1,
+    ) -> float:
         """Block while the worker may not produce more (backpressure): on a filesystem while
         the run's backlog (samples written by all workers - samples the trainer retired) is
         above max(`limit`, one trainer step of `group_size`-sample groups); over gRPC at once
@@ -83,8 +90,9 @@ class ExperienceSource(abc.ABC):
     """The trainer's side: every worker's shards, each consumed exactly once."""
 
     @abc.abstractmethod
-    def next_batch(self, num_groups: int, current_version: int, timeout_s: float,
-                   on_wait: Callable[[], object] = lambda: None) -> list:
+    def next_batch(
+        self, num_groups: int, current_version: int, timeout_s: float, on_wait: Callable[[], object] = lambda: None
+    ) -> list:
         """The oldest `num_groups` whole groups within the staleness bound of
         `current_version`, waiting up to `timeout_s` (TimeoutError after), calling `on_wait()`
         after every poll."""

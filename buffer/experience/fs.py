@@ -1,12 +1,13 @@
-"""Experience on the run folder: a worker's shards renamed into experience/<worker>/<seq>.arrow
-(`FsExperienceSink`), and the trainer's spool of shards pushed over the network into the same
-place (`FsSpool`, written by buffer/experience/net_server.py). The trainer reads both alike
-(buffer/experience/reader.py)."""
+"""Experience on the run folder, a worker's side: its shards renamed into
+experience/<worker>/<seq>.arrow (`FsExperienceSink`), where the trainer's reader
+(buffer/experience/reader.py) finds them, as it finds those pushed over the network (spooled into
+the same place by buffer/experience/net_server.py)."""
+
 from __future__ import annotations
 
 import dataclasses
 import os
-from typing import Callable
+from collections.abc import Callable
 
 import pyarrow as pa
 
@@ -14,7 +15,7 @@ from buffer.control.base import ShouldStop
 from buffer.control.fs import FsStore
 from buffer.experience.base import ExperienceSink
 from buffer.layout import RunLayout
-from buffer.storage import atomic_write, atomic_write_json, atomic_writer, read_json
+from buffer.storage import atomic_write, atomic_write_json, read_json
 
 
 @dataclasses.dataclass
@@ -23,6 +24,7 @@ class FsExperienceSink(FsStore, ExperienceSink):
     place (readers see all of it or nothing); the claim in workers/<worker>.claim. `room` is the
     run's backpressure (buffer/control/backpressure.py's wait_for_room on every worker's
     heartbeat and the trainer's progress, as buffer/run.py binds it)."""
+
     worker_id: str
     room: Callable[..., float]
 
@@ -48,8 +50,10 @@ class FsExperienceSink(FsStore, ExperienceSink):
         return int(meta[b"tandem.num_samples"])
 
     def has(self, seq: int) -> bool:
-        return any(self.fs.exists(p) for p in (self.layout.shard(self.worker_id, seq),
-                                               self.layout.archive_shard(self.worker_id, seq)))
+        return any(
+            self.fs.exists(p)
+            for p in (self.layout.shard(self.worker_id, seq), self.layout.archive_shard(self.worker_id, seq))
+        )
 
     def read_claim(self) -> dict | None:
         return read_json(self.fs, self.layout.seq_claim(self.worker_id))
@@ -57,8 +61,14 @@ class FsExperienceSink(FsStore, ExperienceSink):
     def write_claim(self, claim: dict) -> None:
         atomic_write_json(self.fs, self.layout.seq_claim(self.worker_id), claim)
 
-    def wait_for_room(self, limit: int, timeout_s: float, should_stop: ShouldStop,
-                      on_wait: Callable[[], object] = lambda: None, group_size: int = 1) -> float:
+    def wait_for_room(
+        self,
+        limit: int,
+        timeout_s: float,
+        should_stop: ShouldStop,
+        on_wait: Callable[[], object] = lambda: None,
+        group_size: int = 1,
+    ) -> float:
         return self.room(limit, timeout_s, should_stop, on_wait=on_wait, group_size=group_size)
 
     def close(self, timeout_s: float = 60.0) -> None:
@@ -66,23 +76,3 @@ class FsExperienceSink(FsStore, ExperienceSink):
 
     def where(self) -> str:
         return self.dir
-
-
-@dataclasses.dataclass
-class FsSpool(FsStore):
-    """The trainer's side of a network ExperienceSink: shards received into the same
-    experience/<worker>/<seq>.arrow the reader reads, spooled beside the worker folders (so a
-    refused push never creates experience/<worker>/) under a temporary name of one push."""
-
-    def path(self, worker_id: str, seq: int) -> str:
-        """Where the shard is published; ValueError for an invalid worker id."""
-        return self.layout.shard(worker_id, seq)
-
-    def has(self, worker_id: str, seq: int) -> bool:
-        return self.fs.exists(self.path(worker_id, seq))
-
-    def writer(self, worker_id: str, seq: int, push: str):
-        """A binary file to write the shard through; it appears (fsynced) only if the block
-        ends without an exception (buffer.storage.atomic_writer)."""
-        tmp = self.layout.spool_tmp(worker_id, seq, push)
-        return atomic_writer(self.fs, self.path(worker_id, seq), tmp)

@@ -3,6 +3,7 @@ network ExperienceSink of `buffer.writer.ShardWriter`. Shards are pushed concurr
 pool of `grpc_max_inflight` sender threads, at most that many unacknowledged at a time (the
 writer blocks beyond that: flow control), each resent with the same (worker, seq) after any
 failure, with backoff, until acknowledged by buffer/experience/net_server.py."""
+
 from __future__ import annotations
 
 import collections
@@ -19,14 +20,18 @@ from buffer.channel import MAX_MESSAGE_BYTES, WRITER_KEY, open_channel, token
 from buffer.config import BufferConfig
 from buffer.control.base import RunState
 from buffer.experience.base import ExperienceSink
+from buffer.experience.fs import FsExperienceSink
 from protocol import experience_pb2 as pb
 from protocol.experience import SCHEMA_VERSION
 from protocol.shard_stream import PUSH_METHOD, encode_chunk
 
 log = logging.getLogger(__name__)
 
-_REFUSALS = (grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.FAILED_PRECONDITION,
-             grpc.StatusCode.INVALID_ARGUMENT)  # resending the same bytes cannot help
+_REFUSALS = (
+    grpc.StatusCode.UNAUTHENTICATED,
+    grpc.StatusCode.FAILED_PRECONDITION,
+    grpc.StatusCode.INVALID_ARGUMENT,
+)  # resending the same bytes cannot help
 
 
 DAMAGED_RESENDS = 3
@@ -37,7 +42,7 @@ class GrpcSink(ExperienceSink):
     pushed concurrently by an owned pool of `grpc_max_inflight` sender threads; the claim, the
     resume listing and `has` are the worker's own folder's (`local`)."""
 
-    def __init__(self, local: ExperienceSink, cfg: BufferConfig, run: RunState):
+    def __init__(self, local: FsExperienceSink, cfg: BufferConfig, run: RunState):
         self.local, self.cfg, self.run = local, cfg, run
         self.worker_id = local.worker_id
         self.secret = token(cfg)
@@ -52,10 +57,12 @@ class GrpcSink(ExperienceSink):
         self.senders = futures.ThreadPoolExecutor(cfg.grpc_max_inflight, thread_name_prefix="grpc-push")
 
     def _connect(self):
-        self.channel = open_channel(self.cfg, self.cfg.grpc_address,
-                                    [("grpc.max_send_message_length", MAX_MESSAGE_BYTES)])
-        return self.channel.stream_unary(PUSH_METHOD, request_serializer=encode_chunk,
-                                         response_deserializer=pb.Ack.FromString)
+        self.channel = open_channel(
+            self.cfg, self.cfg.grpc_address, [("grpc.max_send_message_length", MAX_MESSAGE_BYTES)]
+        )
+        return self.channel.stream_unary(
+            PUSH_METHOD, request_serializer=encode_chunk, response_deserializer=pb.Ack.FromString
+        )
 
     def publish(self, seq: int, data: bytes) -> str:
         """Hand the shard to a sender; block while `grpc_max_inflight` await acknowledgement."""
@@ -63,13 +70,14 @@ class GrpcSink(ExperienceSink):
         with self.cond:
             while len(self.unacked) >= self.cfg.grpc_max_inflight and not self.fatal:
                 if self.run.done():  # no trainer will take it: do not wait for one
-                    log.warning("the run is finished (%s): shard %d not pushed",
-                                self.run.where(), seq)
+                    log.warning("the run is finished (%s): shard %d not pushed", self.run.where(), seq)
                     return f"grpc://{self.cfg.grpc_address}/{self.worker_id}/{seq} (not pushed)"
                 if time.monotonic() > deadline:
-                    raise TimeoutError(f"{len(self.unacked)} shards unacknowledged by "
-                                       f"{self.cfg.grpc_address} for {self.cfg.backlog_timeout_s:.0f} s;"
-                                       f" last error: {self.last_error}")
+                    raise TimeoutError(
+                        f"{len(self.unacked)} shards unacknowledged by "
+                        f"{self.cfg.grpc_address} for {self.cfg.backlog_timeout_s:.0f} s;"
+                        f" last error: {self.last_error}"
+                    )
                 self.cond.wait(timeout=min(1.0, max(0.0, deadline - time.monotonic())))
             if self.fatal:
                 raise RuntimeError(f"the trainer refused a shard: {self.last_error}")
@@ -96,8 +104,9 @@ class GrpcSink(ExperienceSink):
     def write_claim(self, claim: dict) -> None:
         self.local.write_claim(claim)
 
-    def wait_for_room(self, limit: int, timeout_s: float, should_stop, on_wait=lambda: None,
-                      group_size: int = 1) -> float:
+    def wait_for_room(
+        self, limit: int, timeout_s: float, should_stop, on_wait=lambda: None, group_size: int = 1
+    ) -> float:
         return 0.0  # unacknowledged pushes bound the worker (publish blocks), and the trainer
         # refuses shards (RESOURCE_EXHAUSTED) while its own backlog is full
 
@@ -105,11 +114,12 @@ class GrpcSink(ExperienceSink):
         return f"grpc://{self.cfg.grpc_address}"
 
     def _chunks(self, seq: int, data: bytes):
-        yield pb.ShardChunk(header=pb.ShardHeader(worker_id=self.worker_id, seq=seq, size=len(data),
-                                                  schema_version=SCHEMA_VERSION))
+        yield pb.ShardChunk(
+            header=pb.ShardHeader(worker_id=self.worker_id, seq=seq, size=len(data), schema_version=SCHEMA_VERSION)
+        )
         step, view = self.cfg.grpc_chunk_kb << 10, memoryview(data)
         for start in range(0, len(data), step):
-            yield view[start:start + step]  # encode_chunk frames it without another copy
+            yield view[start : start + step]  # encode_chunk frames it without another copy
 
     def _push_until_acked(self, seq: int, data: bytes) -> None:
         """One sender thread per in-flight shard, so hashing and fsync on the trainer overlap
@@ -119,9 +129,11 @@ class GrpcSink(ExperienceSink):
         backoff, damaged = 0.2, 0
         while not self.stopping:
             try:
-                self.push(self._chunks(seq, data), timeout=self.cfg.grpc_timeout_s,
-                          metadata=[("authorization", f"Bearer {self.secret}"),
-                                    (WRITER_KEY, self.writer_key)])
+                self.push(
+                    self._chunks(seq, data),
+                    timeout=self.cfg.grpc_timeout_s,
+                    metadata=[("authorization", f"Bearer {self.secret}"), (WRITER_KEY, self.writer_key)],
+                )
             except grpc.RpcError as e:
                 code = e.code()
                 self.last_error = f"{code.name}: {e.details()}"
@@ -133,8 +145,7 @@ class GrpcSink(ExperienceSink):
                         self.cond.notify_all()
                     return
                 if code != grpc.StatusCode.RESOURCE_EXHAUSTED:
-                    log.warning("push of shard %d failed (%s); retrying in %.1f s", seq,
-                                self.last_error, backoff)
+                    log.warning("push of shard %d failed (%s); retrying in %.1f s", seq, self.last_error, backoff)
                 elif time.monotonic() - self._noted_full > 30:  # backpressure: normal, say so
                     log.info("the trainer is not taking shards yet (%s); retrying", self.last_error)
                     self._noted_full = time.monotonic()
@@ -155,8 +166,9 @@ class GrpcSink(ExperienceSink):
             with self.cond:
                 while self.unacked and not self.fatal and time.monotonic() < deadline:
                     if self.run.done():
-                        log.warning("the run is finished (%s): %d shards not pushed",
-                                    self.run.where(), len(self.unacked))
+                        log.warning(
+                            "the run is finished (%s): %d shards not pushed", self.run.where(), len(self.unacked)
+                        )
                         self.unacked.clear()
                         break
                     self.cond.wait(timeout=min(1.0, max(0.0, deadline - time.monotonic())))
@@ -168,5 +180,7 @@ class GrpcSink(ExperienceSink):
         if self.fatal:
             raise RuntimeError(f"the trainer refused a shard ({left} unacknowledged): {self.last_error}")
         if left:
-            raise TimeoutError(f"{left} shards still unacknowledged by {self.cfg.grpc_address} "
-                               f"after {timeout_s:.0f} s; last error: {self.last_error}")
+            raise TimeoutError(
+                f"{left} shards still unacknowledged by {self.cfg.grpc_address} "
+                f"after {timeout_s:.0f} s; last error: {self.last_error}"
+            )

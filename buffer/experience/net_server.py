@@ -3,12 +3,13 @@
 It receives shards (service in protocol/experience.proto) as a stream of chunks, checks the token
 and the schema version from the header, writes each chunk to a temporary file while hashing it,
 and publishes (fsync + rename) the run's own `experience/<worker>/<seq>.arrow` on the trainer's
-disk (buffer/experience/fs.py's FsSpool) only if the sha256 trailer matches; only then it
+disk (`FsSpool`) only if the sha256 trailer matches; only then it
 acknowledges. The filesystem reader consumes the spool, so both transports share one reader and
 its exactly-once ledger; a trainer crash loses nothing it acknowledged. Resends of one (worker,
 seq) are idempotent; different shards are handled in parallel. The worker's side is
 buffer/experience/net_client.py.
 """
+
 from __future__ import annotations
 
 import collections
@@ -20,23 +21,43 @@ import os
 import threading
 import time
 from concurrent import futures
+from typing import Any
 
 import grpc
 import pyarrow as pa
 
-from buffer.channel import (MAX_MESSAGE_BYTES, WRITER_KEY, authorized, bind_hosts, is_loopback,
-                            server_credentials, token)
+from buffer.channel import MAX_MESSAGE_BYTES, WRITER_KEY, authorized, bind_hosts, is_loopback, server_credentials, token
 from buffer.config import BufferConfig
-from buffer.experience.fs import FsSpool
+from buffer.control.fs import FsStore
 from buffer.layout import RunLayout
 from buffer.ledger import shard_key
-from buffer.storage import filesystem, is_disk_full
+from buffer.storage import atomic_writer, filesystem, is_disk_full
 from protocol import experience_pb2 as pb
 from protocol.experience import SCHEMA_VERSION, IntegrityError, StreamVerifier
 from protocol.shard_stream import SERVICE, Undecodable, chunk_data, decode_chunk
 
 log = logging.getLogger(__name__)
 MAX_CLAIMS = 4096  # worker-id claims kept before the expired ones are dropped
+
+
+@dataclasses.dataclass
+class FsSpool(FsStore):
+    """The trainer's side of a network ExperienceSink: shards received into the same
+    experience/<worker>/<seq>.arrow the reader reads, spooled beside the worker folders (so a
+    refused push never creates experience/<worker>/) under a temporary name of one push."""
+
+    def path(self, worker_id: str, seq: int) -> str:
+        """Where the shard is published; ValueError for an invalid worker id."""
+        return self.layout.shard(worker_id, seq)
+
+    def has(self, worker_id: str, seq: int) -> bool:
+        return self.fs.exists(self.path(worker_id, seq))
+
+    def writer(self, worker_id: str, seq: int, push: str):
+        """A binary file to write the shard through; it appears (fsynced) only if the block
+        ends without an exception (buffer.storage.atomic_writer)."""
+        tmp = self.layout.spool_tmp(worker_id, seq, push)
+        return atomic_writer(self.fs, self.path(worker_id, seq), tmp)
 
 
 class _KeyLocks:
@@ -69,7 +90,8 @@ class _Refused(Exception):
 @dataclasses.dataclass(eq=False)  # kept in a set by identity
 class _Stream:
     """One push in progress: whether it waits for the client's next message, since when."""
-    context: object
+
+    context: Any  # a grpc.ServicerContext
     last: float
     waiting: bool = False
     idled: bool = False
@@ -78,14 +100,14 @@ class _Stream:
 @dataclasses.dataclass
 class _Claim:
     """Which writer (WRITER_KEY metadata) uses a worker id, its pushes now, its last push."""
+
     writer: str
     active: int = 0
     last: float = 0.0
 
 
 class _Servicer:
-    def __init__(self, root: str, secret: str, cfg: BufferConfig, consumed, retired=None,
-                 cap=lambda: 0):
+    def __init__(self, root: str, secret: str, cfg: BufferConfig, consumed, retired=None, cap=lambda: 0):
         fs, path = filesystem(root)
         self.spool = FsSpool(fs, RunLayout(path))
         self.expected = f"Bearer {secret}".encode()
@@ -102,7 +124,7 @@ class _Servicer:
         self.highest: dict[str, int] = {}  # worker -> its highest shard number spooled here
         self.claims: dict[str, _Claim] = {}
         self.streams: set[_Stream] = set()
-        self.stats = collections.Counter()
+        self.stats: collections.Counter[str] = collections.Counter()
 
     def Push(self, request_iterator, context):
         if not authorized(context, self.expected):
@@ -153,8 +175,7 @@ class _Servicer:
         while not stop.wait(min(1.0, idle / 4)):
             now = time.monotonic()
             with self.lock:
-                stalled = [s for s in self.streams
-                           if s.waiting and not s.idled and now - s.last > idle]
+                stalled = [s for s in self.streams if s.waiting and not s.idled and now - s.last > idle]
             for s in stalled:
                 s.idled = True
                 log.warning("cancelled a push silent for %.0f s (buffer.grpc_idle_timeout_s)", now - s.last)
@@ -171,29 +192,35 @@ class _Servicer:
                 age = now - claim.last
                 if claim.active or age < self.cfg.grpc_claim_ttl_s:
                     self.stats["claim_refused"] += 1
-                    context.abort(grpc.StatusCode.ABORTED,
-                                  f"worker id {worker_id} is in use by another writer (its last "
-                                  f"push {age:.0f} s ago): give every worker its own worker.id; "
-                                  f"a restarted worker takes the id over "
-                                  f"{self.cfg.grpc_claim_ttl_s:.0f} s after the last push "
-                                  "(buffer.grpc_claim_ttl_s)")
+                    context.abort(
+                        grpc.StatusCode.ABORTED,
+                        f"worker id {worker_id} is in use by another writer (its last "
+                        f"push {age:.0f} s ago): give every worker its own worker.id; "
+                        f"a restarted worker takes the id over "
+                        f"{self.cfg.grpc_claim_ttl_s:.0f} s after the last push "
+                        "(buffer.grpc_claim_ttl_s)",
+                    )
                 claim = None
             if claim is None:
                 if len(self.claims) >= MAX_CLAIMS:  # ids invented by a client must not pile up
-                    self.claims = {w: c for w, c in self.claims.items()
-                                   if c.active or now - c.last < self.cfg.grpc_claim_ttl_s}
+                    self.claims = {
+                        w: c for w, c in self.claims.items() if c.active or now - c.last < self.cfg.grpc_claim_ttl_s
+                    }
                 claim = self.claims[worker_id] = _Claim(writer)
             if claim.active >= self.cfg.grpc_max_pushes_per_worker:
                 self.stats["over_cap"] += 1
-                context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
-                              f"worker {worker_id} already has {claim.active} pushes in progress "
-                              "(buffer.grpc_max_pushes_per_worker)")
+                context.abort(
+                    grpc.StatusCode.RESOURCE_EXHAUSTED,
+                    f"worker {worker_id} already has {claim.active} pushes in progress "
+                    "(buffer.grpc_max_pushes_per_worker)",
+                )
             claim.active += 1
 
         def release() -> None:
             with self.lock:
                 claim.active -= 1
                 claim.last = time.monotonic()
+
         return release
 
     def _locked_spool(self, head: pb.ShardHeader, chunks, context) -> bool:
@@ -208,11 +235,12 @@ class _Servicer:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, "a push must start with a ShardHeader")
         head = first.header
         if head.schema_version != SCHEMA_VERSION:
-            context.abort(grpc.StatusCode.FAILED_PRECONDITION,
-                          f"schema version {head.schema_version!r}, trainer reads {SCHEMA_VERSION!r}")
+            context.abort(
+                grpc.StatusCode.FAILED_PRECONDITION,
+                f"schema version {head.schema_version!r}, trainer reads {SCHEMA_VERSION!r}",
+            )
         if head.size > self.max_shard_bytes:
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT,
-                          f"shard of {head.size} bytes over buffer.grpc_max_shard_mb")
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"shard of {head.size} bytes over buffer.grpc_max_shard_mb")
         try:
             self.spool.path(head.worker_id, head.seq)
         except ValueError as e:
@@ -254,8 +282,7 @@ class _Servicer:
                 raise
             self.stats["disk_full"] += 1
             log.warning("disk full at %s: refusing shards until there is space", path)
-            context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, f"{key}: disk full at {path} on "
-                                                              "the trainer: retry later")
+            context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, f"{key}: disk full at {path} on the trainer: retry later")
         except _Refused as e:  # not our protocol: resending the same bytes cannot help
             self.stats["rejected"] += 1
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"{key}: {e}")
@@ -279,10 +306,12 @@ class _Servicer:
         backlog, cap = self.spooled_samples - self.retired(), self.cap()
         if backlog > cap:
             self.stats["backpressure"] += 1
-            context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
-                          f"{key}: the trainer holds {backlog} samples not yet trained or dropped, "
-                          f"over its cap of {cap} (buffer.max_backlog_samples, or one step): "
-                          "retry later")
+            context.abort(
+                grpc.StatusCode.RESOURCE_EXHAUSTED,
+                f"{key}: the trainer holds {backlog} samples not yet trained or dropped, "
+                f"over its cap of {cap} (buffer.max_backlog_samples, or one step): "
+                "retry later",
+            )
 
 
 def _declared_samples(path: str) -> int:
@@ -299,15 +328,19 @@ class ShardServer:
     samples retired) it pushes back once more than max(buffer.max_backlog_samples,
     `step_samples()`) spooled samples are not retired yet."""
 
-    def __init__(self, root: str, cfg: BufferConfig, consumed=lambda: (), retired=None,
-                 step_samples=lambda: 0, services=()):
-        self.servicer = _Servicer(root, token(cfg), cfg, consumed, retired,
-                                  lambda: max(cfg.max_backlog_samples, step_samples()))
-        self.server = grpc.server(futures.ThreadPoolExecutor(max_workers=cfg.grpc_server_threads,
-                                                             thread_name_prefix="grpc-spool"),
-                                  options=[("grpc.max_receive_message_length", MAX_MESSAGE_BYTES)])
-        push = grpc.stream_unary_rpc_method_handler(self.servicer.Push, request_deserializer=decode_chunk,
-                                                    response_serializer=pb.Ack.SerializeToString)
+    def __init__(
+        self, root: str, cfg: BufferConfig, consumed=lambda: (), retired=None, step_samples=lambda: 0, services=()
+    ):
+        self.servicer = _Servicer(
+            root, token(cfg), cfg, consumed, retired, lambda: max(cfg.max_backlog_samples, step_samples())
+        )
+        self.server = grpc.server(
+            futures.ThreadPoolExecutor(max_workers=cfg.grpc_server_threads, thread_name_prefix="grpc-spool"),
+            options=[("grpc.max_receive_message_length", MAX_MESSAGE_BYTES)],
+        )
+        push = grpc.stream_unary_rpc_method_handler(
+            self.servicer.Push, request_deserializer=decode_chunk, response_serializer=pb.Ack.SerializeToString
+        )
         self.server.add_generic_rpc_handlers([grpc.method_handlers_generic_handler(SERVICE, {"Push": push})])
         for add in services:  # more services on this server and port (buffer/run.py)
             add(self.server)  # before it starts: no client ever finds them missing
@@ -316,25 +349,25 @@ class ShardServer:
         for host in bind_hosts(cfg.grpc_bind):
             port = cfg.grpc_bind.rpartition(":")[2] if not self.port else str(self.port)
             address = f"{host}:{port}"
-            bound = (self.server.add_secure_port(address, creds) if creds else
-                     self.server.add_insecure_port(address))
+            bound = self.server.add_secure_port(address, creds) if creds else self.server.add_insecure_port(address)
             if not bound:
                 raise OSError(f"buffer.grpc_bind: cannot listen on {address} (from {cfg.grpc_bind!r})")
             self.port = bound
             if creds is None and not is_loopback(host):
-                log.warning("WARNING: the experience gRPC server listens on %s WITHOUT TLS: the "
-                            "token and every shard cross the network in clear. Set "
-                            "buffer.grpc_tls_cert and buffer.grpc_tls_key (workers: "
-                            "buffer.grpc_tls_ca)", address)
+                log.warning(
+                    "WARNING: the experience gRPC server listens on %s WITHOUT TLS: the "
+                    "token and every shard cross the network in clear. Set "
+                    "buffer.grpc_tls_cert and buffer.grpc_tls_key (workers: "
+                    "buffer.grpc_tls_ca)",
+                    address,
+                )
         self.server.start()
         self._stop_watch = threading.Event()
-        threading.Thread(target=self.servicer.watch_idle, args=(self._stop_watch,), daemon=True,
-                         name="grpc-idle-watch").start()
-        log.info("experience gRPC server listening on %s (port %d)",
-                 ", ".join(bind_hosts(cfg.grpc_bind)), self.port)
+        threading.Thread(
+            target=self.servicer.watch_idle, args=(self._stop_watch,), daemon=True, name="grpc-idle-watch"
+        ).start()
+        log.info("experience gRPC server listening on %s (port %d)", ", ".join(bind_hosts(cfg.grpc_bind)), self.port)
 
     def stop(self, grace_s: float = 5.0) -> None:
         self._stop_watch.set()
         self.server.stop(grace_s).wait(timeout=grace_s + 5)
-
-

@@ -22,6 +22,7 @@ and seq match where the file is). A rejected shard is counted in stats['bad_shar
 `quarantine/<worker>/` with a `.reason.txt` beside it (stats['quarantined_shards']), recorded as
 consumed, and the reader carries on.
 """
+
 from __future__ import annotations
 
 import collections
@@ -31,17 +32,17 @@ import math
 import os
 import threading
 import time
-from typing import Callable
+from collections.abc import Callable
 
 import pyarrow as pa
 
-from buffer.control.backpressure import NOTE_EVERY_S, backlog, describe_workers
 from buffer.config import BufferConfig
+from buffer.control.backpressure import NOTE_EVERY_S, backlog, describe_workers
+from buffer.control.fs import FsHeartbeats, FsProgress
+from buffer.experience.base import ExperienceSource
 from buffer.layout import SHARD_SUFFIX, RunLayout, check_worker_id
 from buffer.ledger import Ledger, as_ledger, shard_key
 from buffer.storage import atomic_write, filesystem, is_local, stop_watch, watch
-from buffer.control.fs import FsHeartbeats, FsProgress
-from buffer.experience.base import ExperienceSource
 from protocol.experience import RUN_ID_KEY, Sample, SchemaError, from_table, load_shard
 
 log = logging.getLogger(__name__)
@@ -53,14 +54,22 @@ MAX_GAPS = 4096  # missing seqs of one worker probed on every poll (older ones: 
 @dataclasses.dataclass
 class Group:
     """All samples of one prompt draw: the unit of GRPO advantage and of batching."""
+
     group_id: str
     weight_version: int
     samples: list[Sample]
 
 
 class ExperienceReader(ExperienceSource):
-    def __init__(self, root: str, cfg: BufferConfig, max_staleness: int,
-                 consumed=None, vocab_size: int | None = None, run_id: str | None = None):
+    def __init__(
+        self,
+        root: str,
+        cfg: BufferConfig,
+        max_staleness: int,
+        consumed=None,
+        vocab_size: int | None = None,
+        run_id: str | None = None,
+    ):
         self.fs, root_path = filesystem(root)
         self.layout = RunLayout(root_path)
         self.heartbeats, self.progress = FsHeartbeats(self.fs, self.layout), FsProgress(self.fs, self.layout)
@@ -69,7 +78,7 @@ class ExperienceReader(ExperienceSource):
         self.vocab_size = vocab_size  # token ids must be < this (the trainer's model vocab)
         self.run_id = run_id  # shards must carry it (None: not checked, e.g. buffer tools)
         self.pool: collections.deque[Group] = collections.deque()
-        self.stats = collections.Counter()
+        self.stats: collections.Counter[str] = collections.Counter()
         self._local = is_local(self.fs)
         self._next: dict[str, int] | None = None  # per worker: the next seq to probe for
         self._gaps: dict[str, set[int]] = {}  # per worker: missing seqs below its newest shard
@@ -101,6 +110,7 @@ class ExperienceReader(ExperienceSource):
         def wake(event) -> None:  # a shard renamed into place (or a new worker folder)
             if event.event_type in ("created", "moved"):
                 self._wake.set()
+
         self._observer = watch(self.layout.experience_dir, wake, recursive=True)
 
     def close(self) -> None:
@@ -136,8 +146,11 @@ class ExperienceReader(ExperienceSource):
                 with os.scandir(root) as it:
                     names = [e.name for e in it if e.is_dir()]
             else:
-                names = [e["name"].rstrip("/").rsplit("/", 1)[-1]
-                         for e in self.fs.ls(root, detail=True) if e["type"] == "directory"]
+                names = [
+                    e["name"].rstrip("/").rsplit("/", 1)[-1]
+                    for e in self.fs.ls(root, detail=True)
+                    if e["type"] == "directory"
+                ]
         except FileNotFoundError:
             return []
         workers = []
@@ -154,8 +167,11 @@ class ExperienceReader(ExperienceSource):
     def _list_worker(self, worker: str, nxt: dict[str, int], found: dict) -> None:
         wdir = self.layout.worker_shard_dir(worker)
         try:
-            names = os.listdir(wdir) if self._local else [
-                p.rstrip("/").rsplit("/", 1)[-1] for p in self.fs.ls(wdir, detail=False)]
+            names = (
+                os.listdir(wdir)
+                if self._local
+                else [p.rstrip("/").rsplit("/", 1)[-1] for p in self.fs.ls(wdir, detail=False)]
+            )
         except (FileNotFoundError, NotADirectoryError):
             return
         start = top = nxt.get(worker, 0)
@@ -170,8 +186,9 @@ class ExperienceReader(ExperienceSource):
                 found[shard_key(worker, seq)] = (seq, f"{wdir}/{name}")
         nxt[worker] = top
         gaps = self._gaps.setdefault(worker, set())
-        gaps.update(s for s in range(max(start, top - MAX_GAPS), top)
-                    if s not in present and not self._consumed.has(worker, s))
+        gaps.update(
+            s for s in range(max(start, top - MAX_GAPS), top) if s not in present and not self._consumed.has(worker, s)
+        )
 
     def _full_scan(self) -> dict[str, tuple[int, str]]:
         """List every worker folder (first poll, after a ledger change, and periodically)."""
@@ -252,8 +269,9 @@ class ExperienceReader(ExperienceSource):
         self._pending.pop(key, None)
         self._failures.pop(key, None)
 
-    def _reject(self, worker: str, seq: int, path: str, err: Exception, size: int | None,
-                data: bytes | None = None) -> None:
+    def _reject(
+        self, worker: str, seq: int, path: str, err: Exception, size: int | None, data: bytes | None = None
+    ) -> None:
         """Count a bad shard and its samples (retired: workers' backpressure must not wait for
         them) and move it to quarantine/ with a reason file; never raises."""
         self.stats["bad_shards"] += 1
@@ -263,14 +281,13 @@ class ExperienceReader(ExperienceSource):
         try:
             dest = quarantine(self.fs, self.layout, worker, seq, path, reason, size)
         except OSError as e:
-            log.error("could not move %s to quarantine (%s); it stays in place, skipped as "
-                      "consumed", path, e)
+            log.error("could not move %s to quarantine (%s); it stays in place, skipped as consumed", path, e)
             return
         self.stats["quarantined_shards"] += 1
         log.error("moved %s to %s", path, dest)
 
     def _drop_stale(self, current_version: int) -> None:
-        keep = collections.deque()
+        keep: collections.deque[Group] = collections.deque()
         for g in self.pool:
             if current_version - g.weight_version > self.max_staleness:
                 self.stats["dropped_stale_samples"] += len(g.samples)
@@ -278,9 +295,14 @@ class ExperienceReader(ExperienceSource):
                 keep.append(g)
         self.pool = keep
 
-    def next_batch(self, num_groups: int, current_version: int, timeout_s: float,
-                   on_wait: Callable[[], object] = lambda: None,
-                   note_every_s: float = NOTE_EVERY_S) -> list[Group]:
+    def next_batch(
+        self,
+        num_groups: int,
+        current_version: int,
+        timeout_s: float,
+        on_wait: Callable[[], object] = lambda: None,
+        note_every_s: float = NOTE_EVERY_S,
+    ) -> list[Group]:
         """The oldest `num_groups` groups within the staleness bound; waits up to `timeout_s`,
         calling `on_wait` after every poll (the trainer reports its progress from there), with a
         log line every `note_every_s` saying what it has, needs, and who produces."""
@@ -301,16 +323,25 @@ class ExperienceReader(ExperienceSource):
             on_wait()
             now = time.monotonic()
             if now - start >= timeout_s:
-                raise TimeoutError(f"waited {timeout_s:.0f} s (trainer.data_timeout_s) for "
-                                   + self._why_waiting(num_groups, before)
-                                   + f" Workers: {describe_workers(self.heartbeats)}")
+                raise TimeoutError(
+                    f"waited {timeout_s:.0f} s (trainer.data_timeout_s) for "
+                    + self._why_waiting(num_groups, before)
+                    + f" Workers: {describe_workers(self.heartbeats)}"
+                )
             if now - last_note >= note_every_s:
-                log.info("waiting for experience: have %d/%d groups (%d samples; %d shards read, "
-                         "%d stale samples dropped, %d bad shards) after %.0f s of %.0f; workers: %s",
-                         len(self.pool), num_groups, sum(len(g.samples) for g in self.pool),
-                         self.stats["shards_read"], self.stats["dropped_stale_samples"],
-                         self.stats["bad_shards"], now - start, timeout_s,
-                         describe_workers(self.heartbeats))
+                log.info(
+                    "waiting for experience: have %d/%d groups (%d samples; %d shards read, "
+                    "%d stale samples dropped, %d bad shards) after %.0f s of %.0f; workers: %s",
+                    len(self.pool),
+                    num_groups,
+                    sum(len(g.samples) for g in self.pool),
+                    self.stats["shards_read"],
+                    self.stats["dropped_stale_samples"],
+                    self.stats["bad_shards"],
+                    now - start,
+                    timeout_s,
+                    describe_workers(self.heartbeats),
+                )
                 last_note = now
             self._wake.wait(min(self.cfg.poll_interval, timeout_s - (now - start)))
             self._wake.clear()
@@ -324,11 +355,13 @@ class ExperienceReader(ExperienceSource):
             size = f"{backlog(self.heartbeats, self.progress)} samples"
         except OSError as e:
             size = f"unknown ({e})"
-        return (f"{num_groups} groups, have {len(self.pool)} in {self.layout.experience_dir}; "
-                f"during this wait {dropped} samples dropped as stale (trainer.max_staleness="
-                f"{self.max_staleness}) and {bad} shards quarantined; the workers' backlog "
-                f"(written, not yet retired, per {self.layout.workers_dir}) is {size}. Are "
-                f"rollout workers running, and do they reload new weights?")
+        return (
+            f"{num_groups} groups, have {len(self.pool)} in {self.layout.experience_dir}; "
+            f"during this wait {dropped} samples dropped as stale (trainer.max_staleness="
+            f"{self.max_staleness}) and {bad} shards quarantined; the workers' backlog "
+            f"(written, not yet retired, per {self.layout.workers_dir}) is {size}. Are "
+            f"rollout workers running, and do they reload new weights?"
+        )
 
 
 def _declared_samples(data: bytes | None, path: str) -> int:
@@ -338,8 +371,9 @@ def _declared_samples(data: bytes | None, path: str) -> int:
         meta = pa.ipc.open_stream(pa.py_buffer(data)).schema.metadata or {}
         return int(meta[b"tandem.num_samples"])
     except (pa.ArrowException, KeyError, ValueError, TypeError, OSError):
-        log.warning("the sample count of %s is unreadable: the backlog the workers see stays "
-                    "higher by its samples", path)
+        log.warning(
+            "the sample count of %s is unreadable: the backlog the workers see stays higher by its samples", path
+        )
         return 0
 
 
@@ -352,13 +386,15 @@ def check_origin(meta: dict, worker: str, seq: int, path: str, run_id: str | Non
     w = meta.get(b"tandem.worker_id")
     q = meta.get(b"tandem.shard_seq")
     if (w is not None and w.decode() != worker) or (q is not None and q.decode() != str(seq)):
-        raise SchemaError(f"foreign shard: written by worker {w and w.decode()} as seq "
-                          f"{q and q.decode()}, found as {worker}/{seq}")
+        raise SchemaError(
+            f"foreign shard: written by worker {w and w.decode()} as seq {q and q.decode()}, found as {worker}/{seq}"
+        )
     if run_id is not None:
         got = meta.get(RUN_ID_KEY)
         if got is None:
-            raise SchemaError(f"no run id: written for another run (or by a tandem without run "
-                              f"ids); this run is {run_id}")
+            raise SchemaError(
+                f"no run id: written for another run (or by a tandem without run ids); this run is {run_id}"
+            )
         if got.decode() != run_id:
             raise SchemaError(f"from another run: run id {got.decode()}, this run is {run_id}")
 
@@ -366,23 +402,27 @@ def check_origin(meta: dict, worker: str, seq: int, path: str, run_id: str | Non
 def check_not_future(table: pa.Table, current_version: int) -> None:
     """No sample may name a weight version the trainer has not published yet."""
     import pyarrow.compute as pc
+
     newest = pc.max(table.column("weight_version")).as_py()
     if newest is not None and newest > current_version:
-        raise SchemaError(f"weight version {newest} is newer than the trainer's newest published "
-                          f"version v{current_version} (experience of another run?)")
+        raise SchemaError(
+            f"weight version {newest} is newer than the trainer's newest published "
+            f"version v{current_version} (experience of another run?)"
+        )
 
 
-def quarantine(fs, layout: RunLayout, worker: str, seq: int, path: str, reason: str,
-               size: int | None = None) -> str:
+def quarantine(fs, layout: RunLayout, worker: str, seq: int, path: str, reason: str, size: int | None = None) -> str:
     """Move a rejected shard to quarantine/<worker>/ beside `<name>.reason.txt`; returns the
     new path. The reason file is written first, so a quarantined shard always has one."""
     dup = 0
     while fs.exists(dest := layout.quarantine_shard(worker, seq, dup)):
         dup += 1
-    text = (f"shard: {path}\nkey: {shard_key(worker, seq)}\n"
-            f"size_bytes: {size if size is not None else 'unknown'}\n"
-            f"rejected_at: {time.strftime('%Y-%m-%dT%H:%M:%SZ', time.gmtime())}\n"
-            f"reason: {reason}\n")
+    text = (
+        f"shard: {path}\nkey: {shard_key(worker, seq)}\n"
+        f"size_bytes: {size if size is not None else 'unknown'}\n"
+        f"rejected_at: {time.strftime('%Y-%m-%dT%H:%M:%SZ', time.gmtime())}\n"
+        f"reason: {reason}\n"
+    )
     atomic_write(fs, layout.quarantine_reason(dest), text.encode())
     fs.makedirs(dest.rsplit("/", 1)[0], exist_ok=True)
     fs.mv(path, dest)

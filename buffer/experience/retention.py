@@ -20,6 +20,7 @@ shard is published), not from what is left on disk.
 Cost: both walk the worker folders that exist now, which retention keeps small; the ledger is
 only looked up (a Ledger answers `in` in O(1)), so the cost does not grow with its length.
 """
+
 from __future__ import annotations
 
 import logging
@@ -53,8 +54,7 @@ def _worker_ids(fs, layout: RunLayout) -> list[str]:
     return out
 
 
-def prune_consumed(root: str, consumed_keys: Ledger | Iterable[str],
-                   mode: str = "delete") -> dict[str, int]:
+def prune_consumed(root: str, consumed_keys: Ledger | Iterable[str], mode: str = "delete") -> dict[str, int]:
     """Delete (mode='delete') or move to `archive/<worker>/` (mode='archive') every published
     shard under `experience/` whose key "<worker>/<seq>" is in `consumed_keys`.
 
@@ -98,8 +98,13 @@ def prune_consumed(root: str, consumed_keys: Ledger | Iterable[str],
             counts["pruned"] += 1
             counts["bytes"] += size or 0
     if counts["pruned"]:
-        log.info("retention (%s): %d consumed shards, %.1f MB; %d shards kept", mode,
-                 counts["pruned"], counts["bytes"] / 1e6, counts["kept"])
+        log.info(
+            "retention (%s): %d consumed shards, %.1f MB; %d shards kept",
+            mode,
+            counts["pruned"],
+            counts["bytes"] / 1e6,
+            counts["kept"],
+        )
     return counts
 
 
@@ -112,7 +117,9 @@ def clean_stale_temps(root: str, older_than_s: float, now: float | None = None) 
     layout = RunLayout(root_path)
     cutoff = (time.time() if now is None else now) - older_than_s
     folders = [layout.worker_shard_dir(w) for w in _worker_ids(fs, layout)] + [
-        layout.workers_dir, layout.experience_dir]  # the last: the gRPC server's spool temporaries
+        layout.workers_dir,
+        layout.experience_dir,
+    ]  # the last: the gRPC server's spool temporaries
     removed = 0
     for folder in folders:
         for name in _names(fs, folder):

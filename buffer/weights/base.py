@@ -6,8 +6,9 @@ pointer, then a LOCAL verified folder whose files an engine loads in place). Med
 (buffer/weights/fs.py: the trainer's publisher and the workers' source, read in place) and the
 network (buffer/weights/net_server.py on the trainer, buffer/weights/net_client.py on a worker:
 chunked, verified, resumable, from peers too). Tensors of a version are read by
-buffer/weights/tensors.py.
+buffer/weights/fs.py's read_tensors, whichever medium brought the files.
 """
+
 from __future__ import annotations
 
 import abc
@@ -29,9 +30,15 @@ class WeightPublisher(abc.ABC):
         """A fresh local staging folder for `version`; fill it, then call `publish`."""
 
     @abc.abstractmethod
-    def publish(self, staged: str, version: int, step: int, keep: int,
-                described: tuple[list[FileEntry], dict[str, TensorEntry]] | None = None,
-                announce: dict | None = None) -> WeightManifest:
+    def publish(
+        self,
+        staged: str,
+        version: int,
+        step: int,
+        keep: int,
+        described: tuple[list[FileEntry], dict[str, TensorEntry]] | None = None,
+        announce: dict | None = None,
+    ) -> WeightManifest:
         """Describe the files in `staged` in a manifest (those not `described` already), make
         the version visible whole, announce it (`announce`: extra fields of LATEST), prune to
         the newest `keep`."""
@@ -86,8 +93,9 @@ class WeightSource(abc.ABC):
             manifest = WeightManifest.from_json(f.read(), where=where)
         return [os.path.join(folder, name) for name in sorted({t.file for t in manifest.tensors.values()})]
 
-    def wait_latest(self, timeout_s: float, should_stop: ShouldStop = lambda: False,
-                    poll_s: float = 0.5, note_every_s: float = 30.0) -> int | None:
+    def wait_latest(
+        self, timeout_s: float, should_stop: ShouldStop = lambda: False, poll_s: float = 0.5, note_every_s: float = 30.0
+    ) -> int | None:
         """The newest published version, waiting up to `timeout_s` for the first; None as soon
         as `should_stop()` says so. A log line when it starts waiting, then every
         `note_every_s`; TimeoutError after `timeout_s`."""
@@ -97,11 +105,11 @@ class WeightSource(abc.ABC):
                 return None
             waited = time.monotonic() - start
             if waited > timeout_s:
-                raise TimeoutError(f"no weight version appeared in {self.where()} within "
-                                   f"{timeout_s:.0f} s: has the trainer started?")
+                raise TimeoutError(
+                    f"no weight version appeared in {self.where()} within {timeout_s:.0f} s: has the trainer started?"
+                )
             if last_note is None or time.monotonic() - last_note >= note_every_s:
-                log.info("waiting for the first weight version in %s (%.0f s of %.0f)",
-                         self.where(), waited, timeout_s)
+                log.info("waiting for the first weight version in %s (%.0f s of %.0f)", self.where(), waited, timeout_s)
                 last_note = time.monotonic()
             time.sleep(poll_s)
         return v

@@ -5,25 +5,32 @@ A version is staged in a hidden temporary folder, fsynced, renamed to `weights/v
 then announced by atomically replacing `weights/LATEST`. A reader that follows LATEST therefore
 never sees a partial version; it still verifies checksums against the manifest before loading.
 Only the newest `keep` versions are kept on disk, plus up to `keep` older ones that wait for
-validation (FsValidation, buffer/control/fs.py). Tensors are read and written by
-buffer/weights/tensors.py, imported where they are (it imports torch; the tools on the run
-folder never need it).
+validation (FsValidation, buffer/control/fs.py). The tensors of a version are written
+(`write_file`, hashing while it writes), described for its manifest (`describe_files`) and read by
+the engines that load a version in place (`read_tensors`) at the end of this module.
 """
+
 from __future__ import annotations
 
+import contextlib
+import functools
+import hashlib
+import json
 import logging
 import os
 import shutil
+import struct
 import time
 from collections.abc import Iterator, Mapping
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from buffer.control.fs import FsStore, FsValidation
 from buffer.layout import TMP_MARK, RunLayout
 from buffer.storage import atomic_write_json, filesystem, fsync_tree, read_json, when_space
 from buffer.weights.base import WeightPublisher, WeightSource
-from protocol.weights import FileEntry, ManifestError, TensorEntry, WeightManifest, verify_files
+from protocol.weights import FileEntry, ManifestError, TensorEntry, WeightManifest, sha256_file, verify_files
 
 if TYPE_CHECKING:
     import torch
@@ -70,7 +77,6 @@ class FsWeightSource(FsStore, WeightSource):
 
     def tensors(self, version: int) -> Iterator[tuple[str, torch.Tensor]]:
         """Verify the version's checksums, then yield its tensors one at a time (bounded memory)."""
-        from buffer.weights.tensors import read_tensors  # torch: where tensors are read
         yield from read_tensors(self.files(version))
 
 
@@ -91,6 +97,105 @@ def hf_folder_problem(folder: str) -> str | None:
     if not os.path.isfile(os.path.join(folder, "config.json")):
         return f"{folder} is not an HF model folder (no config.json)"
     return None
+
+
+# --- tensors of a version (safetensors files). torch and safetensors are imported where tensors
+# are read or written: the tools on the run folder (launch.status, ...) never need them.
+
+
+@functools.cache
+def _safetensors_dtypes() -> dict:
+    import torch
+
+    return {
+        torch.float64: "F64",
+        torch.float32: "F32",
+        torch.float16: "F16",
+        torch.bfloat16: "BF16",
+        torch.int64: "I64",
+        torch.int32: "I32",
+        torch.int16: "I16",
+        torch.int8: "I8",
+        torch.uint8: "U8",
+        torch.bool: "BOOL",
+        torch.float8_e4m3fn: "F8_E4M3",
+        torch.float8_e5m2: "F8_E5M2",
+    }
+
+
+def describe_files(folder: str, names: list[str]) -> tuple[list[FileEntry], dict[str, TensorEntry]]:
+    """Manifest entries (size, sha256, tensor dtypes and shapes) of some files in `folder`;
+    trainer ranks describe the files they wrote in parallel."""
+    from safetensors import safe_open
+
+    files, tensors = [], {}
+    for name in names:
+        path = os.path.join(folder, name)
+        files.append(FileEntry(name, os.path.getsize(path), sha256_file(path)))
+        if name.endswith(".safetensors"):
+            with safe_open(path, framework="pt") as f:
+                for key in f.keys():
+                    sl = f.get_slice(key)
+                    tensors[key] = TensorEntry(name, sl.get_dtype(), list(sl.get_shape()))
+    return files, tensors
+
+
+def write_file(folder: str, name: str, tensors: Mapping[str, torch.Tensor]) -> tuple[FileEntry, dict[str, TensorEntry]]:
+    """Write `tensors` as the safetensors file `folder/name` (fsynced) and return its
+    manifest entries without reading the file back: each tensor's bytes go straight from
+    its memory to the file, and the sha256 of piece k runs in a thread while piece k+1 is
+    written (both release the GIL). What `save_file` + `describe` give, for about the cost
+    of the write alone."""
+    import torch
+
+    dtypes = _safetensors_dtypes()
+    header: dict[str, Any] = {}
+    pieces, offset = [], 0
+    for key, t in sorted(tensors.items()):
+        if t.dtype not in dtypes:
+            raise ValueError(f"{key}: dtype {t.dtype} has no safetensors name")
+        raw = t.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy()
+        header[key] = {"dtype": dtypes[t.dtype], "shape": list(t.shape), "data_offsets": [offset, offset + raw.nbytes]}
+        pieces.append(raw)
+        offset += raw.nbytes
+    header["__metadata__"] = {"format": "pt"}
+    head = json.dumps(header, separators=(",", ":")).encode()
+    head += b" " * (-len(head) % 8)  # the format aligns the data to 8 bytes
+    pieces.insert(0, struct.pack("<Q", len(head)) + head)
+    path = os.path.join(folder, name)
+
+    def write() -> str:
+        sha, hashing = hashlib.sha256(), None
+        try:
+            with ThreadPoolExecutor(1, thread_name_prefix="sha256") as pool:
+                with open(path, "wb") as f:
+                    for piece in pieces:
+                        f.write(piece)
+                        if hashing is not None:
+                            hashing.result()  # in order: the digest is of the file's bytes
+                        hashing = pool.submit(sha.update, piece)
+                    hashing.result()
+                    f.flush()
+                    os.fsync(f.fileno())
+        except BaseException:
+            with contextlib.suppress(OSError):
+                os.remove(path)  # a partial file would hold the space a retry needs
+            raise
+        return sha.hexdigest()
+
+    digest = when_space(write, path)
+    entries = {k: TensorEntry(name, v["dtype"], v["shape"]) for k, v in header.items() if k != "__metadata__"}
+    return FileEntry(name, len(pieces[0]) + offset, digest), entries
+
+
+def read_tensors(paths: list[str]) -> Iterator[tuple[str, torch.Tensor]]:
+    """HF-named tensors of safetensors files, one at a time (memory-mapped, bounded memory)."""
+    from safetensors import safe_open
+
+    for path in paths:
+        with safe_open(path, framework="pt") as f:
+            for key in f.keys():
+                yield key, f.get_tensor(key)
 
 
 class WeightStore(FsWeightSource, WeightPublisher):
@@ -115,33 +220,27 @@ class WeightStore(FsWeightSource, WeightPublisher):
         os.makedirs(tmp)
         return tmp
 
-    @staticmethod
-    def describe(folder: str, names: list[str]) -> tuple[list[FileEntry], dict[str, TensorEntry]]:
-        """buffer.weights.tensors.describe_files: trainer ranks describe the files they wrote."""
-        from buffer.weights.tensors import describe_files  # torch: where tensors are written
-        return describe_files(folder, names)
+    describe = staticmethod(describe_files)
+    write_file = staticmethod(write_file)
 
-    @staticmethod
-    def write_file(folder: str, name: str, tensors: Mapping[str, torch.Tensor]
-                   ) -> tuple[FileEntry, dict[str, TensorEntry]]:
-        """buffer.weights.tensors.write_file: `tensors` as a safetensors file, hashed as written."""
-        from buffer.weights.tensors import write_file  # torch: where tensors are written
-        return write_file(folder, name, tensors)
-
-    def publish(self, staged: str, version: int, step: int, keep: int,
-                described: tuple[list[FileEntry], dict[str, TensorEntry]] | None = None,
-                announce: dict | None = None) -> WeightManifest:
+    def publish(
+        self,
+        staged: str,
+        version: int,
+        step: int,
+        keep: int,
+        described: tuple[list[FileEntry], dict[str, TensorEntry]] | None = None,
+        announce: dict | None = None,
+    ) -> WeightManifest:
         """Write the manifest for the files in `staged` (those not `described` already are
         described here), rename into place, announce (`announce`: extra fields of LATEST, e.g.
         protocol.weights.SYNC_GROUPS), prune."""
         files, tensors = described or ([], {})
         known = {f.name for f in files}
-        more_files, more_tensors = self.describe(
-            staged, [n for n in sorted(os.listdir(staged)) if n not in known])
+        more_files, more_tensors = self.describe(staged, [n for n in sorted(os.listdir(staged)) if n not in known])
         files = sorted([*files, *more_files], key=lambda f: f.name)
         tensors = {**tensors, **more_tensors}
-        manifest = WeightManifest(version=version, step=step, created_at=time.time(),
-                                  files=files, tensors=tensors)
+        manifest = WeightManifest(version=version, step=step, created_at=time.time(), files=files, tensors=tensors)
         when_space(lambda: Path(staged, "manifest.json").write_text(manifest.to_json()), staged)
         fsync_tree(staged)
         final = self.layout.version_dir(version)
@@ -151,14 +250,24 @@ class WeightStore(FsWeightSource, WeightPublisher):
         # Taken before LATEST names the version: no worker can have loaded it earlier (the
         # weight-sync latency in launch.report is never negative on one clock).
         self.announced_at = time.time()
-        when_space(lambda: atomic_write_json(self.fs, self.layout.latest_pointer,
-                                             {**(announce or {}), "version": version, "step": step}),
-                   self.layout.latest_pointer)
+        when_space(
+            lambda: atomic_write_json(
+                self.fs, self.layout.latest_pointer, {**(announce or {}), "version": version, "step": step}
+            ),
+            self.layout.latest_pointer,
+        )
         self.prune(keep)
         return manifest
 
-    def publish_hf_folder(self, folder: str | os.PathLike, version: int, step: int, keep: int, *,
-                          tensors: Mapping[str, torch.Tensor] | None = None) -> WeightManifest:
+    def publish_hf_folder(
+        self,
+        folder: str | os.PathLike,
+        version: int,
+        step: int,
+        keep: int,
+        *,
+        tensors: Mapping[str, torch.Tensor] | None = None,
+    ) -> WeightManifest:
         """Publish an HF model folder (safetensors weights + config/tokenizer files) as `version`.
 
         The trainer publishes from its sharded model (`trainer.publish.publish_version`); this is
@@ -178,8 +287,7 @@ class WeightStore(FsWeightSource, WeightPublisher):
         names = sorted(os.listdir(folder))
         if "config.json" not in names:
             raise ValueError(f"{folder}: not an HF model folder (no config.json)")
-        weights = [n for n in names if n.endswith(".safetensors")
-                   or n == "model.safetensors.index.json"]
+        weights = [n for n in names if n.endswith(".safetensors") or n == "model.safetensors.index.json"]
         if tensors is None and not any(n.endswith(".safetensors") for n in weights):
             raise ValueError(f"{folder}: no *.safetensors weights to publish")
         staged, described = self.stage(version), None
@@ -235,6 +343,10 @@ class WeightStore(FsWeightSource, WeightPublisher):
             if v in held:
                 continue
             if self.fs.exists(self.layout.validation_request(v)):
-                log.warning("pruning weight version %d before its validation: more than "
-                            "keep_versions=%d versions wait for rollout.validate", v, keep)
+                log.warning(
+                    "pruning weight version %d before its validation: more than "
+                    "keep_versions=%d versions wait for rollout.validate",
+                    v,
+                    keep,
+                )
             shutil.rmtree(self.layout.version_dir(v), ignore_errors=True)

@@ -47,7 +47,7 @@ from buffer.channel import RunClient, bind_hosts, open_channel, server_credentia
 from buffer.config import BufferConfig
 from buffer.layout import RunLayout
 from buffer.weights.base import WeightSource
-from buffer.weights.chunks import OPTIONS, REDIRECT, ChunkServicer, Holding
+from buffer.weights.net_server import OPTIONS, REDIRECT, ChunkServicer, Holding
 from protocol import run_service as rs
 from protocol.weights import ManifestError, WeightManifest, sha256_file, verify_files
 from protocol.weights_wire import (CHUNK_LIST_METHOD, CHUNK_METHOD, PEERS_METHOD, SIDECAR_PREFIX,
@@ -87,10 +87,10 @@ class _Partial:
                 os.remove(os.path.join(folder, name))
             self._replace(_CHUNKS_FILE, wire)
         self.fds = []
-        for f in chunks.files:
-            fd = os.open(os.path.join(folder, f.name), os.O_RDWR | os.O_CREAT, 0o644)
-            if os.fstat(fd).st_size != f.bytes:
-                os.ftruncate(fd, f.bytes)
+        for entry in chunks.files:
+            fd = os.open(os.path.join(folder, entry.name), os.O_RDWR | os.O_CREAT, 0o644)
+            if os.fstat(fd).st_size != entry.bytes:
+                os.ftruncate(fd, entry.bytes)
             self.fds.append(fd)
         self.pending: set[int] = set()  # verified, written, not yet fsynced
         self.saved_at = time.monotonic()
@@ -175,7 +175,8 @@ class WeightFetcher:
         self._peer_lists: dict[int, list[PeerInfo]] = {}
         self._channels: dict[str, grpc.Channel] = {}
         self._stop = threading.Event()
-        self.server, self.peer_address = None, ""
+        self.server: grpc.Server | None = None
+        self.peer_address = ""
         if cfg.weights_peer_fanout:
             self._serve()
             self._announcer = threading.Thread(target=self._announce_loop, daemon=True,
@@ -361,7 +362,7 @@ class _Transfer:
         self.trainer_retry_at = 0.0
         self.trainer_backoff = 0.2
         self.trainer_corrupt = 0
-        self.peer_load = collections.Counter()  # peer -> our requests in flight to it
+        self.peer_load: collections.Counter[str] = collections.Counter()  # peer -> our requests in flight to it
 
     def run(self) -> None:
         if self.f.server is not None and self.missing:
@@ -534,7 +535,7 @@ class _Transfer:
         if code == grpc.StatusCode.UNAUTHENTICATED:
             raise PermissionError(f"the trainer at {self.f.address} refused the token "
                                   f"(buffer.grpc_token_file or $TANDEM_GRPC_TOKEN): {_why(e)}")
-        if code == grpc.StatusCode.NOT_FOUND and "not published" in (e.details() or ""):
+        if code == grpc.StatusCode.NOT_FOUND and "not published" in _why(e):
             raise ManifestError(f"weight version {self.version}: {_why(e)}")
         log.warning("a chunk request to the trainer at %s failed (%s); retrying in %.1f s",
                     self.f.address, _why(e), self.trainer_backoff)

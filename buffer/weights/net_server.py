@@ -1,11 +1,17 @@
-"""The trainer's side of weight versions over the network, `WeightService` (on the trainer's
-rank-0 grpc.Server, beside the experience service: same port, token, TLS): for a published
-version folder it serves the chunk list (every file the manifest lists cut into
-`buffer.weights_chunk_kb` pieces, the sha256 of each; computed once per version and cached), the
-chunks (buffer/weights/chunks.py), and a peer registry: which worker holds which chunks of which
-version, heard from within `buffer.weights_peer_ttl_s`. The worker's side is
-buffer/weights/net_client.py.
+"""The servers of weight versions over the network.
+
+`WeightService`, the trainer's (on its rank-0 grpc.Server, beside the experience service: same
+port, token, TLS): for a published version folder it serves the chunk list (every file the
+manifest lists cut into `buffer.weights_chunk_kb` pieces, the sha256 of each; computed once per
+version and cached), the chunks, and a peer registry: which worker holds which chunks of which
+version, heard from within `buffer.weights_peer_ttl_s`.
+
+`ChunkServicer` answers the Chunk method from `Holding`s: all of a published version (the
+trainer), or the chunks verified so far (every worker's peer server, run by its WeightFetcher in
+buffer/weights/net_client.py), with a bounded number of sends at once and an optional cap on the
+upload rate.
 """
+
 from __future__ import annotations
 
 import collections
@@ -19,12 +25,200 @@ from collections.abc import Callable
 
 import grpc
 
+from buffer.channel import MAX_MESSAGE_BYTES, authorized
 from buffer.config import BufferConfig
-from buffer.weights.chunks import ChunkServicer, Holding, check_token, decode_or_abort
 from protocol.weights import ManifestError, WeightManifest
-from protocol.weights_wire import ChunkList, ChunkListRequest, PeerInfo, PeerList, PeerReport, from_bitmap
+from protocol.weights_wire import (
+    SERVICE,
+    ChunkList,
+    ChunkListRequest,
+    ChunkReply,
+    ChunkRequest,
+    PeerInfo,
+    PeerList,
+    PeerReport,
+    WireError,
+    from_bitmap,
+)
 
 log = logging.getLogger(__name__)
+
+# Chunks (<= 4 MiB) fit the experience stream's limit; a chunk list (32 bytes a chunk: 2 MiB
+# for 256 GB in 4 MiB chunks) is the largest message a worker receives.
+# Chunks (<= 4 MiB) fit the experience stream's limit; a chunk list (32 bytes a chunk: 2 MiB
+# for 256 GB in 4 MiB chunks) is the largest message a worker receives.
+OPTIONS = [("grpc.max_receive_message_length", 64 << 20), ("grpc.max_send_message_length", MAX_MESSAGE_BYTES)]
+
+
+_PACE_BYTES = 256 << 10  # the uplink model's packet: concurrent replies interleave at this grain
+
+
+REDIRECT = -1  # a ChunkReply's index: every chunk asked for is with live peers, ask them
+
+
+class _Uplink:
+    """A sender's link of `rate` bytes/s: each reply reserves its packets' slots on one clock,
+    so concurrent replies share the rate (a FIFO of _PACE_BYTES packets); 0: no limit."""
+
+    def __init__(self, rate: float):
+        self.rate = rate
+        self.lock = threading.Lock()
+        self.free_at = 0.0
+
+    def send(self, n: int) -> None:
+        if not self.rate:
+            return
+        for start in range(0, n, _PACE_BYTES):
+            size = min(_PACE_BYTES, n - start)
+            with self.lock:
+                now = time.monotonic()
+                self.free_at = max(now, self.free_at) + size / self.rate
+                until = self.free_at
+            time.sleep(max(0.0, until - time.monotonic()))
+
+
+def check_token(context, expected: bytes) -> None:
+    if not authorized(context, expected):
+        context.abort(grpc.StatusCode.UNAUTHENTICATED, "missing or wrong token")
+
+
+def decode_or_abort(cls, raw: bytes, context):
+    try:
+        return cls.decode(raw)
+    except WireError as e:
+        context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+
+
+class Holding:
+    """The chunks of one version a process holds and serves: all of a published folder (the
+    trainer), or the verified ones of a fetch in progress. `folder` moves once, from
+    `<dest>.partial` to `<dest>`, under `lock`."""
+
+    def __init__(self, chunks: ChunkList, folder: str, have: set[int]):
+        self.chunks, self.folder, self.have = chunks, folder, have
+        self.lock = threading.Lock()
+        self.served: collections.Counter[int] = collections.Counter()  # chunk -> times sent
+        self.recent: dict[str, dict[int, float]] = {}  # peer -> chunk -> when sent to it
+
+    def read(self, index: int) -> bytes:
+        pos, offset, length = self.chunks.locate(index)
+        with self.lock:
+            fd = os.open(os.path.join(self.folder, self.chunks.files[pos].name), os.O_RDONLY)
+        try:
+            return os.pread(fd, length, offset)
+        finally:
+            os.close(fd)
+
+    def pick(self, want: set[int], peer: str, window_s: float, covered: Callable[[], set[int]] = set) -> int | None:
+        """The chunk of `want` this holder has sent least often, preferring those not sent to
+        `peer` within `window_s` (its request for them may still be on the way back). A chunk
+        sent before is only sent again when it is not in `covered()` (held by, or just sent
+        to, a live peer the requester can use); REDIRECT when every one is."""
+        now = time.monotonic()
+        with self.lock:
+            for who, sent in list(self.recent.items()):
+                for k in [k for k, t in sent.items() if now - t > window_s]:
+                    del sent[k]
+                if not sent:
+                    del self.recent[who]
+            sent = self.recent.setdefault(peer, {})
+            options = [i for i in want if i in self.have]
+            if not options:
+                return None
+            if all(self.served[i] for i in options):
+                elsewhere = covered()
+                options = [i for i in options if i not in elsewhere]
+                if not options:
+                    return REDIRECT
+            best = min(options, key=lambda i: (i in sent, self.served[i], random.random()))
+            self.served[best] += 1
+            sent[best] = now
+            return best
+
+
+class ChunkServicer:
+    """The Chunk method, served from `holding(version)`; shared by the trainer and the peers."""
+
+    def __init__(
+        self, holding: Callable[[int], Holding | None], secret: str, cfg: BufferConfig, max_waiting: int, covered=None
+    ):
+        self.holding = holding
+        self.max_waiting, self.waiting = max_waiting, 0
+        self.covered = covered  # (version, requester, its peers to avoid) -> chunks peers cover
+        self.expected = f"Bearer {secret}".encode()
+        self.cfg = cfg
+        self.uplink = _Uplink(cfg.weights_upload_mb_s * 1e6)
+        self.slots = threading.BoundedSemaphore(cfg.weights_send_slots)
+        self.stats: collections.Counter[str] = collections.Counter()
+        self.stats_lock = threading.Lock()  # handlers run concurrently: += alone loses counts
+
+    def count(self, **add: int) -> None:
+        with self.stats_lock:
+            self.stats.update(add)
+
+    def Chunk(self, raw: bytes, context) -> bytes:
+        """A chunk, sent in one of weights_send_slots slots: few chunks at a time, each at a
+        good share of the uplink, so they reach peers early one after another (all at once,
+        every one would arrive late). The chunk is picked when the slot is free."""
+        check_token(context, self.expected)
+        req = decode_or_abort(ChunkRequest, raw, context)
+        if not self._take_slot():
+            self.count(busy=1)
+            context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, "weight send slots busy: retry later")
+        try:
+            return self._send(req, context)
+        finally:
+            self.slots.release()
+
+    def _take_slot(self) -> bool:
+        """A send slot; waits (at most weights_chunk_timeout_s / 2) only while fewer than
+        `max_waiting` handlers wait already: a waiting handler holds one of the server's
+        threads, which on the trainer serve experience pushes too."""
+        if self.slots.acquire(blocking=False):
+            return True
+        with self.stats_lock:
+            if self.waiting >= self.max_waiting:
+                return False
+            self.waiting += 1
+        try:
+            return self.slots.acquire(timeout=self.cfg.weights_chunk_timeout_s / 2)
+        finally:
+            with self.stats_lock:
+                self.waiting -= 1
+
+    def _send(self, req: ChunkRequest, context) -> bytes:
+        held = self.holding(req.version)
+        if held is None:
+            context.abort(grpc.StatusCode.NOT_FOUND, f"weight version {req.version} not held here")
+        if req.index >= 0:
+            index = req.index if req.index in held.have else None
+        else:
+            covered: Callable[[], set[int]] = set
+            if self.covered is not None and req.peers:
+                covered = lambda: self.covered(req.version, req.peer_id, set(req.avoid))  # noqa: E731
+            index = held.pick(
+                from_bitmap(req.want, held.chunks.total), req.peer_id, self.cfg.weights_chunk_timeout_s, covered
+            )
+            if index == REDIRECT:
+                self.count(redirects=1)
+                return ChunkReply(req.version, REDIRECT, b"").encode()
+        if index is None:
+            context.abort(grpc.StatusCode.NOT_FOUND, f"v{req.version}: no chunk asked for is held here")
+        try:
+            data = held.read(index)
+        except OSError as e:  # pruned meanwhile (trainer) or the folder went away (peer)
+            context.abort(grpc.StatusCode.NOT_FOUND, f"v{req.version} chunk {index}: {e}")
+        self.uplink.send(len(data))
+        self.count(chunks=1, bytes=len(data))
+        return ChunkReply(req.version, index, data).encode()
+
+    def handlers(self, **more) -> grpc.GenericRpcHandler:
+        methods = {"Chunk": self.Chunk, **more}
+        return grpc.method_handlers_generic_handler(
+            SERVICE, {name: grpc.unary_unary_rpc_method_handler(fn) for name, fn in methods.items()}
+        )
+
+
 CACHED_VERSIONS = 4  # chunk lists the trainer keeps in memory (the newest versions' are asked)
 
 
@@ -46,8 +240,7 @@ class WeightService:
         self.version_dir, self.cfg = version_dir, cfg
         self.chunk_bytes = cfg.weights_chunk_kb << 10
         # half the experience server's threads at most wait for a send slot
-        self.chunks = ChunkServicer(self._holding, secret, cfg, max(1, cfg.grpc_server_threads // 2),
-                                     self._covered)
+        self.chunks = ChunkServicer(self._holding, secret, cfg, max(1, cfg.grpc_server_threads // 2), self._covered)
         self.stats = self.chunks.stats
         self._held: collections.OrderedDict[int, Holding] = collections.OrderedDict()
         self._lock = threading.Lock()  # guards _held, _making, peers
@@ -55,8 +248,7 @@ class WeightService:
         self.peers: dict[int, dict[str, _Peer]] = {}
 
     def register(self, server: grpc.Server) -> None:
-        server.add_generic_rpc_handlers([self.chunks.handlers(ChunkList=self.ChunkList,
-                                                              Peers=self.Peers)])
+        server.add_generic_rpc_handlers([self.chunks.handlers(ChunkList=self.ChunkList, Peers=self.Peers)])
 
     def _holding(self, version: int) -> Holding | None:
         """The version's chunk list, hashed once (one thread per version; others wait)."""
@@ -79,9 +271,14 @@ class WeightService:
             manifest = WeightManifest.from_json(text, where=path)
             chunks = ChunkList.of_folder(folder, manifest, text, self.chunk_bytes)
             held = Holding(chunks, folder, set(range(chunks.total)))
-            log.info("weight version %d: %d chunks of %d KiB over %d files hashed in %.1f s",
-                     version, chunks.total, self.chunk_bytes >> 10, len(chunks.files),
-                     time.monotonic() - started)
+            log.info(
+                "weight version %d: %d chunks of %d KiB over %d files hashed in %.1f s",
+                version,
+                chunks.total,
+                self.chunk_bytes >> 10,
+                len(chunks.files),
+                time.monotonic() - started,
+            )
             with self._lock:
                 self._held[version] = held
                 while len(self._held) > CACHED_VERSIONS:
@@ -95,8 +292,11 @@ class WeightService:
         now, ttl = time.monotonic(), self.cfg.weights_peer_ttl_s
         held = self._held.get(version)
         with self._lock:
-            live = [(p, e.have) for p, e in self.peers.get(version, {}).items()
-                    if now - e.seen <= ttl and p != requester and p not in avoid]
+            live = [
+                (p, e.have)
+                for p, e in self.peers.get(version, {}).items()
+                if now - e.seen <= ttl and p != requester and p not in avoid
+            ]
         bits = 0
         for _, have in live:
             bits |= int.from_bytes(have, "little")
@@ -114,9 +314,10 @@ class WeightService:
         except (OSError, ManifestError, ValueError) as e:  # pruned while hashing, or damaged
             context.abort(grpc.StatusCode.NOT_FOUND, f"weight version {req.version}: {e}")
         if held is None:
-            context.abort(grpc.StatusCode.NOT_FOUND,
-                          f"weight version {req.version} is not published on the trainer "
-                          "(pruned, or not yet)")
+            context.abort(
+                grpc.StatusCode.NOT_FOUND,
+                f"weight version {req.version} is not published on the trainer (pruned, or not yet)",
+            )
         return held.chunks.encode()
 
     def Peers(self, raw: bytes, context) -> bytes:
@@ -135,19 +336,24 @@ class WeightService:
                 del table[gone]
             for version in [v for v, t in self.peers.items() if not t]:
                 del self.peers[version]
-            useful = [PeerInfo(p, e.address, e.have) for p, e in table.items()
-                      if p != rep.peer_id and int.from_bytes(e.have, "little") & lacks]
+            useful = [
+                PeerInfo(p, e.address, e.have)
+                for p, e in table.items()
+                if p != rep.peer_id and int.from_bytes(e.have, "little") & lacks
+            ]
         random.shuffle(useful)
-        first, rest = [], []
+        first: list[PeerInfo] = []
+        rest: list[PeerInfo] = []
         for peer in useful:
             adds = int.from_bytes(peer.have, "little") & lacks
             (first if adds else rest).append(peer)
             lacks &= ~adds
-        return PeerList(rep.version, (first + rest)[:self.cfg.weights_max_peers]).encode()
+        return PeerList(rep.version, (first + rest)[: self.cfg.weights_max_peers]).encode()
 
 
-def add_weight_service(server: grpc.Server, version_dir: Callable[[int], str | None], secret: str,
-                       cfg: BufferConfig) -> WeightService:
+def add_weight_service(
+    server: grpc.Server, version_dir: Callable[[int], str | None], secret: str, cfg: BufferConfig
+) -> WeightService:
     """Serve the published versions `version_dir` finds on `server`; returns the service."""
     service = WeightService(version_dir, secret, cfg)
     service.register(server)
