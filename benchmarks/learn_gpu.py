@@ -19,7 +19,8 @@ RES/sft/         trainer.sft's output: weights/v<step>/ every --save-every steps
                  accuracy.json (greedy held-out accuracy of each saved step)
 RES/start        link to the saved SFT step whose accuracy is nearest --target: the RL start
                  (partial accuracy, so RL has room to improve it and groups have reward variance)
-RES/rl-MODE/     a launch.local run: 1 trainer rank on GPU 0, one vLLM worker on GPU 1, the
+RES/rl-MODE/     a launch.local run: 1 trainer rank on GPU 0, one vLLM worker on GPU 1 (on GPU 0
+                 at --worker-memory of it when one GPU is visible, --placement), the
                  validator (transformers engine, greedy, held-out split) on GPU 0, every
                  --test-freq steps
 RES/plots/       benchmarks/plot_learning.py over every RES/rl-*
@@ -232,6 +233,22 @@ def mode_settings(mode: str, samples_per_batch: int) -> tuple[list[str], list[st
     return [f"trainer.max_staleness={s}"], [f"buffer.max_backlog_samples={(s + 1) * samples_per_batch}"]
 
 
+def gpu_placement(placement: str, worker_memory: float) -> tuple[list[str], float | None]:
+    """(launch.local's GPU flags, the vLLM worker's gpu_memory_utilization or None for its
+    default). 'two': the worker alone on GPU 1, trainer and validator on GPU 0. 'one': all three
+    on GPU 0, the worker's engine taking `worker_memory` of it (vLLM reserves that fraction for
+    weights, activations and KV cache up front; the trainer and validator of the 27M model need
+    a few GiB). 'auto': 'one' when a single GPU is visible."""
+    if placement == "auto":
+        import torch
+        placement = "one" if torch.cuda.device_count() == 1 else "two"
+    print(f"learn_gpu rl: placement {placement}" +
+          (f" (vLLM worker at gpu_memory_utilization={worker_memory})" if placement == "one" else ""))
+    if placement == "one":
+        return ["--trainer-gpus", "0", "--worker-gpus", "0", "--validator-gpu", "0"], worker_memory
+    return ["--trainer-gpus", "0", "--worker-gpus", "1", "--validator-gpu", "0"], None
+
+
 def rl(res: Path, prof: dict, args) -> None:
     if not (res / "start").exists() and args.import_dir:
         import_files(args.import_dir, "start", res)
@@ -252,7 +269,8 @@ def rl(res: Path, prof: dict, args) -> None:
     placement = []
     if not args.cpu:
         worker += ["actor_rollout_ref.rollout.name=vllm", "actor_rollout_ref.rollout.dtype=bfloat16"]
-        placement = ["--trainer-gpus", "0", "--worker-gpus", "1", "--validator-gpu", "0"]
+        placement, memory = gpu_placement(args.placement, args.worker_memory)
+        worker += [f"actor_rollout_ref.rollout.gpu_memory_utilization={memory}"] if memory else []
     cmd = [sys.executable, "-m", "launch.local", "--root", str(root), "--task", "arith",
            "--model", str((res / "start").resolve()), "--data", _paths(res)["rl", "train"],
            "--val-data", _paths(res)["rl", "val"], "--steps", str(args.steps or prof["rl_steps"]),
@@ -297,6 +315,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--batch", type=int, help="rl: prompts per step and per rollout batch")
     p.add_argument("--n", type=int, help="rl: responses per prompt (group size)")
     p.add_argument("--lr", type=float, help="rl: actor learning rate")
+    p.add_argument("--placement", choices=("auto", "one", "two"), default="auto",
+                   help="rl on GPU: 'two' puts the vLLM worker on GPU 1, 'one' shares GPU 0 with "
+                        "the trainer and validator; 'auto' (default): 'one' when one GPU is visible")
+    p.add_argument("--worker-memory", type=float, default=0.25, metavar="FRACTION",
+                   help="rl, placement 'one': the vLLM worker's gpu_memory_utilization (default 0.25)")
     p.add_argument("--export", type=Path, metavar="DIR",
                    help="sft: write the RL start (bf16) and SFT measurements; rl: the run's "
                         "metrics, heartbeats and logs; as tar parts of at most 15 MiB in DIR (e.g. "
@@ -308,6 +331,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--trainer", action="append", default=[], metavar="KEY=VALUE", help="rl: extra trainer setting")
     p.add_argument("--worker", action="append", default=[], metavar="KEY=VALUE", help="rl: extra worker setting")
     args = p.parse_args(argv)
+    if not 0 < args.worker_memory < 1:
+        p.error(f"--worker-memory {args.worker_memory}: a fraction of the GPU in (0, 1)")
     if args.step == "rl" and args.mode is None:
         p.error(f"rl needs a MODE: one of {', '.join(MODES)}")
     res = Path(args.res).absolute()

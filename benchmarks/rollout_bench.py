@@ -30,15 +30,18 @@ sys.path.insert(0, REPO)
 QWEN25_05B = dict(hidden_size=896, intermediate_size=4864, num_hidden_layers=24,
                   num_attention_heads=14, num_key_value_heads=2, vocab_size=151936,
                   max_position_embeddings=4096, tie_word_embeddings=True, rope_theta=1e6)
+# Qwen2.5-1.5B's published config.json (hidden, layers, heads; vocabulary and tied embeddings as 0.5B)
+QWEN25_15B = dict(QWEN25_05B, hidden_size=1536, intermediate_size=8960, num_hidden_layers=28,
+                  num_attention_heads=12, num_key_value_heads=2)
 FILE_BYTES = 256 << 20  # the trainer publishes 256 MiB files (trainer/publish.py)
 
 
-def build_model(path: str) -> None:
+def build_model(path: str, shape: dict = QWEN25_05B) -> None:
     import torch
     from transformers import Qwen2Config, Qwen2ForCausalLM
     from rollout import builtin_task
     torch.manual_seed(0)
-    model = Qwen2ForCausalLM(Qwen2Config(**QWEN25_05B, eos_token_id=1, pad_token_id=0,
+    model = Qwen2ForCausalLM(Qwen2Config(**shape, eos_token_id=1, pad_token_id=0,
                                          bos_token_id=None)).to(torch.bfloat16)
     model.save_pretrained(path)
     builtin_task.build_tokenizer().save_pretrained(path)

@@ -11,7 +11,8 @@ length mix, the same on every rank and run (seeded): prompt ~ lognormal(median 2
 response ~ lognormal(median 400, sigma 0.9), clipped to data.max_length 4096 — mean ~800 tokens,
 a long tail of chain-of-thought answers as in MetaMathQA / OpenHermes-style SFT sets.
 
-FLOP convention (trainer_bench.py's, minus its pi_old forward): per token 6·N (forward +
+FLOP conventions: `mfu_6n` counts 6·N per token alone (the usual one). `mfu` (trainer_bench.py's, minus
+its pi_old forward): per token 6·N (forward +
 backward; N = all parameters, tied embeddings counted once) plus causal attention 6·L·H·s for a
 token of a sequence of length s (2·L·H·s per forward, x3 for forward + backward). Only real tokens
 count; MFU is against the dense bf16 peak of the GPU. With sdpa, a packed micro-batch's attention
@@ -65,6 +66,8 @@ def main() -> int:
     ap.add_argument("--steps", type=int, default=10, help="steps; the first 2 are warm-up")
     ap.add_argument("--attn", default="auto", help="model.attn_implementation (auto: "
                     "flash_attention_2 if installed, else sdpa)")
+    ap.add_argument("--shape", default="0.5b", choices=("0.5b", "1.5b"),
+                    help="Qwen2.5 shape of the random-init model (default 0.5b)")
     ap.add_argument("--grad-ckpt", action="store_true", help="gradient checkpointing on")
     ap.add_argument("--tiny", action="store_true", help="the built-in tiny model and short "
                     "sequences: smoke-tests this script on CPU")
@@ -75,7 +78,7 @@ def main() -> int:
 
     import torch
     import torch.distributed as dist
-    from benchmarks.rollout_bench import build_model
+    from benchmarks.rollout_bench import QWEN25_05B, QWEN25_15B, build_model
     from benchmarks.trainer_bench import PEAK_BF16
     from protocol.config import build
     from rollout import builtin_task
@@ -88,9 +91,11 @@ def main() -> int:
         args.budget = min(args.budget, 256)
         args.batch = min(args.batch, 16)
     rank = int(os.environ.get("RANK", "0"))
-    model_dir = f"{args.work}/model-{'tiny' if args.tiny else 'qwen25-05b'}"
+    shape_name = "tiny" if args.tiny else f"qwen25-{args.shape.replace('.', '')}"
+    model_dir = f"{args.work}/model-{shape_name}"
     if rank == 0 and not os.path.exists(model_dir):
-        builtin_task.write_model(model_dir) if args.tiny else build_model(model_dir)
+        dims = {"0.5b": QWEN25_05B, "1.5b": QWEN25_15B}[args.shape]
+        builtin_task.write_model(model_dir) if args.tiny else build_model(model_dir, dims)
     device = init_distributed(args.device, 1800)
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     out_dir = [f"{args.work}/run-{time.time_ns()}"]
@@ -113,7 +118,7 @@ def main() -> int:
     n_params = sum(p.numel() for p in trainer.model.parameters())
     layers, hidden = shape.num_hidden_layers, shape.hidden_size
 
-    times, flops, tokens, loss_tokens, fills, mbs = [], [], [], [], [], []
+    times, flops, flops_6n, tokens, loss_tokens, fills, mbs = [], [], [], [], [], [], []
     for step in range(1, args.steps + 1):
         indices = trainer.batch(step)
         plan = [mb for mb in trainer.plan(indices, "train") if mb]  # this rank's micro-batches
@@ -128,6 +133,7 @@ def main() -> int:
         tokens.append(m["tokens/step"])
         loss_tokens.append(m["tokens/loss"])
         flops.append(step_flops([lengths[i] for i in indices], n_params, layers, hidden))
+        flops_6n.append(6.0 * n_params * sum(lengths[i] for i in indices))
     world = dist.get_world_size()
     gpu = torch.cuda.get_device_name(0) if device.type == "cuda" else "cpu"
     peak = next((v for k, v in PEAK_BF16.items() if k in gpu), 989e12)
@@ -137,7 +143,7 @@ def main() -> int:
         lengths = sorted(lengths)
         result = {
             "date": time.strftime("%Y-%m-%d"), "gpu": gpu, "gpus": world,
-            "model": ("tiny built-in Qwen2" if args.tiny else "Qwen2.5-0.5B shape") +
+            "model": ("tiny built-in Qwen2" if args.tiny else f"Qwen2.5-{args.shape.upper()} shape") +
                      (", bf16 compute, fp32 master/reduce" if device.type == "cuda" else ", fp32"),
             "params": n_params, "attn_implementation": trainer.model.config._attn_implementation,
             "gradient_checkpointing": args.grad_ckpt, "batch_seqs": args.batch,
@@ -153,8 +159,10 @@ def main() -> int:
             "tokens_per_s": sum(tokens[measured]) / sum(times[measured]),
             "tokens_per_s_per_gpu": sum(tokens[measured]) / sum(times[measured]) / world,
             "mfu": sum(flops[measured]) / sum(times[measured]) / (peak * world),
-            "flop_convention": "6N per token + causal attention 6*L*H*s per token of a length-s "
-                               f"sequence, real tokens only; peak {peak:.3g} FLOP/s per device",
+            "mfu_6n": sum(flops_6n[measured]) / sum(times[measured]) / (peak * world),
+            "flop_convention": "mfu: 6N per token + causal attention 6*L*H*s per token of a length-s "
+                               "sequence; mfu_6n: 6N per token alone (the usual convention); real "
+                               f"tokens only; peak {peak:.3g} FLOP/s per device",
         }
         print(json.dumps(result, indent=1))
         with open(args.out, "w") as f:

@@ -13,6 +13,15 @@ so host memory stays bounded) and hands HF-named full tensors to the model's own
 which shards them for tensor parallelism and copies them into the existing parameters, so CUDA
 graphs stay valid. Checksums are verified once, by the caller, before the call.
 
+Engine processes are *spawned*, never forked (`VLLM_WORKER_MULTIPROC_METHOD=spawn` unless the
+environment sets it): vLLM forks by default and switches to spawn only when torch says CUDA is
+initialised in this process, but a worker imports reward code that touches the CUDA driver
+without initialising torch's CUDA state: `import verl` (for its reward functions) calls
+`torch.cuda.is_available()`, which poisons fork, so a forked engine process died at start with
+"Cannot re-initialize CUDA in forked subprocess". A user's `custom_reward_function` may do the
+same in ways no check here can see. Spawn costs a few seconds once per engine start and works
+whatever was imported before.
+
 Debugging: `VLLM_ENABLE_V1_MULTIPROCESSING=0` in the environment (with `enforce_eager=true`)
 runs the model in this process, where its errors surface directly; never needed in production.
 """
@@ -51,6 +60,8 @@ class VLLMEngine:
         from transformers import AutoTokenizer
         from vllm import LLM
         os.environ.setdefault("HF_HUB_OFFLINE", "1")
+        # Read by vLLM when it starts its processes, i.e. inside LLM(...) below (module doc).
+        os.environ.setdefault("VLLM_WORKER_MULTIPROC_METHOD", "spawn")
         self.tokenizer = AutoTokenizer.from_pretrained(model_dir)
         self.llm = LLM(model=model_dir, tokenizer=model_dir, dtype=cfg.dtype,
                        gpu_memory_utilization=cfg.gpu_memory_utilization,

@@ -188,3 +188,18 @@ def test_experiment_script_runs_every_step_on_cpu(tmp_path):
     table = json.loads((tmp_path / "cmp" / "summary.json").read_text())
     assert [r["run"] for r in table] == ["sync", "s1"]
     assert all(r["speedup_vs_sync"] == 1.0 and r["sync_final"] == row["final"] for r in table)
+
+
+def test_experiment_places_the_vllm_worker_beside_the_trainer_on_one_gpu():
+    """learn_gpu's GPU placement: one GPU shares GPU 0 at the stated vLLM memory fraction (vLLM
+    takes that share up front, so the trainer and validator need the rest); two keep the worker
+    alone on GPU 1 at vLLM's own default."""
+    from benchmarks.learn_gpu import gpu_placement
+    flags, memory = gpu_placement("one", 0.25)
+    assert flags == ["--trainer-gpus", "0", "--worker-gpus", "0", "--validator-gpu", "0"]
+    assert memory == 0.25
+    flags, memory = gpu_placement("two", 0.25)
+    assert flags == ["--trainer-gpus", "0", "--worker-gpus", "1", "--validator-gpu", "0"]
+    assert memory is None
+    # this machine has no GPU: 'auto' is never 'one' here (0 visible), so the two-GPU flags
+    assert gpu_placement("auto", 0.3)[1] is None
