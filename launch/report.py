@@ -23,6 +23,7 @@ import json
 import os
 import sys
 import time
+from typing import Any
 
 from buffer.run import setup_trainer_run
 from launch import status
@@ -49,7 +50,7 @@ def collect(root: str) -> dict:
     timed = [r for r in rows if "time/unix" in r]
     published = {r["weights/published"]: r["weights/published_at"] for r in rows
                  if r.get("weights/published_at") is not None}
-    data = {
+    data: dict[str, Any] = {
         "root": run.files.root,
         "steps": [r["step"] for r in rows],
         "time": [r.get("time/unix") for r in rows],
@@ -194,7 +195,7 @@ def draw(data: dict, out: str) -> dict[str, bytes | None]:
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    pngs = {}
+    pngs: dict[str, bytes | None] = {}
     for name, title, _ in PLOTS:
         pngs[name] = None
         fig = plt.figure(figsize=(10, 3.4), dpi=90, layout="constrained")
