@@ -40,8 +40,16 @@ class Proc:
     argv: list[str]
     gpu: int | None = None  # rollout: this worker's GPU, an index into the node's visible ones
 
+    def env(self, visible: str) -> dict[str, str]:
+        """Its environment's changes, given the CUDA_VISIBLE_DEVICES Ray set for this process."""
+        if self.gpu is None:
+            return {}
+        gpus = [g for g in visible.split(",") if g]
+        return {"CUDA_VISIBLE_DEVICES": gpus[self.gpu] if self.gpu < len(gpus) else str(self.gpu)}
+
 
 def parse_args(argv):
+    """The plan (this module's options), and the role's key=value arguments after `--`."""
     p = argparse.ArgumentParser(prog="python -m launch.ray_driver", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("role", choices=sorted(MODULES))
@@ -57,8 +65,10 @@ def parse_args(argv):
     p.add_argument("--placement-timeout", type=float, default=600.0,
                    help="seconds to wait for the cluster to have every node's bundle free")
     p.add_argument("--stop-timeout", type=float, default=120.0)
-    p.add_argument("args", nargs="*", help="the role's key=value arguments (after --)")
-    return p.parse_args(argv)
+    cut = argv.index("--") if "--" in argv else len(argv)
+    plan = p.parse_args(argv[:cut])
+    plan.args = argv[cut + 1:]  # the role's own key=value arguments, after --
+    return plan
 
 
 def node_procs(plan, node_rank: int, rendezvous: str | None) -> list[Proc]:
@@ -93,12 +103,10 @@ class Group:
     """The role's processes on this node: started together, signalled together, waited for."""
 
     def __init__(self, procs: list[Proc]):
-        visible = [g for g in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if g]
+        visible = os.environ.get("CUDA_VISIBLE_DEVICES", "")
         self.procs = []
         for p in procs:
-            env = dict(os.environ)
-            if p.gpu is not None:  # one GPU each, out of those Ray gave this process
-                env["CUDA_VISIBLE_DEVICES"] = visible[p.gpu] if p.gpu < len(visible) else str(p.gpu)
+            env = {**os.environ, **p.env(visible)}
             self.procs.append(subprocess.Popen(p.argv, env=env, preexec_fn=_die_with_parent))
             log.info("started pid %d: %s", self.procs[-1].pid, " ".join(p.argv))
 

@@ -1,0 +1,345 @@
+"""The roles as Ray jobs on a real single-node Ray head (`ray start --head`, CPU resources only),
+started by a session fixture and stopped afterwards; the rendered submissions of a 4-node trainer
+and an 8-GPU rollout role as docs/ray.md describes them."""
+from __future__ import annotations
+
+import json
+import os
+import shlex
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from buffer.layout import RunLayout
+from launch import ray_driver, ray_jobs
+from launch.local import BUILTIN_TRAINER, BUILTIN_WORKER
+from launch.status import split_metrics
+from rollout import builtin_task
+
+REPO = Path(__file__).resolve().parents[1]
+STEPS = 30
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _env() -> dict:
+    env = dict(os.environ, PYTHONUNBUFFERED="1", RAY_USAGE_STATS_ENABLED="0")
+    env["PYTHONPATH"] = os.pathsep.join([str(REPO), *filter(None, [env.get("PYTHONPATH")])])
+    return env
+
+
+def _processes_with(text: str) -> list[str]:
+    """Live processes whose command line holds `text` (ours: the run folder is unique)."""
+    found = []
+    for d in Path("/proc").iterdir():
+        if not d.name.isdigit():
+            continue
+        try:
+            cmd = (d / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+            state = (d / "stat").read_text().rsplit(")", 1)[1].split()[0]
+        except OSError:
+            continue
+        if text in cmd and state != "Z":
+            found.append(f"{d.name}: {cmd[:300]}")
+    return found
+
+
+def _wait(cond, timeout: float, what: str, interval: float = 0.5, dump=None):
+    deadline = time.monotonic() + timeout
+    while True:
+        value = cond()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what}" +
+                                 (f"\n{dump()}" if dump else ""))
+        time.sleep(interval)
+
+
+@pytest.fixture(scope="session")
+def ray_head(tmp_path_factory):
+    """A one-node Ray cluster with 8 logical CPUs (several small jobs share the 2 real cores) and
+    no GPUs; its dashboard (the Jobs API) on a free port. Yields the dashboard's address."""
+    pytest.importorskip("ray", reason="ray is not installed: pip install -e '.[ray]'")
+    ray_bin = Path(sys.executable).with_name("ray")
+    temp = tmp_path_factory.mktemp("ray")  # Ray's session folder: sockets, logs
+    dashboard = _free_port()
+    ports = {"--port": _free_port(), "--dashboard-port": dashboard,
+             "--dashboard-agent-listen-port": _free_port(), "--ray-client-server-port": _free_port(),
+             "--node-manager-port": _free_port(), "--object-manager-port": _free_port(),
+             "--metrics-export-port": _free_port(), "--dashboard-agent-grpc-port": _free_port(),
+             "--runtime-env-agent-port": _free_port()}
+    env = _env()
+    env.pop("PYTHONPATH")  # the jobs get the code from their working_dir, as on a cluster
+    log = open(temp / "ray-start.log", "wb")
+    # --block: this process owns the head's processes and stops all of them on SIGTERM; `ray
+    # stop` would stop every Ray on this machine, not only this one
+    head = subprocess.Popen(
+        [str(ray_bin), "start", "--head", "--block", "--node-ip-address=127.0.0.1",
+         "--num-cpus=8", "--num-gpus=0", "--object-store-memory=100000000",
+         "--include-dashboard=true", "--dashboard-host=127.0.0.1", f"--temp-dir={temp}",
+         "--disable-usage-stats", *(f"{k}={v}" for k, v in ports.items())],
+        env=env, stdout=log, stderr=subprocess.STDOUT)
+    address = f"http://127.0.0.1:{dashboard}"
+
+    def up():
+        assert head.poll() is None, (temp / "ray-start.log").read_text()[-3000:]
+        try:
+            return ray_jobs.client(address).list_jobs() is not None
+        except ray_jobs.RayJobError:
+            return False
+    try:
+        _wait(up, 180, f"the Ray head's Jobs API at {address}", interval=1.0,
+              dump=lambda: (temp / "ray-start.log").read_text()[-3000:])
+        yield address
+    finally:
+        head.terminate()
+        try:
+            head.wait(timeout=120)
+        except subprocess.TimeoutExpired:
+            head.kill()
+            head.wait(timeout=30)
+        log.close()
+        # every process of this head names its session folder; none may outlive the fixture
+        _wait(lambda: not _processes_with(str(temp)), 60, "the Ray head's processes to exit",
+              dump=lambda: "\n".join(_processes_with(str(temp))))
+
+
+def _submit(address: str, role: str, *args: str) -> str:
+    out = subprocess.run([sys.executable, "-m", "launch.submit", role, "--backend", "ray",
+                          "--address", address, "--working-dir", str(REPO), *args],
+                         env=_env(), capture_output=True, text=True, timeout=180)
+    assert out.returncode == 0, f"launch.submit {role} failed: {out.stderr}"
+    return out.stdout.strip()
+
+
+def _status(address: str, job_id: str) -> str:
+    return ray_jobs.info(address, job_id)["status"]
+
+
+def _job_logs(address: str, job_ids) -> str:
+    c = ray_jobs.client(address)
+    return "\n".join(f"== ray job {j}\n" + "\n".join(c.get_job_logs(j).splitlines()[-25:]) for j in job_ids)
+
+
+def _metrics(layout: RunLayout) -> list[dict]:
+    try:
+        with open(layout.metrics) as f:
+            return [json.loads(line) for line in f if line.endswith("\n")]
+    except FileNotFoundError:
+        return []
+
+
+def _pool_jobs(path: Path) -> list[dict]:
+    try:
+        return json.loads(path.read_text()).get("jobs") or []
+    except (OSError, ValueError):
+        return []
+
+
+@pytest.mark.slow
+def test_roles_as_ray_jobs_elastic_pool_stop_and_resume(ray_head, tmp_path):
+    """The trainer (two torchrun agents, one per placement-group bundle, rendezvous on bundle
+    0's node) and two one-worker rollout jobs train the built-in task; a Ray-backed pool grows by
+    one worker job and shrinks again; `ray job stop` on the trainer leaves none of its processes,
+    and the trainer resubmitted resumes: every step once, every sample trained once."""
+    address = ray_head
+    layout = RunLayout(str(tmp_path / "run"))
+    builtin_task.write_model(layout.init_model)
+    builtin_task.write_parquet(layout.train_parquet, builtin_task.make_rows(2000, 3))
+    worker_keys = [f"data.train_files=[{layout.train_parquet}]", "data.max_response_length=3",
+                   *BUILTIN_WORKER]
+    trainer_args = ["--nodes", "2", "--nproc-per-node", "1", "--placement-strategy", "PACK",
+                    f"actor_rollout_ref.model.path={layout.init_model}",
+                    f"trainer.total_training_steps={STEPS}", *BUILTIN_TRAINER,
+                    "trainer.save_freq=5", "trainer.log_sample_ids=true",
+                    f"trainer.keep_versions={STEPS + 1}"]  # a late worker may load any version
+    jobs, pool = [], None
+    dump = lambda: _job_logs(address, jobs) + "\n== pool.log\n" + (  # noqa: E731
+        (tmp_path / "pool.log").read_text()[-3000:] if (tmp_path / "pool.log").exists() else "")
+    try:
+        trainer = _submit(address, "trainer", "--root", layout.root, *trainer_args)
+        jobs.append(trainer)
+        rollouts = [_submit(address, "rollout", "--root", layout.root, "--worker-prefix", f"r{i}",
+                            *worker_keys) for i in range(2)]
+        jobs += rollouts
+        with open(tmp_path / "pool.log", "wb") as pool_log:
+            pool = subprocess.Popen(
+                [sys.executable, "-m", "launch.pool", f"root={layout.root}", "pool.id=el",
+                 "pool.backend=ray", f"pool.ray.address={address}", f"pool.ray.working_dir={REPO}",
+                 "pool.initial_workers=0", "pool.poll_interval=0.5", "pool.drain_timeout_s=120",
+                 *worker_keys], env=_env(), stdout=pool_log, stderr=subprocess.STDOUT)
+        def started():
+            assert "FAILED" not in [_status(address, j) for j in jobs], dump()
+            return len(_metrics(layout)) >= 3
+        _wait(started, 300, "the first trainer steps", dump=dump)
+
+        # ray job stop on the trainer after its first checkpoint: none of its processes is left
+        _wait(lambda: Path(layout.root, "checkpoints").exists() and any(
+            Path(layout.root, "checkpoints").iterdir()), 300, "a checkpoint", dump=dump)
+        assert ray_jobs.stop(address, trainer)
+        _wait(lambda: _status(address, trainer) == "STOPPED", 120, "the trainer job to stop", dump=dump)
+        left = lambda: [p for p in _processes_with(f"root={layout.root}") if "trainer.main" in p]  # noqa: E731
+        _wait(lambda: not left(), 60, "the trainer's processes to exit", dump=lambda: "\n".join(left()))
+        assert len(split_metrics(_metrics(layout))[0]) < STEPS
+
+        # while the rollout jobs go on: add 1 -> one more Ray job, its worker up; remove 1 -> it
+        # drains (flushes, exits) and the job ends STOPPED
+        state_path = Path(layout.pool_state("el"))
+        subprocess.run([sys.executable, "-m", "launch.control", "--root", layout.root, "add", "1"],
+                       env=_env(), check=True, timeout=60)
+        new = _wait(lambda: (_pool_jobs(state_path) or [None])[0], 60, "the pool to submit a job", dump=dump)
+        jobs.append(new["job_id"])
+        beat = Path(layout.heartbeat(new["worker_id"]))
+        _wait(beat.exists, 180, f"worker {new['worker_id']} to start", dump=dump)
+        assert _status(address, new["job_id"]) == "RUNNING"
+        subprocess.run([sys.executable, "-m", "launch.control", "--root", layout.root, "remove", "1"],
+                       env=_env(), check=True, timeout=60)
+        _wait(lambda: _status(address, new["job_id"]) == "STOPPED", 150,
+              f"job {new['job_id']} to drain and stop", dump=dump)
+        assert json.loads(beat.read_text())["state"] == "stopped"  # flushed, exited by itself
+        assert "SIGTERM received" in ray_jobs.client(address).get_job_logs(new["job_id"])
+        finished = _wait(lambda: json.loads(state_path.read_text()).get("finished"), 30, "the pool's record")
+        assert [(f["job_id"], f["state"], f["drained"]) for f in finished] == [(new["job_id"], "STOPPED", True)]
+        assert not _processes_with(f"worker.id={new['worker_id']}")
+
+        # resubmitted, it resumes from its checkpoint and finishes; the rollout jobs end on DONE
+        trainer2 = _submit(address, "trainer", "--root", layout.root, *trainer_args)
+        jobs.append(trainer2)
+        _wait(lambda: all(_status(address, j) not in ("PENDING", "RUNNING") for j in [trainer2, *rollouts]),
+              420, "the trainer and the rollout jobs to finish", interval=1.0, dump=dump)
+        for j in [trainer2, *rollouts]:
+            assert _status(address, j) == "SUCCEEDED", dump()
+        assert "resumed from" in ray_jobs.client(address).get_job_logs(trainer2)
+        assert pool.wait(timeout=120) == 0
+    finally:
+        if pool is not None and pool.poll() is None:
+            pool.terminate()
+            pool.wait(timeout=150)
+        for j in jobs:
+            if _status(address, j) in ("PENDING", "RUNNING"):
+                ray_jobs.stop(address, j)
+    assert not _processes_with(layout.root)
+
+    rows, _ = split_metrics(_metrics(layout))
+    final = {r["step"]: r for r in rows}  # a step redone after the stop: its later line wins
+    assert sorted(final) == list(range(1, STEPS + 1))
+    trained = [i for r in final.values() for i in r["samples/ids"]]
+    assert len(trained) == len(set(trained))  # nothing trained twice across the stop
+    ordered = [final[s] for s in range(1, STEPS + 1)]
+    first = sum(r["reward/mean"] for r in ordered[:10]) / 10
+    last = sum(r["reward/mean"] for r in ordered[-10:]) / 10
+    assert last > first, f"reward did not rise: first 10 steps {first:.3f}, last 10 {last:.3f}"
+
+
+def _dry_run(*args: str) -> tuple[dict, str]:
+    """launch.submit --backend ray --dry-run: the submit_job arguments (JSON) and the CLI line."""
+    out = subprocess.run([sys.executable, "-m", "launch.submit", *args, "--backend", "ray",
+                          "--address", "http://head:8265", "--dry-run"],
+                         env=_env(), capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    text, cli = out.stdout.rsplit("\n}\n", 1)
+    return json.loads(text + "\n}"), cli.strip()
+
+
+def _plan(job: dict):
+    """The entrypoint's plan, as launch.ray_driver reads it in the job."""
+    words = shlex.split(job["entrypoint"])
+    assert words[:3] == [sys.executable, "-m", "launch.ray_driver"], words
+    return ray_driver.parse_args(words[3:])
+
+
+def test_rendered_four_node_trainer(tmp_path):
+    """What docs/ray.md says a 4-node x 8-GPU trainer is: one Ray job whose driver asks for 4
+    bundles of 8 GPUs on distinct nodes, and on each node one torchrun of 8 ranks meeting at node
+    0's address; the run folder and the keys passed through; Ray's stop timeout in its env."""
+    root = str(tmp_path / "r")
+    job, cli = _dry_run("trainer", "--root", root, "--nodes", "4", "--gpus-per-node", "8",
+                        "--cpus-per-task", "64", "--port", "29555", "--env", "NCCL_SOCKET_IFNAME=ib0",
+                        "actor_rollout_ref.model.path=/m", "trainer.total_training_steps=7")
+    assert "entrypoint_num_gpus" not in job and "entrypoint_num_cpus" not in job  # bundles hold them
+    env = job["runtime_env"]["env_vars"]
+    assert env["NCCL_SOCKET_IFNAME"] == "ib0" and env["RAY_JOB_STOP_WAIT_TIME_S"] == "60"
+    assert env["OMP_NUM_THREADS"] == "8"  # 64 CPUs per node / 8 ranks
+    assert "working_dir" not in job["runtime_env"]  # tandem installed on the nodes
+    assert job["metadata"] == {"tandem_role": "trainer", "tandem_root": root}
+    plan = _plan(job)
+    assert (plan.role, plan.nodes, plan.gpus_per_node, plan.cpus_per_node, plan.nproc_per_node,
+            plan.port, plan.placement_strategy) == ("trainer", 4, 8, 64, 8, "29555", "STRICT_SPREAD")
+    assert plan.rdzv_id == job["submission_id"]
+    for rank in range(4):
+        [proc] = ray_driver.node_procs(plan, rank, "10.0.0.1:29555")
+        assert proc.gpu is None  # torchrun's ranks use all 8 GPUs of the bundle
+        assert proc.argv == [sys.executable, "-m", "torch.distributed.run", "--nnodes=4",
+                             "--nproc_per_node=8", "--rdzv_backend=c10d", "--rdzv_endpoint=10.0.0.1:29555",
+                             f"--rdzv_id={job['submission_id']}", f"--rdzv_conf=is_host={int(rank == 0)}",
+                             "-m", "trainer.main", f"root={root}", "actor_rollout_ref.model.path=/m",
+                             "trainer.total_training_steps=7"]
+    assert cli.startswith("ray job submit --address http://head:8265 --submission-id ") and \
+        cli.endswith(" --no-wait -- " + job["entrypoint"]) and "--entrypoint-num-gpus" not in cli
+
+
+def test_rendered_eight_gpu_rollout(tmp_path):
+    """An 8-GPU rollout role: one Ray job holding 8 GPUs and 8 CPUs as entrypoint resources,
+    eight workers each bound to one of the GPUs Ray gave it, with distinct worker ids."""
+    root = str(tmp_path / "r")
+    job, cli = _dry_run("rollout", "--root", root, "--gpus-per-node", "8", "--flush-interval", "30",
+                        "--working-dir", str(REPO), "--submission-id", "roll-1",
+                        "data.train_files=[/d/t.parquet]", "actor_rollout_ref.rollout.name=vllm")
+    assert (job["submission_id"], job["entrypoint_num_gpus"], job["entrypoint_num_cpus"]) == ("roll-1", 8, 8)
+    assert job["runtime_env"]["working_dir"] == str(REPO)
+    assert job["runtime_env"]["env_vars"]["RAY_JOB_STOP_WAIT_TIME_S"] == "120"
+    assert "--entrypoint-num-cpus 8 --entrypoint-num-gpus 8" in cli and "--working-dir" not in cli
+    procs = ray_driver.node_procs(_plan(job), 0, None)
+    visible = "2,3,4,5,6,7,8,9"  # what Ray sets for the entrypoint's 8 GPUs
+    assert [p.env(visible) for p in procs] == [{"CUDA_VISIBLE_DEVICES": str(g)} for g in range(2, 10)]
+    for k, p in enumerate(procs):
+        assert p.argv == [sys.executable, "-m", "rollout.worker", f"root={root}",
+                          "data.train_files=[/d/t.parquet]", "actor_rollout_ref.rollout.name=vllm",
+                          "buffer.flush_interval=30", f"worker.id=w-roll-1-t{k}"]
+
+
+def test_ray_submission_errors_are_clear(tmp_path):
+    base = [sys.executable, "-m", "launch.submit", "--root", str(tmp_path / "r"), "--backend", "ray"]
+
+    def refused(*args) -> str:
+        out = subprocess.run([*base[:3], *args[:1], *base[3:], *args[1:]], env=_env(),
+                             capture_output=True, text=True, timeout=120)
+        assert out.returncode in (1, 2), out
+        return out.stderr
+    assert "--address: give the Ray dashboard" in refused("trainer", "--dry-run", "actor_rollout_ref.model.path=m")
+    assert "--partition, --time: SLURM options" in refused(
+        "rollout", "--address", "http://h:8265", "--partition", "p", "--time", "1:00", "data.train_files=[t]")
+    assert "trainer.no_such_key" in refused("trainer", "--address", "http://h:8265",
+                                            "actor_rollout_ref.model.path=m", "trainer.no_such_key=1")
+    assert "one validator per run" in refused("validate", "--address", "http://h:8265", "--nodes", "2",
+                                              "data.val_files=[v]")
+    port = _free_port()  # nothing listens there: Ray's own error, and what to check
+    err = refused("rollout", "--address", f"http://127.0.0.1:{port}", "data.train_files=[t]")
+    assert f"cannot reach the Ray Jobs API at http://127.0.0.1:{port}" in err, err
+
+
+def test_export_hands_a_megatron_checkpoint_to_verl_or_names_what_to_install(tmp_path):
+    """verl's Megatron layout goes to verl's own merger; without megatron-core it is refused,
+    naming the package, and no folder appears."""
+    import importlib.util
+    if importlib.util.find_spec("megatron") is not None:
+        pytest.skip("megatron-core is installed here: the merger would run, not be refused")
+    ckpt = tmp_path / "global_step_5" / "actor"
+    (ckpt / "model" / "dist_ckpt").mkdir(parents=True)
+    builtin_task.write_model(ckpt / "model" / "huggingface")
+    out = subprocess.run([sys.executable, "-m", "launch.export", "--checkpoint", str(ckpt),
+                          "--out", str(tmp_path / "hf")], env=_env(), capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode == 1, out
+    assert "a verl Megatron checkpoint" in out.stderr and "verl.model_merger merge --backend megatron" \
+        in out.stderr and "pip install megatron-core" in out.stderr, out.stderr
+    assert not (tmp_path / "hf").exists()
