@@ -430,7 +430,7 @@ class RayPool(JobPool):
             root=self.run_root, address=rc.address, gpus_per_node=rc.gpus_per_job,
             cpus_per_task=rc.cpus_per_job, worker_prefix=worker_id,
             stop_timeout_s=int(self.cfg.drain_timeout_s), job_name=f"tandem-{self.cfg.id}",
-            submission_id=f"tandem-{self.cfg.id}-{worker_id}-{os.urandom(2).hex()}",
+            submission_id=f"tandem-{worker_id}-{os.urandom(2).hex()}",
             working_dir=rc.working_dir or None, env=dict(rc.env), python=rc.python or sys.executable)
 
     def submit_worker(self, worker_id: str) -> str:

@@ -238,6 +238,7 @@ def test_roles_as_ray_jobs_elastic_pool_stop_and_resume(ray_head, tmp_path):
     first = sum(r["reward/mean"] for r in ordered[:10]) / 10
     last = sum(r["reward/mean"] for r in ordered[-10:]) / 10
     assert last > first, f"reward did not rise: first 10 steps {first:.3f}, last 10 {last:.3f}"
+    print(f"Ray run: {STEPS} steps, {len(rows) - STEPS} redone after the stop; reward {first:.3f} -> {last:.3f}")
 
 
 def _dry_run(*args: str) -> tuple[dict, str]:
@@ -343,3 +344,21 @@ def test_export_hands_a_megatron_checkpoint_to_verl_or_names_what_to_install(tmp
     assert "a verl Megatron checkpoint" in out.stderr and "verl.model_merger merge --backend megatron" \
         in out.stderr and "pip install megatron-core" in out.stderr, out.stderr
     assert not (tmp_path / "hf").exists()
+
+
+def test_check_env_checks_the_ray_cluster(ray_head, tmp_path):
+    """launch.check_env --ray-address: the Jobs API reached, the same ray version, the head's
+    resources (8 CPUs, no GPU); an address where nothing listens FAILs, saying what to check."""
+    tmp_path.joinpath("run").mkdir()
+    base = [sys.executable, "-m", "launch.check_env", "--root", str(tmp_path / "run")]
+    out = subprocess.run([*base, "--ray-address", ray_head], env=_env(), capture_output=True,
+                         text=True, timeout=120)
+    import ray
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert f"PASS ray cluster {ray_head}: Jobs API reachable" in out.stdout
+    assert f"PASS ray version: cluster {ray.__version__}, here {ray.__version__}" in out.stdout
+    assert "PASS ray resources: 1 node(s) alive, 8 CPUs, 0 GPUs" in out.stdout, out.stdout
+    dead = f"http://127.0.0.1:{_free_port()}"
+    out = subprocess.run([*base, "--ray-address", dead], env=_env(), capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode == 1 and f"FAIL ray cluster {dead}: unreachable" in out.stdout, out.stdout
