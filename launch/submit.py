@@ -132,8 +132,16 @@ SLURM_ONLY = {"partition": None, "time": "1-00:00:00", "signal_before": None, "a
               "output": None, "sbatch": []}
 
 
+RAY_ONLY = {"working_dir": None, "env": [], "runtime_env": None, "python": sys.executable,
+            "submission_id": "", "placement_strategy": "STRICT_SPREAD", "stop_timeout": None}
+
+
+def _given(args, defaults: dict) -> list[str]:
+    return [f"--{k.replace('_', '-')}" for k, v in defaults.items() if getattr(args, k) != v]
+
+
 def ray_spec_from(args) -> ray_jobs.RaySpec:
-    given = [f"--{k.replace('_', '-')}" for k, v in SLURM_ONLY.items() if getattr(args, k) != v]
+    given = _given(args, SLURM_ONLY)
     if given:
         raise ValueError(f"{', '.join(given)}: SLURM options; a Ray job takes --nodes, --gpus-per-node, "
                          "--cpus-per-task and the Ray options (docs/ray.md)")
@@ -190,6 +198,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.backend == "ray":
         return main_ray(args, rest)
     try:
+        if _given(args, RAY_ONLY):
+            raise ValueError(f"{', '.join(_given(args, RAY_ONLY))}: Ray options; add --backend ray")
         spec = spec_from(args)
         extra = role_args(args.role, spec.root, rest)
         if args.role == "rollout":
