@@ -71,7 +71,8 @@ def parse_args(argv):
     ray = p.add_argument_group("Ray (--backend ray; docs/ray.md)")
     ray.add_argument("--backend", choices=["slurm", "ray"], default="slurm",
                      help="slurm (default): an sbatch job; ray: a Ray job (Jobs API)")
-    ray.add_argument("--address", default=os.environ.get("RAY_API_SERVER_ADDRESS") or os.environ.get("RAY_ADDRESS"),
+    ray.add_argument("--address",
+                     default=os.environ.get("RAY_API_SERVER_ADDRESS") or os.environ.get("RAY_ADDRESS"),
                      help="the Ray dashboard, e.g. http://HEAD:8265 (default: $RAY_API_SERVER_ADDRESS, "
                           "then $RAY_ADDRESS)")
     ray.add_argument("--working-dir", help="runtime_env working_dir: a folder Ray uploads and runs the "

@@ -9,7 +9,6 @@ import shlex
 import socket
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -19,6 +18,7 @@ from launch import ray_driver, ray_jobs
 from launch.local import BUILTIN_TRAINER, BUILTIN_WORKER
 from launch.status import split_metrics
 from rollout import builtin_task
+from test_slurm import _metrics, _wait  # the same waits and metrics reads as the SLURM tests
 
 REPO = Path(__file__).resolve().parents[1]
 STEPS = 30
@@ -50,18 +50,6 @@ def _processes_with(text: str) -> list[str]:
         if text in cmd and state != "Z":
             found.append(f"{d.name}: {cmd[:300]}")
     return found
-
-
-def _wait(cond, timeout: float, what: str, interval: float = 0.5, dump=None):
-    deadline = time.monotonic() + timeout
-    while True:
-        value = cond()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what}" +
-                                 (f"\n{dump()}" if dump else ""))
-        time.sleep(interval)
 
 
 @pytest.fixture(scope="session")
@@ -128,14 +116,6 @@ def _status(address: str, job_id: str) -> str:
 def _job_logs(address: str, job_ids) -> str:
     c = ray_jobs.client(address)
     return "\n".join(f"== ray job {j}\n" + "\n".join(c.get_job_logs(j).splitlines()[-25:]) for j in job_ids)
-
-
-def _metrics(layout: RunLayout) -> list[dict]:
-    try:
-        with open(layout.metrics) as f:
-            return [json.loads(line) for line in f if line.endswith("\n")]
-    except FileNotFoundError:
-        return []
 
 
 def _pool_jobs(path: Path) -> list[dict]:
@@ -238,7 +218,8 @@ def test_roles_as_ray_jobs_elastic_pool_stop_and_resume(ray_head, tmp_path):
     first = sum(r["reward/mean"] for r in ordered[:10]) / 10
     last = sum(r["reward/mean"] for r in ordered[-10:]) / 10
     assert last > first, f"reward did not rise: first 10 steps {first:.3f}, last 10 {last:.3f}"
-    print(f"Ray run: {STEPS} steps, {len(rows) - STEPS} redone after the stop; reward {first:.3f} -> {last:.3f}")
+    print(f"Ray run: {STEPS} steps, {len(rows) - STEPS} redone after the stop; "
+          f"reward {first:.3f} -> {last:.3f}")
 
 
 def _dry_run(*args: str) -> tuple[dict, str]:
@@ -316,7 +297,8 @@ def test_ray_submission_errors_are_clear(tmp_path):
                              capture_output=True, text=True, timeout=120)
         assert out.returncode in (1, 2), out
         return out.stderr
-    assert "--address: give the Ray dashboard" in refused("trainer", "--dry-run", "actor_rollout_ref.model.path=m")
+    assert "--address: give the Ray dashboard" in refused("trainer", "--dry-run",
+                                                          "actor_rollout_ref.model.path=m")
     assert "--partition, --time: SLURM options" in refused(
         "rollout", "--address", "http://h:8265", "--partition", "p", "--time", "1:00", "data.train_files=[t]")
     assert "trainer.no_such_key" in refused("trainer", "--address", "http://h:8265",
