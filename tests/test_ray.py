@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from buffer.layout import RunLayout
-from launch import ray_driver, ray_jobs
+from launch import ray_driver, ray_jobs, submit
 from launch.local import BUILTIN_TRAINER, BUILTIN_WORKER
 from launch.status import split_metrics
 from rollout import builtin_task
@@ -128,17 +128,18 @@ def _pool_jobs(path: Path) -> list[dict]:
 @pytest.mark.slow
 def test_roles_as_ray_jobs_elastic_pool_stop_and_resume(ray_head, tmp_path):
     """The trainer (two torchrun agents, one per placement-group bundle, rendezvous on bundle
-    0's node) and two one-worker rollout jobs train the built-in task; a Ray-backed pool grows by
-    one worker job and shrinks again; `ray job stop` on the trainer leaves none of its processes,
-    and the trainer resubmitted resumes: every step once, every sample trained once."""
+    0's node) and two one-worker rollout jobs train the built-in task; `ray job stop` on the
+    trainer leaves none of its processes; a Ray-backed pool grows by one worker job and shrinks
+    again; the trainer resubmitted on one node resumes: every step once, every sample trained
+    once, the reward rising."""
     address = ray_head
     layout = RunLayout(str(tmp_path / "run"))
     builtin_task.write_model(layout.init_model)
     builtin_task.write_parquet(layout.train_parquet, builtin_task.make_rows(2000, 3))
     worker_keys = [f"data.train_files=[{layout.train_parquet}]", "data.max_response_length=3",
                    *BUILTIN_WORKER]
-    trainer_args = ["--nodes", "2", "--nproc-per-node", "1", "--placement-strategy", "PACK",
-                    f"actor_rollout_ref.model.path={layout.init_model}",
+    two_nodes = ["--nodes", "2", "--nproc-per-node", "1", "--placement-strategy", "PACK"]
+    trainer_args = [f"actor_rollout_ref.model.path={layout.init_model}",
                     f"trainer.total_training_steps={STEPS}", *BUILTIN_TRAINER,
                     "trainer.save_freq=5", "trainer.log_sample_ids=true",
                     f"trainer.keep_versions={STEPS + 1}"]  # a late worker may load any version
@@ -146,7 +147,7 @@ def test_roles_as_ray_jobs_elastic_pool_stop_and_resume(ray_head, tmp_path):
     dump = lambda: _job_logs(address, jobs) + "\n== pool.log\n" + (  # noqa: E731
         (tmp_path / "pool.log").read_text()[-3000:] if (tmp_path / "pool.log").exists() else "")
     try:
-        trainer = _submit(address, "trainer", "--root", layout.root, *trainer_args)
+        trainer = _submit(address, "trainer", "--root", layout.root, *two_nodes, *trainer_args)
         jobs.append(trainer)
         rollouts = [_submit(address, "rollout", "--root", layout.root, "--worker-prefix", f"r{i}",
                             *worker_keys) for i in range(2)]
@@ -191,8 +192,10 @@ def test_roles_as_ray_jobs_elastic_pool_stop_and_resume(ray_head, tmp_path):
         assert [(f["job_id"], f["state"], f["drained"]) for f in finished] == [(new["job_id"], "STOPPED", True)]
         assert not _processes_with(f"worker.id={new['worker_id']}")
 
-        # resubmitted, it resumes from its checkpoint and finishes; the rollout jobs end on DONE
-        trainer2 = _submit(address, "trainer", "--root", layout.root, *trainer_args)
+        # resubmitted as one node of 2 ranks (entrypoint resources, torchrun --standalone), it
+        # resumes from its checkpoint and finishes; the rollout jobs end on DONE
+        trainer2 = _submit(address, "trainer", "--root", layout.root, "--nproc-per-node", "2",
+                           *trainer_args)
         jobs.append(trainer2)
         _wait(lambda: all(_status(address, j) not in ("PENDING", "RUNNING") for j in [trainer2, *rollouts]),
               420, "the trainer and the rollout jobs to finish", interval=1.0, dump=dump)
@@ -222,13 +225,51 @@ def test_roles_as_ray_jobs_elastic_pool_stop_and_resume(ray_head, tmp_path):
           f"reward {first:.3f} -> {last:.3f}")
 
 
-def _dry_run(*args: str) -> tuple[dict, str]:
+def test_ray_pool_adopts_its_job_after_a_restart(ray_head, tmp_path):
+    """Submission ids live in the pool state file: a supervisor killed with SIGKILL and started
+    again takes over its job (which outlived it); `remove 1` then stops that job, once."""
+    root = str(tmp_path / "run")
+    state_path = Path(RunLayout(root).pool_state("p"))
+    cmd = [sys.executable, "-m", "launch.pool", f"root={root}", "pool.id=p", "pool.backend=ray",
+           f"pool.ray.address={ray_head}", f"pool.ray.working_dir={REPO}", "pool.initial_workers=1",
+           "pool.poll_interval=0.3", "data.train_files=[unused.parquet]"]  # no trainer: it waits
+    procs, job_id = [], None
+    try:
+        with open(tmp_path / "pool1.log", "wb") as log1:
+            procs.append(subprocess.Popen(cmd, env=_env(), stdout=log1, stderr=subprocess.STDOUT))
+        job_id = _wait(lambda: (_pool_jobs(state_path) or [{}])[0].get("job_id"), 60, "a submitted job")
+        procs[0].kill()  # no chance to clean up
+        procs[0].wait(timeout=30)
+        assert _status(ray_head, job_id) in ("PENDING", "RUNNING")  # the job outlives its supervisor
+        with open(tmp_path / "pool2.log", "wb") as log2:
+            procs.append(subprocess.Popen(cmd, env=_env(), stdout=log2, stderr=subprocess.STDOUT))
+        _wait(lambda: f"adopting jobs ['{job_id}']" in (tmp_path / "pool2.log").read_text(), 60,
+              "the restarted pool to adopt the job")
+        subprocess.run([sys.executable, "-m", "launch.control", "--root", root, "remove", "1"],
+                       env=_env(), check=True, timeout=60)
+        _wait(lambda: _status(ray_head, job_id) == "STOPPED", 120, f"job {job_id} to stop",
+              dump=lambda: _job_logs(ray_head, [job_id]))
+        finished = _wait(lambda: json.loads(state_path.read_text()).get("finished"), 30, "the record")
+        assert [(f["job_id"], f["state"], f["drained"]) for f in finished] == [(job_id, "STOPPED", True)]
+        state = json.loads(state_path.read_text())
+        assert state["jobs"] == [] and state["next_index"] == 1, state  # nothing resubmitted
+        procs[1].terminate()
+        assert procs[1].wait(timeout=60) == 0
+        assert "restart 1 of" not in (tmp_path / "pool2.log").read_text()
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait(timeout=30)
+        if job_id and _status(ray_head, job_id) in ("PENDING", "RUNNING"):
+            ray_jobs.stop(ray_head, job_id)
+    _wait(lambda: not _processes_with(root), 60, "the worker's processes to exit")
+
+
+def _dry_run(capsys, *args: str) -> tuple[dict, str]:
     """launch.submit --backend ray --dry-run: the submit_job arguments (JSON) and the CLI line."""
-    out = subprocess.run([sys.executable, "-m", "launch.submit", *args, "--backend", "ray",
-                          "--address", "http://head:8265", "--dry-run"],
-                         env=_env(), capture_output=True, text=True, timeout=120)
-    assert out.returncode == 0, out.stderr
-    text, cli = out.stdout.rsplit("\n}\n", 1)
+    assert submit.main([*args, "--backend", "ray", "--address", "http://head:8265", "--dry-run"]) == 0
+    text, cli = capsys.readouterr().out.rsplit("\n}\n", 1)
     return json.loads(text + "\n}"), cli.strip()
 
 
@@ -239,12 +280,12 @@ def _plan(job: dict):
     return ray_driver.parse_args(words[3:])
 
 
-def test_rendered_four_node_trainer(tmp_path):
+def test_rendered_four_node_trainer(tmp_path, capsys):
     """What docs/ray.md says a 4-node x 8-GPU trainer is: one Ray job whose driver asks for 4
     bundles of 8 GPUs on distinct nodes, and on each node one torchrun of 8 ranks meeting at node
     0's address; the run folder and the keys passed through; Ray's stop timeout in its env."""
     root = str(tmp_path / "r")
-    job, cli = _dry_run("trainer", "--root", root, "--nodes", "4", "--gpus-per-node", "8",
+    job, cli = _dry_run(capsys, "trainer", "--root", root, "--nodes", "4", "--gpus-per-node", "8",
                         "--cpus-per-task", "64", "--port", "29555", "--env", "NCCL_SOCKET_IFNAME=ib0",
                         "actor_rollout_ref.model.path=/m", "trainer.total_training_steps=7")
     assert "entrypoint_num_gpus" not in job and "entrypoint_num_cpus" not in job  # bundles hold them
@@ -269,11 +310,11 @@ def test_rendered_four_node_trainer(tmp_path):
         cli.endswith(" --no-wait -- " + job["entrypoint"]) and "--entrypoint-num-gpus" not in cli
 
 
-def test_rendered_eight_gpu_rollout(tmp_path):
+def test_rendered_eight_gpu_rollout(tmp_path, capsys):
     """An 8-GPU rollout role: one Ray job holding 8 GPUs and 8 CPUs as entrypoint resources,
     eight workers each bound to one of the GPUs Ray gave it, with distinct worker ids."""
     root = str(tmp_path / "r")
-    job, cli = _dry_run("rollout", "--root", root, "--gpus-per-node", "8", "--flush-interval", "30",
+    job, cli = _dry_run(capsys, "rollout", "--root", root, "--gpus-per-node", "8", "--flush-interval", "30",
                         "--working-dir", str(REPO), "--submission-id", "roll-1",
                         "data.train_files=[/d/t.parquet]", "actor_rollout_ref.rollout.name=vllm")
     assert (job["submission_id"], job["entrypoint_num_gpus"], job["entrypoint_num_cpus"]) == ("roll-1", 8, 8)
@@ -289,14 +330,32 @@ def test_rendered_eight_gpu_rollout(tmp_path):
                           "buffer.flush_interval=30", f"worker.id=w-roll-1-t{k}"]
 
 
-def test_ray_submission_errors_are_clear(tmp_path):
-    base = [sys.executable, "-m", "launch.submit", "--root", str(tmp_path / "r"), "--backend", "ray"]
+def test_rendered_validate_and_sft(tmp_path, capsys):
+    """The validator: one process on one GPU; SFT on one node: torchrun --standalone with its
+    output folder as trainer.default_local_dir."""
+    root = str(tmp_path / "r")
+    job, _ = _dry_run(capsys, "validate", "--root", root, "--gpus-per-node", "1",
+                      "data.val_files=[/d/v.parquet]")
+    assert (job["entrypoint_num_gpus"], job["entrypoint_num_cpus"]) == (1, 1)
+    assert [p.argv for p in ray_driver.node_procs(_plan(job), 0, None)] == [
+        [sys.executable, "-m", "rollout.validate", f"root={root}", "data.val_files=[/d/v.parquet]"]]
+    config = tmp_path / "sft.yaml"
+    config.write_text("data:\n  train_files: [t.parquet]\nmodel:\n  partial_pretrain: m\n")
+    job, _ = _dry_run(capsys, "sft", "--root", root, "--gpus-per-node", "4", "--config", str(config),
+                      "optim.lr=2e-5")
+    assert (job["entrypoint_num_gpus"], job["entrypoint_num_cpus"]) == (4, 4)
+    assert [p.argv for p in ray_driver.node_procs(_plan(job), 0, None)] == [
+        [sys.executable, "-m", "torch.distributed.run", "--nnodes=1", "--nproc_per_node=4", "--standalone",
+         "-m", "trainer.sft", f"trainer.default_local_dir={root}", "--config", str(config), "optim.lr=2e-5"]]
 
-    def refused(*args) -> str:
-        out = subprocess.run([*base[:3], *args[:1], *base[3:], *args[1:]], env=_env(),
-                             capture_output=True, text=True, timeout=120)
-        assert out.returncode in (1, 2), out
-        return out.stderr
+
+def test_ray_submission_errors_are_clear(tmp_path, capsys, monkeypatch):
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)  # --address's defaults
+    monkeypatch.delenv("RAY_API_SERVER_ADDRESS", raising=False)
+
+    def refused(role, *args) -> str:
+        assert submit.main([role, "--root", str(tmp_path / "r"), "--backend", "ray", *args]) in (1, 2)
+        return capsys.readouterr().err
     assert "--address: give the Ray dashboard" in refused("trainer", "--dry-run",
                                                           "actor_rollout_ref.model.path=m")
     assert "--partition, --time: SLURM options" in refused(
