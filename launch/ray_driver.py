@@ -187,7 +187,11 @@ def run_nodes(plan, stopping) -> int:
     agents = [agent.options(num_cpus=plan.cpus_per_node, num_gpus=plan.gpus_per_node, max_concurrency=2,
                             scheduling_strategy=PlacementGroupSchedulingStrategy(pg, i)).remote()
               for i in range(plan.nodes)]
-    host, port = ray.get(agents[0].endpoint.remote(plan.port), timeout=300)
+    try:
+        host, port = ray.get(agents[0].endpoint.remote(plan.port), timeout=300)
+    except ray.exceptions.RayError as e:  # GetTimeoutError too
+        log.error("node 0's agent gave no rendezvous address in 300 s: %s", str(e).splitlines()[0])
+        return 1
     log.info("%d nodes x %d ranks, rendezvous %s:%d", plan.nodes, plan.nproc_per_node, host, port)
     refs = [a.run.remote(me.node_procs(plan, i, f"{host}:{port}")) for i, a in enumerate(agents)]
     codes: dict[int, list[int]] = {}

@@ -19,8 +19,8 @@ import shlex
 import sys
 import time
 
-ROLES = ("rollout", "trainer", "sft", "validate")
-TORCHRUN_ROLES = ("trainer", "sft")
+from launch.slurm import TORCHRUN_ROLES  # {role: (module, the key that takes --root)}
+
 STRATEGIES = ("STRICT_SPREAD", "SPREAD", "PACK", "STRICT_PACK")
 _NAME = re.compile(r"^[A-Za-z0-9_.-]+$")
 _ENV_KEY = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
@@ -98,7 +98,7 @@ def new_submission_id(role: str, spec: RaySpec) -> str:
 
 def driver_argv(role: str, spec: RaySpec, role_args: list[str], submission_id: str) -> list[str]:
     """The entrypoint's words: launch.ray_driver, its plan, then the role's own key=value args."""
-    root_key = "trainer.default_local_dir" if role == "sft" else "root"
+    root_key = TORCHRUN_ROLES[role][1] if role in TORCHRUN_ROLES else "root"
     args = [f"{root_key}={spec.root}", *role_args]
     if role == "rollout" and spec.flush_interval is not None:
         args.append(f"buffer.flush_interval={spec.flush_interval:g}")

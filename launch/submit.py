@@ -128,11 +128,11 @@ def spec_from(args) -> slurm.JobSpec:
         output=args.output, sbatch_args=args.sbatch)
 
 
-# launch.submit's SLURM-only options, with their defaults: refused with --backend ray
+# launch.submit's SLURM-only options, with their defaults: refused with --backend ray;
 SLURM_ONLY = {"partition": None, "time": "1-00:00:00", "signal_before": None, "array": None,
               "output": None, "sbatch": []}
 
-
+# and the Ray-only ones, refused without it
 RAY_ONLY = {"working_dir": None, "env": [], "runtime_env": None, "python": sys.executable,
             "submission_id": "", "placement_strategy": "STRICT_SPREAD", "stop_timeout": None}
 
@@ -171,7 +171,8 @@ def ray_spec_from(args) -> ray_jobs.RaySpec:
         flush_interval=args.flush_interval,
         stop_timeout_s=args.stop_timeout or (60 if args.role == "trainer" else 120),
         submission_id=args.submission_id, job_name=args.job_name,
-        working_dir=os.path.abspath(args.working_dir) if args.working_dir else None,
+        working_dir=args.working_dir if not args.working_dir or "://" in args.working_dir
+        else os.path.abspath(args.working_dir),  # a local folder, or a URI Ray fetches (s3://...)
         env=env, runtime_env=runtime_env, python=args.python)
 
 
