@@ -3,7 +3,7 @@ the node or nodes Ray gives the job, and takes every one of them down with the j
 
     python -m launch.ray_driver trainer --nodes 4 --gpus-per-node 8 --cpus-per-node 32 \\
         --nproc-per-node 8 --rdzv-id ID --port auto --placement-strategy STRICT_SPREAD \\
-        --stop-timeout 60 -- root=/shared/run actor_rollout_ref.model.path=/shared/models/base
+        -- root=/shared/run actor_rollout_ref.model.path=/shared/models/base
 
 One node: the role's processes are this entrypoint's children, on the node and with the GPUs Ray
 reserved for the entrypoint (entrypoint resources; Ray sets CUDA_VISIBLE_DEVICES). Several nodes
@@ -12,8 +12,8 @@ its own node) and one NodeAgent actor per bundle, each running torchrun for its 
 agent gives its IP and a free port, the c10d rendezvous of all of them.
 
 Stopping (`ray job stop`): Ray sends SIGTERM to this process (and to its children); it is
-forwarded to every process of the role on every node, and this process waits for them, up to
---stop-timeout (Ray's SIGKILL comes then: RAY_JOB_STOP_WAIT_TIME_S, set by launch.ray_jobs).
+forwarded to every process of the role on every node, and this process waits for them; Ray's
+SIGKILL comes RAY_JOB_STOP_WAIT_TIME_S later (launch.submit's --stop-timeout).
 Every child also gets SIGTERM if its parent dies first (prctl PR_SET_PDEATHSIG), so none is left
 running when this process or an agent is killed.
 """
@@ -64,7 +64,6 @@ def parse_args(argv):
     p.add_argument("--placement-strategy", default="STRICT_SPREAD")
     p.add_argument("--placement-timeout", type=float, default=600.0,
                    help="seconds to wait for the cluster to have every node's bundle free")
-    p.add_argument("--stop-timeout", type=float, default=120.0)
     cut = argv.index("--") if "--" in argv else len(argv)
     plan = p.parse_args(argv[:cut])
     plan.args = argv[cut + 1:]  # the role's own key=value arguments, after --

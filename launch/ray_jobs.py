@@ -103,7 +103,7 @@ def driver_argv(role: str, spec: RaySpec, role_args: list[str], submission_id: s
     if role == "rollout" and spec.flush_interval is not None:
         args.append(f"buffer.flush_interval={spec.flush_interval:g}")
     plan = ["--nodes", spec.nodes, "--gpus-per-node", spec.gpus_per_node,
-            "--cpus-per-node", _node_cpus(role, spec), "--stop-timeout", spec.stop_timeout_s]
+            "--cpus-per-node", _node_cpus(role, spec)]
     if role in TORCHRUN_ROLES:
         plan += ["--nproc-per-node", spec.nproc_per_node, "--rdzv-id", submission_id]
         if spec.nodes > 1:

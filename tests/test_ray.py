@@ -118,6 +118,16 @@ def _job_logs(address: str, job_ids) -> str:
     return "\n".join(f"== ray job {j}\n" + "\n".join(c.get_job_logs(j).splitlines()[-25:]) for j in job_ids)
 
 
+def _alive_actors(address: str, class_name: str) -> list:
+    from ray.util.state import list_actors
+    return list_actors(address=address, filters=[("class_name", "=", class_name), ("state", "=", "ALIVE")])
+
+
+def _running_rollout_jobs(address: str) -> int:
+    return sum(j.status == "RUNNING" and (j.metadata or {}).get("tandem_role") == "rollout"
+               for j in ray_jobs.client(address).list_jobs())
+
+
 def _pool_jobs(path: Path) -> list[dict]:
     try:
         return json.loads(path.read_text()).get("jobs") or []
@@ -168,8 +178,11 @@ def test_roles_as_ray_jobs_elastic_pool_stop_and_resume(ray_head, tmp_path):
             Path(layout.root, "checkpoints").iterdir()), 300, "a checkpoint", dump=dump)
         assert ray_jobs.stop(address, trainer)
         _wait(lambda: _status(address, trainer) == "STOPPED", 120, "the trainer job to stop", dump=dump)
-        left = lambda: [p for p in _processes_with(f"root={layout.root}") if "trainer.main" in p]  # noqa: E731
-        _wait(lambda: not left(), 60, "the trainer's processes to exit", dump=lambda: "\n".join(left()))
+        left = lambda: [p for p in _processes_with(f"root={layout.root}")  # noqa: E731
+                        if not any(w in p for w in (" -m rollout.", "ray_driver rollout", "launch.pool"))]
+        _wait(lambda: not left(), 60, "the trainer's driver, torchrun agents and ranks to exit",
+              dump=lambda: "\n".join(left()))
+        _wait(lambda: not _alive_actors(address, "NodeAgent"), 60, "the trainer's Ray actors to end")
         assert len(split_metrics(_metrics(layout))[0]) < STEPS
 
         # while the rollout jobs go on: add 1 -> one more Ray job, its worker up; remove 1 -> it
@@ -181,7 +194,7 @@ def test_roles_as_ray_jobs_elastic_pool_stop_and_resume(ray_head, tmp_path):
         jobs.append(new["job_id"])
         beat = Path(layout.heartbeat(new["worker_id"]))
         _wait(beat.exists, 180, f"worker {new['worker_id']} to start", dump=dump)
-        assert _status(address, new["job_id"]) == "RUNNING"
+        assert _status(address, new["job_id"]) == "RUNNING" and _running_rollout_jobs(address) == 3
         subprocess.run([sys.executable, "-m", "launch.control", "--root", layout.root, "remove", "1"],
                        env=_env(), check=True, timeout=60)
         _wait(lambda: _status(address, new["job_id"]) == "STOPPED", 150,
@@ -190,7 +203,7 @@ def test_roles_as_ray_jobs_elastic_pool_stop_and_resume(ray_head, tmp_path):
         assert "SIGTERM received" in ray_jobs.client(address).get_job_logs(new["job_id"])
         finished = _wait(lambda: json.loads(state_path.read_text()).get("finished"), 30, "the pool's record")
         assert [(f["job_id"], f["state"], f["drained"]) for f in finished] == [(new["job_id"], "STOPPED", True)]
-        assert not _processes_with(f"worker.id={new['worker_id']}")
+        assert not _processes_with(f"worker.id={new['worker_id']}") and _running_rollout_jobs(address) == 2
 
         # resubmitted as one node of 2 ranks (entrypoint resources, torchrun --standalone), it
         # resumes from its checkpoint and finishes; the rollout jobs end on DONE
