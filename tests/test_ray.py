@@ -22,6 +22,7 @@ from test_slurm import _metrics, _wait  # the same waits and metrics reads as th
 
 REPO = Path(__file__).resolve().parents[1]
 STEPS = 30
+RAY_CLI = [sys.executable, "-m", "ray.scripts.scripts"]  # the `ray` command, whatever PATH says
 
 
 def _free_port() -> int:
@@ -57,21 +58,24 @@ def ray_head(tmp_path_factory):
     """A one-node Ray cluster with 8 logical CPUs (several small jobs share the 2 real cores) and
     no GPUs; its dashboard (the Jobs API) on a free port. Yields the dashboard's address."""
     pytest.importorskip("ray", reason="ray is not installed: pip install -e '.[ray]'")
-    ray_bin = Path(sys.executable).with_name("ray")
     temp = tmp_path_factory.mktemp("ray")  # Ray's session folder: sockets, logs
-    dashboard = _free_port()
-    ports = {"--port": _free_port(), "--dashboard-port": dashboard,
-             "--dashboard-agent-listen-port": _free_port(), "--ray-client-server-port": _free_port(),
-             "--node-manager-port": _free_port(), "--object-manager-port": _free_port(),
-             "--metrics-export-port": _free_port(), "--dashboard-agent-grpc-port": _free_port(),
-             "--runtime-env-agent-port": _free_port()}
+    names = ["--dashboard-port", "--port", "--dashboard-agent-listen-port", "--ray-client-server-port",
+             "--node-manager-port", "--object-manager-port", "--metrics-export-port",
+             "--dashboard-agent-grpc-port", "--runtime-env-agent-port"]  # none of Ray's defaults:
+    socks = [socket.socket() for _ in names]  # another Ray on this machine keeps its own
+    for sock in socks:  # all bound at once: nine different ports
+        sock.bind(("127.0.0.1", 0))
+    ports = {name: sock.getsockname()[1] for name, sock in zip(names, socks)}
+    for sock in socks:
+        sock.close()
+    dashboard = ports["--dashboard-port"]
     env = _env()
     env.pop("PYTHONPATH")  # the jobs get the code from their working_dir, as on a cluster
     log = open(temp / "ray-start.log", "wb")
     # --block: this process owns the head's processes and stops all of them on SIGTERM; `ray
     # stop` would stop every Ray on this machine, not only this one
     head = subprocess.Popen(
-        [str(ray_bin), "start", "--head", "--block", "--node-ip-address=127.0.0.1",
+        [*RAY_CLI, "start", "--head", "--block", "--node-ip-address=127.0.0.1",
          "--num-cpus=8", "--num-gpus=0", "--object-store-memory=100000000",
          "--include-dashboard=true", "--dashboard-host=127.0.0.1", f"--temp-dir={temp}",
          "--disable-usage-stats", *(f"{k}={v}" for k, v in ports.items())],
@@ -96,7 +100,7 @@ def ray_head(tmp_path_factory):
             head.kill()
             head.wait(timeout=30)
         log.close()
-        # every process of this head names its session folder; none may outlive the fixture
+        # its daemons name the session folder in their command lines; none may outlive the fixture
         _wait(lambda: not _processes_with(str(temp)), 60, "the Ray head's processes to exit",
               dump=lambda: "\n".join(_processes_with(str(temp))))
 
@@ -174,10 +178,12 @@ def test_roles_as_ray_jobs_elastic_pool_stop_and_resume(ray_head, tmp_path):
         _wait(started, 300, "the first trainer steps", dump=dump)
 
         # ray job stop on the trainer after its first checkpoint: none of its processes is left
-        _wait(lambda: Path(layout.root, "checkpoints").exists() and any(
-            Path(layout.root, "checkpoints").iterdir()), 300, "a checkpoint", dump=dump)
-        assert ray_jobs.stop(address, trainer)
-        _wait(lambda: _status(address, trainer) == "STOPPED", 120, "the trainer job to stop", dump=dump)
+        _wait(lambda: any(Path(layout.root, "checkpoints").glob("step_*")), 300,  # committed
+              "a checkpoint", dump=dump)
+        out = subprocess.run([*RAY_CLI, "job", "stop", "--address", address, trainer], env=_env(),
+                             capture_output=True, text=True, timeout=180)
+        assert out.returncode == 0, out.stdout + out.stderr  # it waits for the job to stop
+        assert _status(address, trainer) == "STOPPED"
         left = lambda: [p for p in _processes_with(f"root={layout.root}")  # noqa: E731
                         if not any(w in p for w in (" -m rollout.", "ray_driver rollout", "launch.pool"))]
         _wait(lambda: not left(), 60, "the trainer's driver, torchrun agents and ranks to exit",
