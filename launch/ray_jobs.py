@@ -189,7 +189,7 @@ def info(address: str, submission_id: str, jobs_client=None) -> dict:
     c = jobs_client or client(address)
     try:
         details = c.get_job_info(submission_id)
-    except RuntimeError as e:
+    except Exception as e:  # noqa: BLE001 - RuntimeError from Ray, or the HTTP client's errors
         if "does not exist" in str(e) or "404" in str(e):
             return {"status": "UNKNOWN", "message": str(e), "driver_exit_code": None}
         raise RayJobError(f"ray job status {submission_id} at {address} failed: {e}") from None
