@@ -1,6 +1,8 @@
-"""Check a node before a run: versions, the shared run folder, disk, ports, GPUs, clock.
+"""Check a node before a run: versions, the shared run folder, disk, ports, GPUs, clock, and
+the Ray cluster the roles are submitted to (--ray-address).
 
     python -m launch.check_env --root /shared/runs/r1 --port node001:29500 --port node001:50051
+    python -m launch.check_env --root /shared/runs/r1 --ray-address http://HEAD:8265
 
 One line per check: PASS / FAIL (a problem that breaks a run), WARN (likely trouble), INFO (a
 report). Exit 1 on any FAIL. Each node's versions and results are recorded in the run folder
@@ -21,7 +23,7 @@ import uuid
 
 from buffer.run import TrainerRun, setup_trainer_run
 
-COMPARED = ("python", "torch", "cuda", "nccl", "vllm", "verl", "transformers")
+COMPARED = ("python", "torch", "cuda", "nccl", "vllm", "verl", "transformers", "ray")
 
 
 class Report:
@@ -60,7 +62,7 @@ def versions() -> dict[str, str | None]:
         out["nccl"] = nccl
     except ImportError:
         out.update(torch=None, cuda=None, nccl=None)
-    for name in ("vllm", "verl", "transformers"):
+    for name in ("vllm", "verl", "transformers", "ray"):
         out[name] = _dist_version(name)
     return out
 
@@ -209,6 +211,40 @@ def check_gpus(rep: Report, expect: int | None) -> dict:
     return {"count": count, "names": names, "cuda_visible_devices": visible}
 
 
+def check_ray(rep: Report, address: str, timeout_s: float) -> None:
+    """The Ray cluster the roles are submitted to: its Jobs API reachable, its ray version the
+    same as this one's (a job runs with the cluster's ray), its alive nodes and their resources."""
+    import urllib.request
+    local = _dist_version("ray")
+    if local is None:
+        rep.add("FAIL", "ray", "not installed here: pip install 'tandem[ray]' (the cluster's version)")
+        return
+    url = (address if "://" in address else f"http://{address}").rstrip("/")
+    try:
+        with urllib.request.urlopen(f"{url}/api/version", timeout=timeout_s) as r:
+            remote = json.load(r).get("ray_version")
+    except (OSError, ValueError) as e:
+        rep.add("FAIL", f"ray cluster {address}", f"unreachable: {getattr(e, 'reason', e)} (is the head up "
+                "with `ray start --head --include-dashboard=true`, and port 8265 open to this node?)")
+        return
+    rep.add("PASS", f"ray cluster {address}", "Jobs API reachable")
+    rep.add("PASS" if remote == local else "FAIL", "ray version",
+            f"cluster {remote}, here {local}" + ("" if remote == local else
+                                                 f": pip install 'ray[default]=={remote}' here"))
+    try:
+        from ray.util.state import list_nodes
+        nodes = [n for n in list_nodes(address=url, timeout=int(max(1, timeout_s)))
+                 if n.state == "ALIVE"]
+    except Exception as e:  # noqa: BLE001 - Ray's state API raises several kinds
+        rep.add("WARN", "ray resources", f"cannot list the nodes: {e}")
+        return
+    total = lambda k: sum(n.resources_total.get(k, 0) for n in nodes)  # noqa: E731
+    each = "; ".join(f"{n.node_ip}: {n.resources_total.get('CPU', 0):g} CPU, "
+                     f"{n.resources_total.get('GPU', 0):g} GPU" for n in nodes)
+    rep.add("PASS" if nodes else "FAIL", "ray resources",
+            f"{len(nodes)} node(s) alive, {total('CPU'):g} CPUs, {total('GPU'):g} GPUs ({each})")
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m launch.check_env", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -220,6 +256,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-skew", type=float, default=5.0, help="clock skew allowed in s (default 5)")
     p.add_argument("--connect-timeout", type=float, default=3.0, help="seconds per port (default 3)")
     p.add_argument("--node", default=socket.gethostname(), help="name to record under (default: hostname)")
+    p.add_argument("--ray-address", metavar="http://HEAD:8265",
+                   help="also check this Ray cluster: Jobs API, ray version, nodes and resources")
     args = p.parse_args(argv)
     run = setup_trainer_run(os.path.abspath(args.root))
     rep = Report()
@@ -230,6 +268,8 @@ def main(argv: list[str] | None = None) -> int:
     check_ports(rep, args.port, args.connect_timeout)
     gpus = check_gpus(rep, args.gpus)
     check_other_nodes(rep, run, args.node, vers)
+    if args.ray_address:
+        check_ray(rep, args.ray_address, args.connect_timeout)
     if writable:
         from buffer.storage import atomic_write_json
         record = {"node": args.node, "time": time.time(), "versions": vers, "gpus": gpus,

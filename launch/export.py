@@ -2,11 +2,16 @@
 
     python -m launch.export --checkpoint RUN/checkpoints/step_00000100 --out HF_DIR
     python -m launch.export --checkpoint global_step_100/actor --out HF_DIR      # a verl FSDP one
+    python -m launch.export --checkpoint global_step_100/actor --out HF_DIR      # a verl Megatron one
 
 Accepts a tandem checkpoint (torch.distributed.checkpoint shards + trainer_state.json) or a verl
 FSDP actor checkpoint (`model_world_size_W_rank_R.pt`, `fsdp_config.json`, `huggingface/`),
 which is what verl's model merger takes. Runs in one process, no GPU needed. The folder appears
 only when complete (written beside it, then renamed).
+
+A verl Megatron actor checkpoint (`model/dist_ckpt/`, `model/huggingface/`) is handed to verl's
+own merger, `python -m verl.model_merger merge --backend megatron`, where its dependencies
+(megatron-core) are installed; elsewhere it is refused, naming what to install.
 """
 from __future__ import annotations
 
@@ -86,14 +91,53 @@ def verl_state(actor_dir: str) -> tuple[dict, str]:
     return full, os.path.join(actor_dir, "huggingface")
 
 
+def is_megatron(checkpoint: str) -> bool:
+    """verl's Megatron actor layout: model/dist_ckpt/ (older releases: dist_ckpt/ at the top)."""
+    return any(os.path.isdir(os.path.join(checkpoint, *p)) for p in (("model", "dist_ckpt"), ("dist_ckpt",)))
+
+
+def merge_megatron(checkpoint: str, tmp: str) -> None:
+    """verl's own Megatron merger into `tmp`; refused, naming what to install, where it cannot run."""
+    import importlib.util
+    missing = [name for name, mod in (("megatron-core", "megatron.core"), ("verl", "verl.model_merger"))
+               if importlib.util.find_spec(mod.split(".")[0]) is None or importlib.util.find_spec(mod) is None]
+    if missing:
+        raise ExportError(f"--checkpoint {checkpoint}: a verl Megatron checkpoint; launch.export hands "
+                          f"it to verl's merger (python -m verl.model_merger merge --backend megatron), "
+                          f"which needs {' and '.join(missing)}: pip install {' '.join(missing)} "
+                          "(megatron-core with a torch build it supports; see verl's Megatron install docs)")
+    if not os.path.isdir(os.path.join(checkpoint, "model", "huggingface")):
+        raise ExportError(f"--checkpoint {checkpoint}: no model/huggingface/ (an older verl layout): "
+                          "run verl's scripts/migrate_megatron_checkpoint_layout.py on it first")
+    with open(os.path.join(checkpoint, "model", "huggingface", "config.json")) as f:
+        tied = json.load(f).get("tie_word_embeddings", False)
+    cmd = [sys.executable, "-m", "verl.model_merger", "merge", "--backend", "megatron",
+           "--local_dir", checkpoint, "--target_dir", tmp, *(["--tie-word-embedding"] if tied else [])]
+    import subprocess
+    done = subprocess.run(cmd, capture_output=True, text=True)
+    if done.returncode != 0:
+        raise ExportError(f"{' '.join(cmd)} failed (exit {done.returncode}):\n"
+                          f"{(done.stdout + done.stderr)[-3000:]}")
+
+
 def export(checkpoint: str, out: str) -> str:
+    if os.path.exists(out):
+        raise ExportError(f"--out {out} already exists; choose a new folder")
+    if is_megatron(checkpoint):
+        tmp = f"{out.rstrip('/')}.tmp-{os.getpid()}"
+        shutil.rmtree(tmp, ignore_errors=True)
+        merge_megatron(checkpoint, tmp)
+        respect_umask(tmp)
+        os.replace(tmp, out)
+        return out
     if os.path.isfile(state_file(checkpoint)):
         state, config_dir = tandem_state(checkpoint)
     elif os.path.isfile(os.path.join(checkpoint, "fsdp_config.json")):
         state, config_dir = verl_state(checkpoint)
     else:
-        raise ExportError(f"--checkpoint {checkpoint}: neither a tandem checkpoint "
-                          "(trainer_state.json) nor a verl FSDP actor folder (fsdp_config.json)")
+        raise ExportError(f"--checkpoint {checkpoint}: neither a tandem checkpoint (trainer_state.json), "
+                          "a verl FSDP actor folder (fsdp_config.json) nor a verl Megatron one "
+                          "(model/dist_ckpt/)")
     model = _empty_model(config_dir)
     missing, unexpected = model.load_state_dict(state, strict=False)
     missing = [k for k in missing if not (k == "lm_head.weight" and model.config.tie_word_embeddings)]
@@ -102,8 +146,6 @@ def export(checkpoint: str, out: str) -> str:
                           f"missing {missing[:3]}, unexpected {unexpected[:3]}")
     if model.config.tie_word_embeddings:
         model.tie_weights()
-    if os.path.exists(out):
-        raise ExportError(f"--out {out} already exists; choose a new folder")
     tmp = f"{out.rstrip('/')}.tmp-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
     model.save_pretrained(tmp)
@@ -116,7 +158,8 @@ def export(checkpoint: str, out: str) -> str:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m launch.export", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--checkpoint", required=True, help="checkpoint folder (tandem or verl FSDP actor)")
+    p.add_argument("--checkpoint", required=True,
+                   help="checkpoint folder (tandem, or a verl FSDP or Megatron actor folder)")
     p.add_argument("--out", required=True, help="HF model folder to create")
     args = p.parse_args(argv)
     try:

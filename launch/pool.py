@@ -20,6 +20,12 @@ newest: `scancel --signal=TERM` reaches the worker, which finishes its batch, fl
 so the job ends COMPLETED with exit code 0 (a job still pending is simply cancelled). Job ids,
 and the final state and exit code of each ended job, are kept in the pool state file; a
 restarted supervisor adopts the jobs it finds there.
+
+With `pool.backend=ray` each worker is a Ray job (docs/ray.md); `remove N` is `ray job stop` on
+the newest (SIGTERM: the worker flushes and exits; the job ends STOPPED):
+
+    python -m launch.pool root=/shared/run pool.backend=ray pool.ray.address=http://HEAD:8265 \
+        pool.initial_workers=4 data.train_files=[/shared/train.parquet]
 """
 from __future__ import annotations
 
@@ -55,10 +61,20 @@ class SlurmPoolSection:
 
 
 @dataclasses.dataclass
+class RayPoolSection:
+    address: str = F("", "the Ray dashboard, e.g. http://HEAD:8265 (pool.backend=ray)")
+    gpus_per_job: int = F(0, "GPUs per rollout job, one worker each (0: a CPU worker)", ge=0, le=1)
+    cpus_per_job: int = F(1, "CPUs per rollout job (its entrypoint resources)", ge=1)
+    working_dir: str = F("", "runtime_env working_dir Ray uploads (empty: tandem installed on the nodes)")
+    env: dict[str, str] = F(doc="runtime_env env vars of each job", factory=dict)
+    python: str = F("", "the python on the nodes (empty: the supervisor's)")
+
+
+@dataclasses.dataclass
 class PoolSection:
     id: str = F("pool", "supervisor id, unique per node (names its workers <id>-w<k>)")
-    backend: str = F("local", "local: worker processes on this node; slurm: one SLURM job per worker",
-                     choices=["local", "slurm"])
+    backend: str = F("local", "local: worker processes on this node; slurm: one SLURM job per "
+                     "worker; ray: one Ray job per worker", choices=["local", "slurm", "ray"])
     initial_workers: int = F(1, "workers started when the supervisor first starts", ge=0)
     max_workers: int = F(64, "upper bound on the target, whatever the commands say", ge=1)
     gpus: list[int] = F(doc="GPU indices to bind workers to, one each (empty: no GPUs)", factory=list)
@@ -66,12 +82,15 @@ class PoolSection:
     drain_timeout_s: float = F(300.0, "seconds a draining worker may take before SIGKILL", gt=0)
     max_restarts: int = F(3, "restarts of crashed workers before the supervisor gives up", ge=0)
     slurm: SlurmPoolSection = F(factory=SlurmPoolSection)
+    ray: RayPoolSection = F(factory=RayPoolSection)
 
     def check(self) -> None:
         try:
             check_worker_id(self.id)  # names files and its workers' ids
         except ValueError as e:
             raise ConfigError(f"pool.id: {e}") from None
+        if self.backend == "ray" and not self.ray.address:
+            raise ConfigError("pool.ray.address: give the Ray dashboard, e.g. http://HEAD:8265")
 
 
 @dataclasses.dataclass
@@ -239,13 +258,16 @@ class Job:
     last_signal: float | None = None
 
 
-class SlurmPool(Pool):
-    """The pool with SLURM jobs as workers: one single-worker rollout job per worker."""
+class JobPool(Pool):
+    """The pool with batch jobs as workers, one single-worker rollout job each (SlurmPool, RayPool).
+    Job ids, and how each ended job ended, live in the pool state file: a restarted supervisor
+    adopts its jobs. Subclasses submit, drain and poll jobs; `Error` is their backend's error."""
+
+    kind = "batch"
+    Error: type[Exception] = RuntimeError
 
     def __init__(self, cfg: PoolConfig, worker_args: list[str]):
         super().__init__(cfg, worker_args)
-        from launch import slurm
-        self.slurm = slurm
         self.run_root = self.root if "://" in self.root else os.path.abspath(self.root)
         self.jobs = [Job(**j) for j in self.state.get("jobs", [])]  # adopted after a restart
         self.state.setdefault("finished", [])
@@ -253,12 +275,8 @@ class SlurmPool(Pool):
             log.info("adopting jobs %s from %s", [j.job_id for j in self.jobs],
                      self.control.where())
 
-    def spec(self, worker_id: str):
-        sc = self.cfg.slurm
-        return self.slurm.JobSpec(
-            root=self.run_root, partition=sc.partition or None, gpus_per_node=sc.gpus_per_job,
-            cpus_per_task=sc.cpus_per_task, time=sc.time, job_name=sc.job_name or f"tandem-{self.cfg.id}",
-            worker_prefix=worker_id, sbatch_args=list(sc.sbatch_args))
+    def submit_worker(self, worker_id: str) -> str:
+        raise NotImplementedError
 
     def save(self) -> None:
         self.state["jobs"] = [dataclasses.asdict(j) for j in self.jobs]
@@ -272,13 +290,84 @@ class SlurmPool(Pool):
         index = self.state["next_index"]
         self.state["next_index"] = index + 1
         worker_id = f"{self.cfg.id}-w{index}"
+        job_id = self.submit_worker(worker_id)
+        self.jobs.append(Job(job_id, worker_id))
+        self.save()  # the job id is on record before anything else can fail
+        log.info("submitted %s as %s job %s", worker_id, self.kind, job_id)
+
+    def ended(self, job: Job, final: str, code, ok: bool, where: str) -> None:
+        """Record a job that has left the queue; count it as a crash unless it ended well."""
+        self.jobs.remove(job)
+        self.state["finished"].append({"job_id": job.job_id, "worker_id": job.worker_id,
+                                       "state": final, "exit_code": code,
+                                       "drained": job.draining_since is not None, "ended": time.time()})
+        if ok:
+            log.info("job %s (%s) ended: %s, exit code %s", job.job_id, job.worker_id, final, code)
+            return
+        self.restarts += 1
+        log.error("job %s (%s) ended %s with exit code %s (restart %d of %d); see %s",
+                  job.job_id, job.worker_id, final, code, self.restarts, self.cfg.max_restarts, where)
+        if self.restarts > self.cfg.max_restarts:
+            self.save()
+            raise RuntimeError(f"rollout jobs failed {self.restarts} times; see their output")
+
+    def reconcile(self) -> None:
+        states = self.reap()
+        live = [j for j in self.jobs if j.draining_since is None]
+        for _ in range(self.state["target"] - len(live)):
+            self.start_worker()
+        for job in live[self.state["target"]:][::-1]:
+            self.drain(job, states)
+        self.save()
+
+    def shutdown(self) -> None:
+        """On SIGTERM/SIGINT drain every job; after DONE the workers stop by themselves. Either
+        way wait (up to pool.drain_timeout_s) for the jobs to end, to record how they ended."""
+        try:
+            if self.stopping:
+                states = self.queue_states([j.job_id for j in self.jobs])
+                for job in self.jobs:
+                    self.drain(job, states)
+            deadline = time.monotonic() + self.cfg.drain_timeout_s + 30
+            while self.jobs and time.monotonic() < deadline:
+                self.reap()
+                self.save()
+                if self.jobs:
+                    time.sleep(self.cfg.poll_interval)
+        except (self.Error, RuntimeError) as e:
+            log.error("shutdown: %s", e)
+        if self.jobs:
+            log.warning("jobs still in %s at exit: %s", self.kind, [j.job_id for j in self.jobs])
+        self.save()
+        self._unwatch()
+
+
+class SlurmPool(JobPool):
+    """One single-worker SLURM rollout job per worker."""
+
+    kind = "SLURM"
+
+    def __init__(self, cfg: PoolConfig, worker_args: list[str]):
+        from launch import slurm
+        self.slurm = slurm
+        self.Error = slurm.SlurmError
+        super().__init__(cfg, worker_args)
+
+    def spec(self, worker_id: str):
+        sc = self.cfg.slurm
+        return self.slurm.JobSpec(
+            root=self.run_root, partition=sc.partition or None, gpus_per_node=sc.gpus_per_job,
+            cpus_per_task=sc.cpus_per_task, time=sc.time, job_name=sc.job_name or f"tandem-{self.cfg.id}",
+            worker_prefix=worker_id, sbatch_args=list(sc.sbatch_args))
+
+    def submit_worker(self, worker_id: str) -> str:
         spec = self.spec(worker_id)
         if "://" not in self.run_root:  # sbatch does not make the output file's folder
             os.makedirs(os.path.dirname(self.slurm.output_path(spec, "rollout")), exist_ok=True)
-        job_id = self.slurm.submit(self.slurm.render_rollout(spec, self.worker_args))
-        self.jobs.append(Job(job_id, worker_id))
-        self.save()  # the job id is on record before anything else can fail
-        log.info("submitted %s as SLURM job %s", worker_id, job_id)
+        return self.slurm.submit(self.slurm.render_rollout(spec, self.worker_args))
+
+    def queue_states(self, job_ids: list[str]) -> dict[str, str]:
+        return self.slurm.queue_states(job_ids)
 
     def drain(self, job: Job, states: dict[str, str] | None = None) -> None:
         if job.draining_since is not None:
@@ -316,51 +405,63 @@ class SlurmPool(Pool):
                 continue
             info = self.slurm.job_info(job.job_id)
             final, code = info.get("JobState", "UNKNOWN"), info.get("ExitCode", "?")
-            self.jobs.remove(job)
-            self.state["finished"].append({"job_id": job.job_id, "worker_id": job.worker_id,
-                                           "state": final, "exit_code": code,
-                                           "drained": job.draining_since is not None, "ended": now})
-            if final == "COMPLETED" or (job.draining_since is not None and final in ("CANCELLED", "UNKNOWN")):
-                log.info("job %s (%s) ended: %s, exit code %s", job.job_id, job.worker_id, final, code)
-            else:
-                self.restarts += 1
-                log.error("job %s (%s) ended %s with exit code %s (restart %d of %d); see %s",
-                          job.job_id, job.worker_id, final, code, self.restarts, self.cfg.max_restarts,
-                          info.get("StdOut", "its output file"))
-                if self.restarts > self.cfg.max_restarts:
-                    self.save()
-                    raise RuntimeError(f"rollout jobs failed {self.restarts} times; see their output")
+            ok = final == "COMPLETED" or (job.draining_since is not None and final in ("CANCELLED", "UNKNOWN"))
+            self.ended(job, final, code, ok, info.get("StdOut", "its output file"))
         return states
 
-    def reconcile(self) -> None:
-        states = self.reap()
-        live = [j for j in self.jobs if j.draining_since is None]
-        for _ in range(self.state["target"] - len(live)):
-            self.start_worker()
-        for job in live[self.state["target"]:][::-1]:
-            self.drain(job, states)
-        self.save()
 
-    def shutdown(self) -> None:
-        """On SIGTERM/SIGINT drain every job; after DONE the workers stop by themselves. Either
-        way wait (up to pool.drain_timeout_s) for the jobs to end, to record how they ended."""
-        try:
-            if self.stopping:
-                states = self.slurm.queue_states([j.job_id for j in self.jobs])
-                for job in self.jobs:
-                    self.drain(job, states)
-            deadline = time.monotonic() + self.cfg.drain_timeout_s + 30
-            while self.jobs and time.monotonic() < deadline:
-                self.reap()
-                self.save()
-                if self.jobs:
-                    time.sleep(self.cfg.poll_interval)
-        except (self.slurm.SlurmError, RuntimeError) as e:
-            log.error("shutdown: %s", e)
-        if self.jobs:
-            log.warning("jobs still in SLURM at exit: %s", [j.job_id for j in self.jobs])
-        self.save()
-        self._unwatch()
+class RayPool(JobPool):
+    """One single-worker Ray job per worker (launch.ray_jobs); `remove` is `ray job stop`:
+    SIGTERM, the worker finishes its batch, flushes and exits; Ray's SIGKILL only after
+    pool.drain_timeout_s (the job's RAY_JOB_STOP_WAIT_TIME_S). A stopped job ends STOPPED."""
+
+    kind = "Ray"
+
+    def __init__(self, cfg: PoolConfig, worker_args: list[str]):
+        from launch import ray_jobs
+        self.ray_jobs = ray_jobs
+        self.Error = ray_jobs.RayJobError
+        super().__init__(cfg, worker_args)
+        self.client = ray_jobs.client(self.cfg.ray.address)
+
+    def spec(self, worker_id: str):
+        rc = self.cfg.ray
+        return self.ray_jobs.RaySpec(
+            root=self.run_root, address=rc.address, gpus_per_node=rc.gpus_per_job,
+            cpus_per_task=rc.cpus_per_job, worker_prefix=worker_id,
+            stop_timeout_s=int(self.cfg.drain_timeout_s), job_name=f"tandem-{self.cfg.id}",
+            submission_id=f"tandem-{worker_id}-{os.urandom(2).hex()}",
+            working_dir=rc.working_dir or None, env=dict(rc.env), python=rc.python or sys.executable)
+
+    def submit_worker(self, worker_id: str) -> str:
+        job = self.ray_jobs.render("rollout", self.spec(worker_id), self.worker_args)
+        return self.ray_jobs.submit(self.cfg.ray.address, job, self.client)
+
+    def queue_states(self, job_ids: list[str]) -> dict[str, str]:
+        return {j: self.ray_jobs.info(self.cfg.ray.address, j, self.client)["status"] for j in job_ids}
+
+    def drain(self, job: Job, states: dict[str, str] | None = None) -> None:
+        if job.draining_since is None:
+            job.draining_since = job.last_signal = time.time()
+            self.ray_jobs.stop(self.cfg.ray.address, job.job_id, self.client)
+            log.info("draining %s: ray job stop %s", job.worker_id, job.job_id)
+
+    def reap(self) -> dict[str, str]:
+        states = {}
+        for job in list(self.jobs):
+            try:
+                info = self.ray_jobs.info(self.cfg.ray.address, job.job_id, self.client)
+            except self.Error as e:
+                log.warning("%s; retrying", e)
+                states[job.job_id] = "UNKNOWN"
+                continue
+            states[job.job_id] = final = info["status"]
+            if final in ("PENDING", "RUNNING"):
+                continue
+            drained = job.draining_since is not None
+            ok = final == "SUCCEEDED" or (drained and final in ("STOPPED", "UNKNOWN"))
+            self.ended(job, final, info["driver_exit_code"], ok, f"ray job logs {job.job_id}")
+        return states
 
 
 def parse(argv: list[str]) -> tuple[PoolConfig, list[str]]:
@@ -389,13 +490,13 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as e:
         print(f"python -m launch.pool: config error: {e}", file=sys.stderr)
         return 2
-    if cfg.pool.backend == "slurm":
-        from launch import slurm
+    if cfg.pool.backend in ("slurm", "ray"):
+        from launch import ray_jobs, slurm
         try:
-            pool = SlurmPool(cfg, worker_args)
+            pool = (SlurmPool if cfg.pool.backend == "slurm" else RayPool)(cfg, worker_args)
             pool.spec("x").check("rollout")
             pool.run()
-        except (slurm.SlurmError, ValueError) as e:
+        except (slurm.SlurmError, ray_jobs.RayJobError, ValueError) as e:
             print(f"python -m launch.pool: {e}", file=sys.stderr)
             return 1
         return 0

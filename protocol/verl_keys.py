@@ -85,7 +85,8 @@ def alias(pattern: str, to: str, replaces=None) -> Rule:
 AR, ACTOR, ROLLOUT = "actor_rollout_ref", "actor_rollout_ref.actor", "actor_rollout_ref.rollout"
 LAUNCHERS = ("GPU and node counts are the launchers' (torchrun --nproc_per_node, launch.submit "
              "--nodes / --gpus-per-node, one worker per GPU)")
-NO_RAY = "no Ray: the launchers start the trainer and the workers as their own processes"
+NO_RAY = ("verl's own Ray workers: tandem's roles are their own processes (on a Ray cluster, "
+          "Ray jobs: launch.submit --backend ray, docs/ray.md)")
 FSDP = ("FSDP layout and memory options: tandem's trainer shards each decoder layer with FSDP2 over "
         "all ranks (fp32 master weights, bf16 compute on GPU); they change memory and speed, not results")
 KERNELS = ("kernel and memory choices of verl's workers; tandem runs the HF model as is, "

@@ -38,7 +38,7 @@ def _log_tail(path, lines=40):
 
 
 def test_worker_scoring_with_verl_starts_vllm_in_default_mode(tmp_path):
-    from buffer.stores.weights import WeightStore
+    from buffer.weights.fs import WeightStore
     from protocol.experience import load_shard
     from rollout.tasks import arith
 
