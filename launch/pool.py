@@ -180,13 +180,15 @@ class Pool:
         self.members.append(Member(worker_id, gpu, proc))
         log.info("started %s (pid %d%s)", worker_id, proc.pid, f", GPU {gpu}" if gpu is not None else "")
 
-    def drain(self, member: Member) -> None:
+    def drain(self, member, states: dict[str, str] | None = None) -> None:
+        """Ask `member` to finish and stop (`states`: a batch pool's view of its jobs)."""
         if member.draining_since is None and member.proc.poll() is None:
             member.proc.send_signal(signal.SIGTERM)
             member.draining_since = time.monotonic()
             log.info("draining %s (pid %d)", member.worker_id, member.proc.pid)
 
-    def reap(self) -> None:
+    def reap(self) -> dict[str, str] | None:
+        """Record the members that ended (a batch pool returns the job states it saw)."""
         for m in list(self.members):
             code = m.proc.poll()
             if code is None:
@@ -203,6 +205,7 @@ class Pool:
                           self.restarts, self.cfg.max_restarts)
                 if self.restarts > self.cfg.max_restarts:
                     raise RuntimeError(f"rollout workers crashed {self.restarts} times; see their logs")
+        return None
 
     def reconcile(self) -> None:
         self.reap()
@@ -264,6 +267,10 @@ class JobPool(Pool):
     adopts its jobs. Subclasses submit, drain and poll jobs; `Error` is their backend's error."""
 
     kind = "batch"
+
+    def queue_states(self, job_ids: list[str]) -> dict[str, str]:
+        """Job id -> its backend state (each backend answers it)."""
+        raise NotImplementedError(f"{type(self).__name__} has no queue_states")
     Error: type[Exception] = RuntimeError
 
     def __init__(self, cfg: PoolConfig, worker_args: list[str]):

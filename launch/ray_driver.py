@@ -217,7 +217,7 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, stream=sys.stdout,
                         format="%(asctime)s %(levelname)s ray_driver[%(process)d] %(message)s")
     plan = parse_args(sys.argv[1:] if argv is None else argv)
-    got = []
+    got: list[int] = []
 
     def on_signal(signum, _frame):
         if not got:

@@ -127,7 +127,7 @@ def render(role: str, spec: RaySpec, role_args: list[str]) -> dict:
     runtime_env = {**spec.runtime_env, "env_vars": env}
     if spec.working_dir:
         runtime_env["working_dir"] = spec.working_dir
-    job = {"submission_id": submission_id,
+    job: dict = {"submission_id": submission_id,
            "entrypoint": " ".join(shlex.quote(w) for w in driver_argv(role, spec, role_args, submission_id)),
            "runtime_env": runtime_env,
            "metadata": {"tandem_role": role, "tandem_root": spec.root}}

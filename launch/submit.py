@@ -99,6 +99,7 @@ def role_args(role: str, root: str, rest: list[str]) -> list[str]:
     root_key = slurm.TORCHRUN_ROLES[role][1] if role in slurm.TORCHRUN_ROLES else "root"
     if root_key in overrides or root_key.rsplit(".", 1)[-1] in overrides:
         raise ConfigError(f"{root_key}: give the {'output' if role == 'sft' else 'run'} folder with --root")
+    cls: type
     if role == "rollout":
         from rollout.config import WorkerConfig as cls
         if "worker.id" in overrides or "id" in overrides:
@@ -154,7 +155,7 @@ def ray_spec_from(args) -> ray_jobs.RaySpec:
         if not sep:
             raise ValueError(f"--env {item!r}: give KEY=VALUE")
         env[key] = value
-    runtime_env = {}
+    runtime_env: dict = {}
     if args.runtime_env:
         import yaml
         with open(args.runtime_env) as f:
