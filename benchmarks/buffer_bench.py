@@ -19,6 +19,7 @@
 3. Scale. `--scale-workers` folders of `--scale-shards` old (consumed) shard names each: the cost
    of one probing poll against one full listing.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -47,8 +48,9 @@ from protocol.experience import Sample, from_table, to_table  # noqa: E402
 VOCAB = 151_936
 
 
-def make_samples(worker: str, groups: int, n: int, prompt_len: int, response_len: int,
-                 seed: int = 0) -> list[list[Sample]]:
+def make_samples(
+    worker: str, groups: int, n: int, prompt_len: int, response_len: int, seed: int = 0
+) -> list[list[Sample]]:
     rng = random.Random(seed)
     out = []
     for g in range(groups):
@@ -56,20 +58,30 @@ def make_samples(worker: str, groups: int, n: int, prompt_len: int, response_len
         group = []
         for k in range(n):
             length = rng.randint(response_len // 2, response_len)
-            group.append(Sample(
-                sample_id=f"{worker}/x/{g}/{k}", group_id=f"{worker}/x/{g}", prompt_id=f"p{g}",
-                worker_id=worker, weight_version=3, prompt_ids=prompt,
-                response_ids=[rng.randrange(VOCAB) for _ in range(length)],
-                behaviour_logprobs=[-rng.random() * 5 for _ in range(length)],
-                reward=float(k % 2), finish_reason="stop", temperature=1.0,
-                data_source="bench", created_at=time.time(), finished_at=time.time()))
+            group.append(
+                Sample(
+                    sample_id=f"{worker}/x/{g}/{k}",
+                    group_id=f"{worker}/x/{g}",
+                    prompt_id=f"p{g}",
+                    worker_id=worker,
+                    weight_version=3,
+                    prompt_ids=prompt,
+                    response_ids=[rng.randrange(VOCAB) for _ in range(length)],
+                    behaviour_logprobs=[-rng.random() * 5 for _ in range(length)],
+                    reward=float(k % 2),
+                    finish_reason="stop",
+                    temperature=1.0,
+                    data_source="bench",
+                    created_at=time.time(),
+                    finished_at=time.time(),
+                )
+            )
         out.append(group)
     return out
 
 
 def run_tandem(root: str, groups: list[list[Sample]], n: int, shard_samples: int) -> dict:
-    cfg = BufferConfig(flush_samples=shard_samples, flush_interval=3600.0, discovery="poll",
-                       poll_interval=0.01)
+    cfg = BufferConfig(flush_samples=shard_samples, flush_interval=3600.0, discovery="poll", poll_interval=0.01)
     t0 = time.perf_counter()
     w = ShardWriter.at(root, "bench", cfg)
     for g in groups:
@@ -90,7 +102,7 @@ def run_tandem(root: str, groups: list[list[Sample]], n: int, shard_samples: int
 
 def _chunks(groups, n, shard_samples):
     per = -(-shard_samples // n)
-    return [groups[i:i + per] for i in range(0, len(groups), per)]
+    return [groups[i : i + per] for i in range(0, len(groups), per)]
 
 
 def run_raw(root: str, groups: list[list[Sample]], n: int, shard_samples: int) -> dict:
@@ -117,8 +129,7 @@ def run_raw_bytes(root: str, tables: list[pa.Table]) -> dict:
     os.makedirs(root, exist_ok=True)
     t0 = time.perf_counter()
     for i, table in enumerate(tables):
-        with pa.OSFile(os.path.join(root, f"{i}.arrow"), "wb") as f, \
-                pa.ipc.new_stream(f, table.schema) as wr:
+        with pa.OSFile(os.path.join(root, f"{i}.arrow"), "wb") as f, pa.ipc.new_stream(f, table.schema) as wr:
             wr.write_table(table)
     t1 = time.perf_counter()
     rows = 0
@@ -151,18 +162,28 @@ def throughput(args) -> dict:
     finally:
         shutil.rmtree(base, ignore_errors=True)
     nbytes = runs["tandem"][0]["bytes"]
-    out = {"samples": samples, "shards": runs["tandem"][0]["shards"], "shard_bytes_total": nbytes,
-           "tokens_per_sample_mean": sum(len(s.prompt_ids) + len(s.response_ids)
-                                         for g in groups for s in g) / samples}
+    out = {
+        "samples": samples,
+        "shards": runs["tandem"][0]["shards"],
+        "shard_bytes_total": nbytes,
+        "tokens_per_sample_mean": sum(len(s.prompt_ids) + len(s.response_ids) for g in groups for s in g) / samples,
+    }
     for kind, rs in runs.items():
         w = statistics.median(r["write_s"] for r in rs)
         rd = statistics.median(r["read_s"] for r in rs)
         tot = statistics.median(r["write_s"] + r["read_s"] for r in rs)
-        out[kind] = {"write_s": w, "read_s": rd, "total_s": tot,
-                     "write_samples_per_s": samples / w, "read_samples_per_s": samples / rd,
-                     "samples_per_s": samples / tot, "MB_per_s": nbytes / tot / 1e6,
-                     "write_MB_per_s": nbytes / w / 1e6, "read_MB_per_s": nbytes / rd / 1e6,
-                     "runs": rs}
+        out[kind] = {
+            "write_s": w,
+            "read_s": rd,
+            "total_s": tot,
+            "write_samples_per_s": samples / w,
+            "read_samples_per_s": samples / rd,
+            "samples_per_s": samples / tot,
+            "MB_per_s": nbytes / tot / 1e6,
+            "write_MB_per_s": nbytes / w / 1e6,
+            "read_MB_per_s": nbytes / rd / 1e6,
+            "runs": rs,
+        }
     out["ratio_tandem_over_raw"] = out["tandem"]["samples_per_s"] / out["raw"]["samples_per_s"]
     out["ratio_write"] = out["raw"]["write_s"] / out["tandem"]["write_s"]
     out["ratio_read"] = out["raw"]["read_s"] / out["tandem"]["read_s"]
@@ -171,8 +192,8 @@ def throughput(args) -> dict:
 
 # --- 1,000+ writers against one reader ---------------------------------------------------------
 
-def reader_main(root: str, out: str, expected: int, timeout_s: float, poll: float,
-                discovery: str) -> None:
+
+def reader_main(root: str, out: str, expected: int, timeout_s: float, poll: float, discovery: str) -> None:
     cfg = BufferConfig(discovery=discovery, poll_interval=poll, full_scan_interval=60.0)
     reader = ExperienceReader(root, cfg, max_staleness=10**6, vocab_size=VOCAB)
     seen, ids, poll_s = {}, collections.Counter(), []
@@ -202,8 +223,17 @@ def reader_main(root: str, out: str, expected: int, timeout_s: float, poll: floa
     full = time.perf_counter() - t0
     reader.close()
     with open(out, "w") as f:
-        json.dump({"seen": seen, "ids": ids, "stats": dict(reader.stats), "poll_s": poll_s,
-                   "probe_poll_s": probe, "full_listing_s": full}, f)
+        json.dump(
+            {
+                "seen": seen,
+                "ids": ids,
+                "stats": dict(reader.stats),
+                "poll_s": poll_s,
+                "probe_poll_s": probe,
+                "full_listing_s": full,
+            },
+            f,
+        )
 
 
 def concurrency(args, discovery: str) -> dict:
@@ -215,8 +245,19 @@ def concurrency(args, discovery: str) -> dict:
     written_ids: list[str] = []
     lock = threading.Lock()
     errors = []
-    proc = subprocess.Popen([sys.executable, os.path.abspath(__file__), "--reader-proc", root, out,
-                             str(expected), str(args.sim_timeout), str(args.poll), discovery])
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            os.path.abspath(__file__),
+            "--reader-proc",
+            root,
+            out,
+            str(expected),
+            str(args.sim_timeout),
+            str(args.poll),
+            discovery,
+        ]
+    )
     try:
         t_ready = time.monotonic() + 60
         while not os.path.exists(out + ".ready"):
@@ -242,8 +283,7 @@ def concurrency(args, discovery: str) -> dict:
             except Exception as e:  # noqa: BLE001
                 errors.append(repr(e))
 
-        threads = [threading.Thread(target=writer, args=(i,), daemon=True)
-                   for i in range(args.writers)]
+        threads = [threading.Thread(target=writer, args=(i,), daemon=True) for i in range(args.writers)]
         for t in threads:
             t.start()
         start.wait(timeout=120)
@@ -263,18 +303,22 @@ def concurrency(args, discovery: str) -> dict:
     ids = collections.Counter(r["ids"])
     q = lambda p: lat[min(len(lat) - 1, int(p * len(lat)))] * 1000  # noqa: E731
     return {
-        "discovery": discovery, "poll_interval_s": args.poll, "writers": args.writers,
-        "shards_per_writer": args.shards, "writer_errors": errors[:5],
+        "discovery": discovery,
+        "poll_interval_s": args.poll,
+        "writers": args.writers,
+        "shards_per_writer": args.shards,
+        "writer_errors": errors[:5],
         "publish_window_s": t_written - t_start,
-        "published_shards": len(published), "discovered_shards": len(r["seen"]),
+        "published_shards": len(published),
+        "discovered_shards": len(r["seen"]),
         "published_samples": len(written_ids),
         "lost_samples": len(set(written_ids) - set(ids)),
         "duplicated_samples": sum(1 for c in ids.values() if c > 1),
         "unexpected_samples": len(set(ids) - set(written_ids)),
-        "latency_ms": {"p50": q(0.50), "p90": q(0.90), "p99": q(0.99), "max": lat[-1] * 1000,
-                       "min": lat[0] * 1000},
+        "latency_ms": {"p50": q(0.50), "p90": q(0.90), "p99": q(0.99), "max": lat[-1] * 1000, "min": lat[0] * 1000},
         "reader_poll_ms_mean": 1000 * statistics.mean(r["poll_s"]),
-        "reader_polls": len(r["poll_s"]), "reader_stats": r["stats"],
+        "reader_polls": len(r["poll_s"]),
+        "reader_stats": r["stats"],
         "one_probe_poll_ms": r["probe_poll_s"] * 1000,
         "one_full_listing_ms": r["full_listing_s"] * 1000,
     }
@@ -309,9 +353,13 @@ def scale(args) -> dict:
         reader.close()
     finally:
         shutil.rmtree(base, ignore_errors=True)
-    return {"workers": args.scale_workers, "shards": args.scale_workers * args.scale_shards,
-            "first_poll_ms": first * 1000, "probe_poll_ms": 1000 * statistics.median(probes),
-            "full_listing_ms": 1000 * statistics.median(fulls)}
+    return {
+        "workers": args.scale_workers,
+        "shards": args.scale_workers * args.scale_shards,
+        "first_poll_ms": first * 1000,
+        "probe_poll_ms": 1000 * statistics.median(probes),
+        "full_listing_ms": 1000 * statistics.median(fulls),
+    }
 
 
 def main() -> None:
@@ -319,8 +367,7 @@ def main() -> None:
         a = sys.argv[2:]
         reader_main(a[0], a[1], int(a[2]), float(a[3]), float(a[4]), a[5])
         return
-    ap = argparse.ArgumentParser(description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", default=None)
     ap.add_argument("--tmp", default=None, help="folder for the run folders (default: $TMPDIR)")
     ap.add_argument("--groups", type=int, default=256)
@@ -331,8 +378,9 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--writers", type=int, default=1000)
     ap.add_argument("--shards", type=int, default=3, help="shards per simulated writer")
-    ap.add_argument("--spread", type=float, default=15.0,
-                    help="seconds over which each writer spreads its shards (on average)")
+    ap.add_argument(
+        "--spread", type=float, default=15.0, help="seconds over which each writer spreads its shards (on average)"
+    )
     ap.add_argument("--poll", type=float, default=0.1)
     ap.add_argument("--discovery", default="poll,auto")
     ap.add_argument("--sim-timeout", type=float, default=300.0)
@@ -340,29 +388,41 @@ def main() -> None:
     ap.add_argument("--scale-shards", type=int, default=500, help="old shards per worker")
     ap.add_argument("--skip", default="", help="any of 'throughput', 'concurrency', 'scale'")
     args = ap.parse_args()
-    res = {"machine": f"{platform.processor() or platform.machine()}, {os.cpu_count()} CPUs, "
-                      f"{platform.platform()}",
-           "python": platform.python_version(), "pyarrow": pa.__version__,
-           "date": time.strftime("%Y-%m-%d"), "args": vars(args)}
+    res = {
+        "machine": f"{platform.processor() or platform.machine()}, {os.cpu_count()} CPUs, {platform.platform()}",
+        "python": platform.python_version(),
+        "pyarrow": pa.__version__,
+        "date": time.strftime("%Y-%m-%d"),
+        "args": vars(args),
+    }
     if "throughput" not in args.skip:
         res["throughput"] = throughput(args)
         t = res["throughput"]
-        print(f"throughput: tandem {t['tandem']['samples_per_s']:.0f} samples/s "
-              f"{t['tandem']['MB_per_s']:.1f} MB/s, raw {t['raw']['samples_per_s']:.0f} "
-              f"samples/s {t['raw']['MB_per_s']:.1f} MB/s, ratio {t['ratio_tandem_over_raw']:.2f}; "
-              f"raw bytes {t['raw_bytes']['MB_per_s']:.0f} MB/s", flush=True)
+        print(
+            f"throughput: tandem {t['tandem']['samples_per_s']:.0f} samples/s "
+            f"{t['tandem']['MB_per_s']:.1f} MB/s, raw {t['raw']['samples_per_s']:.0f} "
+            f"samples/s {t['raw']['MB_per_s']:.1f} MB/s, ratio {t['ratio_tandem_over_raw']:.2f}; "
+            f"raw bytes {t['raw_bytes']['MB_per_s']:.0f} MB/s",
+            flush=True,
+        )
     if "concurrency" not in args.skip:
         res["concurrency"] = []
         for mode in args.discovery.split(","):
             c = concurrency(args, mode)
             res["concurrency"].append(c)
-            print(f"concurrency ({mode}): {c['writers']} writers, {c['published_shards']} shards, "
-                  f"p50 {c['latency_ms']['p50']:.0f} ms p99 {c['latency_ms']['p99']:.0f} ms, "
-                  f"lost {c['lost_samples']} duplicated {c['duplicated_samples']}", flush=True)
+            print(
+                f"concurrency ({mode}): {c['writers']} writers, {c['published_shards']} shards, "
+                f"p50 {c['latency_ms']['p50']:.0f} ms p99 {c['latency_ms']['p99']:.0f} ms, "
+                f"lost {c['lost_samples']} duplicated {c['duplicated_samples']}",
+                flush=True,
+            )
     if "scale" not in args.skip:
         res["scale"] = sc = scale(args)
-        print(f"scale: {sc['shards']} old shards in {sc['workers']} worker folders: probing poll "
-              f"{sc['probe_poll_ms']:.1f} ms, full listing {sc['full_listing_ms']:.0f} ms", flush=True)
+        print(
+            f"scale: {sc['shards']} old shards in {sc['workers']} worker folders: probing poll "
+            f"{sc['probe_poll_ms']:.1f} ms, full listing {sc['full_listing_ms']:.0f} ms",
+            flush=True,
+        )
     text = json.dumps(res, indent=1, default=str)
     if args.out:
         with open(args.out, "w") as f:

@@ -11,6 +11,7 @@ gRPC, the same chunk framing into a handler that only counts bytes. Column valid
 reader's for both transports (buffer_bench.py measures it). The four are run in turn for
 `--rounds` rounds (disk speed drifts on a shared VM) and each ratio is the median over rounds.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -73,6 +74,7 @@ def raw_copy(payloads: list[bytes], folder: str | None) -> float:
 def _grpc_server(root: str, cfg, ready, stop, stats_q) -> None:
     """The trainer side in its own process, as in a real run (rank 0 of the trainer)."""
     from buffer.experience.net_server import ShardServer
+
     server = ShardServer(root, cfg)
     ready.set()
     stop.wait(timeout=3600)
@@ -84,6 +86,7 @@ def grpc_copy(payloads: list[bytes], cfg, root: str) -> float:
     """Seconds for the gRPC ExperienceSink's push path (after encoding) to get every shard acknowledged
     by a ShardServer in another process."""
     from buffer.writer import ShardWriter
+
     ctx = mp.get_context("spawn")
     ready, stop, stats_q = ctx.Event(), ctx.Event(), ctx.Queue()
     proc = ctx.Process(target=_grpc_server, args=(os.path.join(root, "trainer"), cfg, ready, stop, stats_q))
@@ -110,8 +113,8 @@ def _bare_server(port_q, stop) -> None:
 
     def push(chunks, context):
         return bytes(sum(len(c) if isinstance(c, memoryview) else 0 for c in chunks) > 0)
-    server = grpc.server(futures.ThreadPoolExecutor(16),
-                         options=[("grpc.max_receive_message_length", 8 << 20)])
+
+    server = grpc.server(futures.ThreadPoolExecutor(16), options=[("grpc.max_receive_message_length", 8 << 20)])
     handler = grpc.stream_unary_rpc_method_handler(push, request_deserializer=decode_chunk)
     server.add_generic_rpc_handlers([grpc.method_handlers_generic_handler("bare.Bare", {"Push": handler})])
     port_q.put(server.add_insecure_port("127.0.0.1:0"))
@@ -125,6 +128,7 @@ def bare_grpc_copy(payloads: list[bytes], chunk: int, inflight: int) -> float:
     import grpc
 
     from protocol.shard_stream import encode_chunk
+
     ctx = mp.get_context("spawn")
     port_q, stop = ctx.Queue(), ctx.Event()
     proc = ctx.Process(target=_bare_server, args=(port_q, stop))
@@ -135,7 +139,8 @@ def bare_grpc_copy(payloads: list[bytes], chunk: int, inflight: int) -> float:
 
         def one(data: bytes):
             view = memoryview(data)
-            return push(iter([view[i:i + chunk] for i in range(0, len(data), chunk)]), timeout=60)
+            return push(iter([view[i : i + chunk] for i in range(0, len(data), chunk)]), timeout=60)
+
         t0 = time.perf_counter()
         with futures.ThreadPoolExecutor(inflight) as pool:
             list(pool.map(one, payloads))
@@ -149,9 +154,12 @@ def one_round(payloads: list[bytes], cfg, work: str, i: int) -> dict[str, float]
     """Seconds for each of the four, run back to back on fresh folders."""
     root = os.path.join(work, f"round{i}")
     os.makedirs(os.path.join(root, "raw"))
-    out = {"grpc": grpc_copy(payloads, cfg, root), "raw": raw_copy(payloads, folder=None),
-           "raw_fsync": raw_copy(payloads, folder=os.path.join(root, "raw")),
-           "bare_grpc": bare_grpc_copy(payloads, cfg.grpc_chunk_kb << 10, cfg.grpc_max_inflight)}
+    out = {
+        "grpc": grpc_copy(payloads, cfg, root),
+        "raw": raw_copy(payloads, folder=None),
+        "raw_fsync": raw_copy(payloads, folder=os.path.join(root, "raw")),
+        "bare_grpc": bare_grpc_copy(payloads, cfg.grpc_chunk_kb << 10, cfg.grpc_max_inflight),
+    }
     shutil.rmtree(root, ignore_errors=True)
     return out
 
@@ -165,8 +173,9 @@ def main() -> int:
     ap.add_argument("--chunk-kb", type=int, default=1024, help="buffer.grpc_chunk_kb")
     ap.add_argument("--out")
     args = ap.parse_args()
-    from buffer.config import BufferConfig
     from conftest import make_group
+
+    from buffer.config import BufferConfig
     from protocol.experience import encode, to_table
 
     work = tempfile.mkdtemp(prefix="grpc_bench_")
@@ -175,11 +184,16 @@ def main() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    cfg = BufferConfig(transport="grpc", grpc_bind=f"127.0.0.1:{port}", grpc_address=f"127.0.0.1:{port}",
-                       grpc_token_file=os.path.join(work, "token"), flush_samples=args.samples,
-                       grpc_max_inflight=args.inflight, grpc_chunk_kb=args.chunk_kb)
-    groups = [make_group("w0", 0, g, 0, 16, prompt_len=64, response_len=192)
-              for g in range(args.samples // 16)]
+    cfg = BufferConfig(
+        transport="grpc",
+        grpc_bind=f"127.0.0.1:{port}",
+        grpc_address=f"127.0.0.1:{port}",
+        grpc_token_file=os.path.join(work, "token"),
+        flush_samples=args.samples,
+        grpc_max_inflight=args.inflight,
+        grpc_chunk_kb=args.chunk_kb,
+    )
+    groups = [make_group("w0", 0, g, 0, 16, prompt_len=64, response_len=192) for g in range(args.samples // 16)]
     # Encoding Samples to Arrow is the worker's cost with either transport (see buffer_bench.py);
     # here both sides move the same ready shard bytes.
     payloads = [encode(to_table([s for g in groups for s in g])) for _ in range(args.shards)]
@@ -187,17 +201,23 @@ def main() -> int:
     rounds = [one_round(payloads, cfg, work, i) for i in range(args.rounds)]
     shutil.rmtree(work, ignore_errors=True)
     mbps = {k: [total / r[k] / 1e6 for r in rounds] for k in rounds[0]}
-    result = {"date": time.strftime("%Y-%m-%d"), "machine": f"{os.cpu_count()}-core CPU",
-              "shards": args.shards, "shard_mb": len(payloads[0]) / 1e6, "rounds": args.rounds,
-              "inflight": args.inflight, "chunk_kb": args.chunk_kb,
-              "MBps_per_round": mbps,
-              "grpc_MBps_incl_sha256_fsync": statistics.median(mbps["grpc"]),
-              "raw_socket_MBps": statistics.median(mbps["raw"]),
-              "raw_socket_fsync_MBps": statistics.median(mbps["raw_fsync"]),
-              "bare_grpc_MBps": statistics.median(mbps["bare_grpc"]),
-              "grpc_over_bare_grpc": statistics.median(r["bare_grpc"] / r["grpc"] for r in rounds),
-              "grpc_over_raw_socket": statistics.median(r["raw"] / r["grpc"] for r in rounds),
-              "grpc_over_raw_socket_fsync": statistics.median(r["raw_fsync"] / r["grpc"] for r in rounds)}
+    result = {
+        "date": time.strftime("%Y-%m-%d"),
+        "machine": f"{os.cpu_count()}-core CPU",
+        "shards": args.shards,
+        "shard_mb": len(payloads[0]) / 1e6,
+        "rounds": args.rounds,
+        "inflight": args.inflight,
+        "chunk_kb": args.chunk_kb,
+        "MBps_per_round": mbps,
+        "grpc_MBps_incl_sha256_fsync": statistics.median(mbps["grpc"]),
+        "raw_socket_MBps": statistics.median(mbps["raw"]),
+        "raw_socket_fsync_MBps": statistics.median(mbps["raw_fsync"]),
+        "bare_grpc_MBps": statistics.median(mbps["bare_grpc"]),
+        "grpc_over_bare_grpc": statistics.median(r["bare_grpc"] / r["grpc"] for r in rounds),
+        "grpc_over_raw_socket": statistics.median(r["raw"] / r["grpc"] for r in rounds),
+        "grpc_over_raw_socket_fsync": statistics.median(r["raw_fsync"] / r["grpc"] for r in rounds),
+    }
     print(json.dumps(result, indent=1))
     if args.out:
         with open(args.out, "w") as f:

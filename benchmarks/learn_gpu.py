@@ -34,6 +34,7 @@ mode trains the same number of steps on the same batch, so the same number of sa
 `--cpu` runs every step on this machine's CPU with the 'tiny' model and a small recipe, to check
 the wiring end to end (tests/test_arith_task.py does).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -58,18 +59,47 @@ PROFILES = {
     # sft_token_budget: without flash-attn, sdpa attends over a packed micro-batch's whole
     # block-diagonal mask (T x T), so T stays at 8k. timeout: launch.local's, from the start of
     # its processes (vLLM's ~1-2 min start included), leaving time to stop them within 10 min.
-    "gpu": dict(rows=50000, val_fraction=0.02, size="gpu", sft_steps=1500, sft_batch=256,
-                sft_lr=1e-3, save_every=100, sft_token_budget=8192, rl_steps=100, batch=64, n=8,
-                lr=2e-5, test_freq=10, micro_token_budget=32768, timeout=480, eval_batch=512),
-    "cpu": dict(rows=600, val_fraction=0.05, size="tiny", sft_steps=4, sft_batch=16, sft_lr=3e-3,
-                save_every=2, sft_token_budget=2048, rl_steps=3, batch=4, n=4, lr=1e-3,
-                test_freq=2, micro_token_budget=4096, timeout=600, eval_batch=64),
+    "gpu": dict(
+        rows=50000,
+        val_fraction=0.02,
+        size="gpu",
+        sft_steps=1500,
+        sft_batch=256,
+        sft_lr=1e-3,
+        save_every=100,
+        sft_token_budget=8192,
+        rl_steps=100,
+        batch=64,
+        n=8,
+        lr=2e-5,
+        test_freq=10,
+        micro_token_budget=32768,
+        timeout=480,
+        eval_batch=512,
+    ),
+    "cpu": dict(
+        rows=600,
+        val_fraction=0.05,
+        size="tiny",
+        sft_steps=4,
+        sft_batch=16,
+        sft_lr=3e-3,
+        save_every=2,
+        sft_token_budget=2048,
+        rl_steps=3,
+        batch=4,
+        n=4,
+        lr=1e-3,
+        test_freq=2,
+        micro_token_budget=4096,
+        timeout=600,
+        eval_batch=64,
+    ),
 }
 
 
 def _paths(res: Path) -> dict[tuple[str, str], str]:
-    return {(k, s): str(res / "data" / f"{k}_{s}.parquet")
-            for k in ("sft", "rl") for s in ("train", "val")}
+    return {(k, s): str(res / "data" / f"{k}_{s}.parquet") for k in ("sft", "rl") for s in ("train", "val")}
 
 
 def _need(path: Path, step: str) -> None:
@@ -90,8 +120,7 @@ def _run(cmd: list[str], gpus: str | None, log: Path | None = None) -> None:
             sys.stdout.flush()
             out.write(line)
     if proc.wait() != 0:
-        raise SystemExit(f"learn_gpu: exit code {proc.returncode} from {cmd[:6]}" +
-                         (f"; log {log}" if log else ""))
+        raise SystemExit(f"learn_gpu: exit code {proc.returncode} from {cmd[:6]}" + (f"; log {log}" if log else ""))
 
 
 # --- (a) build --------------------------------------------------------------------------------
@@ -100,14 +129,16 @@ def build(res: Path, prof: dict, model: bool = True) -> None:
     both are seeded, so a step on a fresh machine rebuilds the same ones."""
     if not Path(_paths(res)["rl", "val"]).exists():
         counts = arith.write_task(_paths(res), prof["rows"], val_fraction=prof["val_fraction"])
-        print(f"learn_gpu build: {counts['train']} train / {counts['val']} held-out problems in "
-              f"{res / 'data'}")
+        print(f"learn_gpu build: {counts['train']} train / {counts['val']} held-out problems in {res / 'data'}")
     if model and not (res / "model").exists():
         arith.write_model(res / "model", prof["size"])
         from transformers import AutoConfig
+
         config = AutoConfig.from_pretrained(res / "model")
-        print(f"learn_gpu build: model {res / 'model'} ({prof['size']}: hidden "
-              f"{config.hidden_size}, {config.num_hidden_layers} layers, vocab {config.vocab_size})")
+        print(
+            f"learn_gpu build: model {res / 'model'} ({prof['size']}: hidden "
+            f"{config.hidden_size}, {config.num_hidden_layers} layers, vocab {config.vocab_size})"
+        )
 
 
 # --- handing files to the next step on another machine ---------------------------------------
@@ -118,6 +149,7 @@ def export_files(out: Path, name: str, members: dict[str, Path]) -> None:
     """`members` (archive name -> file) as one tar cut into out/name.tar.NN parts."""
     import io
     import tarfile
+
     buf = io.BytesIO()
     with tarfile.open(fileobj=buf, mode="w") as tar:
         for arcname, path in members.items():
@@ -125,7 +157,7 @@ def export_files(out: Path, name: str, members: dict[str, Path]) -> None:
     data = buf.getvalue()
     out.mkdir(parents=True, exist_ok=True)
     for i in range(0, len(data), PART_BYTES):
-        (out / f"{name}.tar.{i // PART_BYTES:02d}").write_bytes(data[i:i + PART_BYTES])
+        (out / f"{name}.tar.{i // PART_BYTES:02d}").write_bytes(data[i : i + PART_BYTES])
     print(f"learn_gpu: exported {name} ({len(data) / 2**20:.1f} MiB) to {out}")
 
 
@@ -133,6 +165,7 @@ def import_files(src: Path, name: str, dest: Path) -> bool:
     """Unpack src/name.tar.NN into dest; False when there are no such parts."""
     import io
     import tarfile
+
     parts = sorted(src.glob(f"{name}.tar.[0-9][0-9]"))
     if not parts:
         return False
@@ -147,18 +180,19 @@ def export_start(res: Path, out: Path) -> None:
     (its checksums are of the fp32 files); plus the SFT measurements."""
     import torch
     from safetensors.torch import load_file, save_file
+
     start, tmp = res / "start", res / "export"
     tmp.mkdir(exist_ok=True)
     members = {}
     for f in start.iterdir():
         if f.suffix == ".safetensors":
-            save_file({k: v.to(torch.bfloat16) for k, v in load_file(f).items()}, tmp / f.name,
-                      metadata={"format": "pt"})
+            save_file(
+                {k: v.to(torch.bfloat16) for k, v in load_file(f).items()}, tmp / f.name, metadata={"format": "pt"}
+            )
             members[f"start/{f.name}"] = tmp / f.name
         elif f.name != "manifest.json":
             members[f"start/{f.name}"] = f
-    members |= {"sft/accuracy.json": res / "sft" / "accuracy.json",
-                "sft/metrics.jsonl": res / "sft" / "metrics.jsonl"}
+    members |= {"sft/accuracy.json": res / "sft" / "accuracy.json", "sft/metrics.jsonl": res / "sft" / "metrics.jsonl"}
     export_files(out, "start", members)
 
 
@@ -169,13 +203,14 @@ def greedy_accuracy(model_dir: str, val_file: str, device: str, batch: int) -> f
     from rollout import reward
     from rollout.dataset import load_prompts
     from rollout.engine import HFEngine, SamplingSettings
+
     engine = HFEngine(model_dir, "bfloat16" if device == "cuda" else "float32", device)
     prompts = load_prompts([val_file], engine.tokenizer, "prompt", arith.MAX_PROMPT_LENGTH)
     score = reward.resolve(None, "compute_score")
     params = SamplingSettings(n=1, temperature=0.0, top_p=1.0, max_tokens=arith.MAX_RESPONSE_LENGTH, seed=0)
     total = 0.0
     for start in range(0, len(prompts), batch):
-        chunk = prompts[start:start + batch]
+        chunk = prompts[start : start + batch]
         for p, [c] in zip(chunk, engine.generate([p.token_ids for p in chunk], params)):
             text = engine.tokenizer.decode(c.token_ids, skip_special_tokens=True)
             total += score(p.data_source, text, p.ground_truth, p.extra_info)
@@ -187,18 +222,36 @@ def sft(res: Path, prof: dict, args) -> None:
     build(res, prof)
     out = RunLayout(str(res / "sft"))
     steps = args.steps or prof["sft_steps"]
-    _run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=1",
-          "-m", "trainer.sft", f"data.train_files=[{_paths(res)['sft', 'train']}]",
-          f"data.val_files=[{_paths(res)['sft', 'val']}]", f"model.partial_pretrain={res / 'model'}",
-          f"trainer.default_local_dir={out.root}", f"trainer.total_training_steps={steps}",
-          "trainer.total_epochs=1000", f"trainer.save_freq={args.save_every or prof['save_every']}",
-          f"trainer.test_freq={args.save_every or prof['save_every']}", "trainer.max_ckpt_to_keep=1000",
-          f"data.train_batch_size={prof['sft_batch']}", f"optim.lr={prof['sft_lr']}",
-          "optim.warmup_steps_ratio=0.05", "optim.weight_decay=0.01",
-          "model.enable_gradient_checkpointing=false",
-          f"data.max_length={arith.MAX_PROMPT_LENGTH + arith.MAX_RESPONSE_LENGTH}",
-          f"data.max_token_len_per_gpu={prof['sft_token_budget']}", *args.set],
-         None if args.cpu else "0", res / "sft.log")
+    _run(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc_per_node=1",
+            "-m",
+            "trainer.sft",
+            f"data.train_files=[{_paths(res)['sft', 'train']}]",
+            f"data.val_files=[{_paths(res)['sft', 'val']}]",
+            f"model.partial_pretrain={res / 'model'}",
+            f"trainer.default_local_dir={out.root}",
+            f"trainer.total_training_steps={steps}",
+            "trainer.total_epochs=1000",
+            f"trainer.save_freq={args.save_every or prof['save_every']}",
+            f"trainer.test_freq={args.save_every or prof['save_every']}",
+            "trainer.max_ckpt_to_keep=1000",
+            f"data.train_batch_size={prof['sft_batch']}",
+            f"optim.lr={prof['sft_lr']}",
+            "optim.warmup_steps_ratio=0.05",
+            "optim.weight_decay=0.01",
+            "model.enable_gradient_checkpointing=false",
+            f"data.max_length={arith.MAX_PROMPT_LENGTH + arith.MAX_RESPONSE_LENGTH}",
+            f"data.max_token_len_per_gpu={prof['sft_token_budget']}",
+            *args.set,
+        ],
+        None if args.cpu else "0",
+        res / "sft.log",
+    )
     # Greedy held-out accuracy of every saved step; the RL start is the one nearest --target.
     device = "cpu" if args.cpu else "cuda"
     acc_file = res / "sft" / "accuracy.json"
@@ -214,11 +267,16 @@ def sft(res: Path, prof: dict, args) -> None:
     tmp.unlink(missing_ok=True)
     os.symlink(os.path.relpath(out.version_dir(int(chosen)), res), tmp)
     os.replace(tmp, link)
-    print(f"learn_gpu sft: RL starts from step {chosen} (held-out accuracy {acc[chosen]:.3f}, "
-          f"target {args.target}): {link} -> {os.readlink(link)}")
+    print(
+        f"learn_gpu sft: RL starts from step {chosen} (held-out accuracy {acc[chosen]:.3f}, "
+        f"target {args.target}): {link} -> {os.readlink(link)}"
+    )
     if max(acc.values()) < args.target:
-        print(f"learn_gpu sft: no saved step reached --target {args.target}: run more SFT steps "
-              f"(--steps; it resumes from the last checkpoint)", file=sys.stderr)
+        print(
+            f"learn_gpu sft: no saved step reached --target {args.target}: run more SFT steps "
+            f"(--steps; it resumes from the last checkpoint)",
+            file=sys.stderr,
+        )
     if args.export:
         export_start(res, args.export)
 
@@ -227,8 +285,10 @@ def sft(res: Path, prof: dict, args) -> None:
 def mode_settings(mode: str, samples_per_batch: int) -> tuple[list[str], list[str]]:
     """(trainer, worker) settings of a mode."""
     if mode == "sync":
-        return (os.environ.get("TANDEM_SYNC_SETTING", "trainer.max_staleness=0").split(),
-                os.environ.get("TANDEM_SYNC_WORKER_SETTING", "").split())
+        return (
+            os.environ.get("TANDEM_SYNC_SETTING", "trainer.max_staleness=0").split(),
+            os.environ.get("TANDEM_SYNC_WORKER_SETTING", "").split(),
+        )
     s = MODES[mode]
     return [f"trainer.max_staleness={s}"], [f"buffer.max_backlog_samples={(s + 1) * samples_per_batch}"]
 
@@ -241,9 +301,12 @@ def gpu_placement(placement: str, worker_memory: float) -> tuple[list[str], floa
     a few GiB). 'auto': 'one' when a single GPU is visible."""
     if placement == "auto":
         import torch
+
         placement = "one" if torch.cuda.device_count() == 1 else "two"
-    print(f"learn_gpu rl: placement {placement}" +
-          (f" (vLLM worker at gpu_memory_utilization={worker_memory})" if placement == "one" else ""))
+    print(
+        f"learn_gpu rl: placement {placement}"
+        + (f" (vLLM worker at gpu_memory_utilization={worker_memory})" if placement == "one" else "")
+    )
     if placement == "one":
         return ["--trainer-gpus", "0", "--worker-gpus", "0", "--validator-gpu", "0"], worker_memory
     return ["--trainer-gpus", "0", "--worker-gpus", "1", "--validator-gpu", "0"], None
@@ -259,34 +322,69 @@ def rl(res: Path, prof: dict, args) -> None:
         raise SystemExit(f"learn_gpu rl: {root} exists (an earlier run of this mode); move it away")
     batch, n = args.batch or prof["batch"], args.n or prof["n"]
     trainer_mode, worker_mode = mode_settings(args.mode, batch * n)
-    trainer = [f"data.train_batch_size={batch}", f"actor_rollout_ref.actor.ppo_mini_batch_size={batch}",
-               f"actor_rollout_ref.actor.optim.lr={args.lr or prof['lr']}",
-               "actor_rollout_ref.actor.optim.weight_decay=0", "actor_rollout_ref.actor.use_dynamic_bsz=true",
-               f"actor_rollout_ref.actor.ppo_max_token_len_per_gpu={prof['micro_token_budget']}",
-               "trainer.keep_versions=8", *trainer_mode]
-    worker = [f"actor_rollout_ref.rollout.n={n}", f"actor_rollout_ref.rollout.prompts_per_batch={batch}",
-              f"buffer.flush_samples={batch * n}", "buffer.flush_interval=2", *worker_mode]
+    trainer = [
+        f"data.train_batch_size={batch}",
+        f"actor_rollout_ref.actor.ppo_mini_batch_size={batch}",
+        f"actor_rollout_ref.actor.optim.lr={args.lr or prof['lr']}",
+        "actor_rollout_ref.actor.optim.weight_decay=0",
+        "actor_rollout_ref.actor.use_dynamic_bsz=true",
+        f"actor_rollout_ref.actor.ppo_max_token_len_per_gpu={prof['micro_token_budget']}",
+        "trainer.keep_versions=8",
+        *trainer_mode,
+    ]
+    worker = [
+        f"actor_rollout_ref.rollout.n={n}",
+        f"actor_rollout_ref.rollout.prompts_per_batch={batch}",
+        f"buffer.flush_samples={batch * n}",
+        "buffer.flush_interval=2",
+        *worker_mode,
+    ]
     placement = []
     if not args.cpu:
         worker += ["actor_rollout_ref.rollout.name=vllm", "actor_rollout_ref.rollout.dtype=bfloat16"]
         placement, memory = gpu_placement(args.placement, args.worker_memory)
         worker += [f"actor_rollout_ref.rollout.gpu_memory_utilization={memory}"] if memory else []
-    cmd = [sys.executable, "-m", "launch.local", "--root", str(root), "--task", "arith",
-           "--model", str((res / "start").resolve()), "--data", _paths(res)["rl", "train"],
-           "--val-data", _paths(res)["rl", "val"], "--steps", str(args.steps or prof["rl_steps"]),
-           "--test-freq", str(prof["test_freq"]), "--nproc", "1", "--workers", "1",
-           "--timeout", str(prof["timeout"]), *placement,
-           *[x for s in trainer + args.trainer for x in ("--trainer", s)],
-           *[x for s in worker + args.worker for x in ("--worker", s)],
-           "--validator", f"data.val_batch_size={prof['eval_batch']}"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "launch.local",
+        "--root",
+        str(root),
+        "--task",
+        "arith",
+        "--model",
+        str((res / "start").resolve()),
+        "--data",
+        _paths(res)["rl", "train"],
+        "--val-data",
+        _paths(res)["rl", "val"],
+        "--steps",
+        str(args.steps or prof["rl_steps"]),
+        "--test-freq",
+        str(prof["test_freq"]),
+        "--nproc",
+        "1",
+        "--workers",
+        "1",
+        "--timeout",
+        str(prof["timeout"]),
+        *placement,
+        *[x for s in trainer + args.trainer for x in ("--trainer", s)],
+        *[x for s in worker + args.worker for x in ("--worker", s)],
+        "--validator",
+        f"data.val_batch_size={prof['eval_batch']}",
+    ]
     try:
         _run(cmd, None, res / f"rl-{args.mode}.log")
     finally:  # a run cut short by its timeout still has curves to plot
         if args.export:
-            files = [root / "metrics.jsonl", root / "progress.json", *root.glob("workers/*.json"),
-                     *root.glob("logs/*.log")]
-            export_files(args.export, root.name, {str(f.relative_to(res)): f
-                                                  for f in files if f.exists()})
+            files = [
+                root / "metrics.jsonl",
+                root / "progress.json",
+                *root.glob("workers/*.json"),
+                *root.glob("logs/*.log"),
+            ]
+            export_files(args.export, root.name, {str(f.relative_to(res)): f for f in files if f.exists()})
 
 
 # --- (d) plot ---------------------------------------------------------------------------------
@@ -298,35 +396,56 @@ def plot(res: Path, args) -> None:
     if not runs:
         raise SystemExit(f"learn_gpu plot: no {res}/rl-MODE folders: run the 'rl' step first")
     from benchmarks import plot_learning
+
     plot_learning.main([*map(str, runs), "--out", str(res / "plots")])
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m benchmarks.learn_gpu", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        prog="python -m benchmarks.learn_gpu", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("step", choices=("build", "sft", "rl", "plot"))
     p.add_argument("res", help="results folder (every step reads and writes here)")
     p.add_argument("mode", nargs="?", choices=sorted(MODES), help="rl: the mode")
     p.add_argument("--cpu", action="store_true", help="this machine's CPU, the tiny model")
     p.add_argument("--steps", type=int, help="sft/rl: steps (default: the profile's)")
     p.add_argument("--save-every", type=int, help="sft: save (and measure) every this many steps")
-    p.add_argument("--target", type=float, default=0.4,
-                   help="sft: held-out accuracy the RL start should have (default 0.4)")
+    p.add_argument(
+        "--target", type=float, default=0.4, help="sft: held-out accuracy the RL start should have (default 0.4)"
+    )
     p.add_argument("--batch", type=int, help="rl: prompts per step and per rollout batch")
     p.add_argument("--n", type=int, help="rl: responses per prompt (group size)")
     p.add_argument("--lr", type=float, help="rl: actor learning rate")
-    p.add_argument("--placement", choices=("auto", "one", "two"), default="auto",
-                   help="rl on GPU: 'two' puts the vLLM worker on GPU 1, 'one' shares GPU 0 with "
-                        "the trainer and validator; 'auto' (default): 'one' when one GPU is visible")
-    p.add_argument("--worker-memory", type=float, default=0.25, metavar="FRACTION",
-                   help="rl, placement 'one': the vLLM worker's gpu_memory_utilization (default 0.25)")
-    p.add_argument("--export", type=Path, metavar="DIR",
-                   help="sft: write the RL start (bf16) and SFT measurements; rl: the run's "
-                        "metrics, heartbeats and logs; as tar parts of at most 15 MiB in DIR (e.g. "
-                        "$OUT), for a later step on another machine")
-    p.add_argument("--import", dest="import_dir", type=Path, metavar="DIR",
-                   help="rl: take the RL start from DIR's start.tar.NN parts when RES has none; "
-                        "plot: unpack DIR's rl-MODE.tar.NN parts")
+    p.add_argument(
+        "--placement",
+        choices=("auto", "one", "two"),
+        default="auto",
+        help="rl on GPU: 'two' puts the vLLM worker on GPU 1, 'one' shares GPU 0 with "
+        "the trainer and validator; 'auto' (default): 'one' when one GPU is visible",
+    )
+    p.add_argument(
+        "--worker-memory",
+        type=float,
+        default=0.25,
+        metavar="FRACTION",
+        help="rl, placement 'one': the vLLM worker's gpu_memory_utilization (default 0.25)",
+    )
+    p.add_argument(
+        "--export",
+        type=Path,
+        metavar="DIR",
+        help="sft: write the RL start (bf16) and SFT measurements; rl: the run's "
+        "metrics, heartbeats and logs; as tar parts of at most 15 MiB in DIR (e.g. "
+        "$OUT), for a later step on another machine",
+    )
+    p.add_argument(
+        "--import",
+        dest="import_dir",
+        type=Path,
+        metavar="DIR",
+        help="rl: take the RL start from DIR's start.tar.NN parts when RES has none; "
+        "plot: unpack DIR's rl-MODE.tar.NN parts",
+    )
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="sft: extra setting")
     p.add_argument("--trainer", action="append", default=[], metavar="KEY=VALUE", help="rl: extra trainer setting")
     p.add_argument("--worker", action="append", default=[], metavar="KEY=VALUE", help="rl: extra worker setting")

@@ -18,6 +18,7 @@ validator's own latency does not shift the curves. A panel whose data no run has
 with a line saying so. The run label is the folder name without its 'rl-' prefix; a run
 labelled 'sync' is the reference for time-to-accuracy.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -45,28 +46,41 @@ def load_run(root: str, label: str | None = None) -> dict:
     beats = [b for b in status.read_heartbeats(run).values() if b.get("history")]
     # history rows: [end unix, version, samples, tokens, generate seconds] per batch; a long
     # run's history is thinned (rollout/worker.py), so totals use the batch count of the beat
-    t0 = (min(h[0] - h[4] for b in beats for h in b["history"]) if beats
-          else rows[0]["time/unix"] - rows[0]["time/step_s"])
+    t0 = (
+        min(h[0] - h[4] for b in beats for h in b["history"])
+        if beats
+        else rows[0]["time/unix"] - rows[0]["time/step_s"]
+    )
     at_step = {0: (0.0, 0)} | {r["step"]: (r["time/unix"] - t0, r["samples/consumed"]) for r in rows}
-    curves = {key: [(at_step[s][0], at_step[s][1], v) for s, _, v in points if s in at_step]
-              for key, points in status.validation_series(vals).items()}
+    curves = {
+        key: [(at_step[s][0], at_step[s][1], v) for s, _, v in points if s in at_step]
+        for key, points in status.validation_series(vals).items()
+    }
     wall = rows[-1]["time/unix"] - t0
     # waiting for data after t0 (the first step's wait for engine start-up is not idleness)
     waits = [(r["time/unix"] - r["time/step_s"], r.get("time/wait_s", 0.0)) for r in rows]
     idle = sum(max(0.0, start + wait - max(start, t0)) for start, wait in waits)
-    run = {"label": label or os.path.basename(path.rstrip("/")).removeprefix("rl-"), "root": path,
-           "steps": rows[-1]["step"], "samples": rows[-1]["samples/consumed"], "wall_s": wall,
-           "curves": curves, "trainer_samples_per_s": rows[-1]["samples/consumed"] / wall,
-           "trainer_idle": idle / wall,
-           # per step: computing (not waiting for data, not publishing)
-           "t_train_s": sum(status.step_split(r)["compute_s"] for r in rows) / len(rows),
-           "dropped_stale": rows[-1].get("buffer/dropped_stale_samples", 0)}
+    run = {
+        "label": label or os.path.basename(path.rstrip("/")).removeprefix("rl-"),
+        "root": path,
+        "steps": rows[-1]["step"],
+        "samples": rows[-1]["samples/consumed"],
+        "wall_s": wall,
+        "curves": curves,
+        "trainer_samples_per_s": rows[-1]["samples/consumed"] / wall,
+        "trainer_idle": idle / wall,
+        # per step: computing (not waiting for data, not publishing)
+        "t_train_s": sum(status.step_split(r)["compute_s"] for r in rows) / len(rows),
+        "dropped_stale": rows[-1].get("buffer/dropped_stale_samples", 0),
+    }
     if beats:
         t_gen = [sum(h[4] for h in b["history"]) / len(b["history"]) for b in beats]
         span = max(b["history"][-1][0] for b in beats) - t0
-        run.update(worker_samples_per_s=sum(b["samples_written"] for b in beats) / span,
-                   worker_busy=sum(t * b["batches"] for t, b in zip(t_gen, beats)) / (span * len(beats)),
-                   t_gen_s=sum(t_gen) / len(t_gen))  # one rollout batch
+        run.update(
+            worker_samples_per_s=sum(b["samples_written"] for b in beats) / span,
+            worker_busy=sum(t * b["batches"] for t, b in zip(t_gen, beats)) / (span * len(beats)),
+            t_gen_s=sum(t_gen) / len(t_gen),
+        )  # one rollout batch
         run["ideal_speedup"] = (run["t_gen_s"] + run["t_train_s"]) / max(run["t_gen_s"], run["t_train_s"])
     return run
 
@@ -86,32 +100,72 @@ def summary(runs: list[dict]) -> list[dict]:
     for run in runs:
         for key, points in sorted(run["curves"].items()):
             values = [v for _, _, v in points]
-            row = {"run": run["label"], "metric": key, "steps": run["steps"], "samples": run["samples"],
-                   "wall_min": run["wall_s"] / 60, "first": values[0], "final": values[-1],
-                   "best": max(values), "last_mean": sum(values[-LAST_POINTS:]) / len(values[-LAST_POINTS:]),
-                   **{k: run.get(k) for k in ("trainer_samples_per_s", "worker_samples_per_s",
-                                              "trainer_idle", "worker_busy", "t_gen_s", "t_train_s",
-                                              "ideal_speedup", "dropped_stale")}}
+            row = {
+                "run": run["label"],
+                "metric": key,
+                "steps": run["steps"],
+                "samples": run["samples"],
+                "wall_min": run["wall_s"] / 60,
+                "first": values[0],
+                "final": values[-1],
+                "best": max(values),
+                "last_mean": sum(values[-LAST_POINTS:]) / len(values[-LAST_POINTS:]),
+                **{
+                    k: run.get(k)
+                    for k in (
+                        "trainer_samples_per_s",
+                        "worker_samples_per_s",
+                        "trainer_idle",
+                        "worker_busy",
+                        "t_gen_s",
+                        "t_train_s",
+                        "ideal_speedup",
+                        "dropped_stale",
+                    )
+                },
+            }
             if sync is not None and sync["curves"].get(key):
                 target = sync["curves"][key][-1][2]
                 mine, ref = time_to(run, key, target), time_to(sync, key, target)
-                row.update(sync_final=target, time_to_sync_final_min=None if mine is None else mine / 60,
-                           time_ratio_vs_sync=None if mine is None or not ref else mine / ref,
-                           # same samples: sync's wall-clock over this run's
-                           speedup_vs_sync=sync["wall_s"] / run["wall_s"])
+                row.update(
+                    sync_final=target,
+                    time_to_sync_final_min=None if mine is None else mine / 60,
+                    time_ratio_vs_sync=None if mine is None or not ref else mine / ref,
+                    # same samples: sync's wall-clock over this run's
+                    speedup_vs_sync=sync["wall_s"] / run["wall_s"],
+                )
             table.append(row)
     return table
 
 
 def markdown(table: list[dict]) -> str:
-    cols = ["run", "metric", "steps", "samples", "wall_min", "first", "final", "best", "last_mean",
-            "time_to_sync_final_min", "time_ratio_vs_sync", "speedup_vs_sync", "trainer_samples_per_s",
-            "worker_samples_per_s", "trainer_idle", "worker_busy", "t_gen_s", "t_train_s",
-            "ideal_speedup", "dropped_stale"]
+    cols = [
+        "run",
+        "metric",
+        "steps",
+        "samples",
+        "wall_min",
+        "first",
+        "final",
+        "best",
+        "last_mean",
+        "time_to_sync_final_min",
+        "time_ratio_vs_sync",
+        "speedup_vs_sync",
+        "trainer_samples_per_s",
+        "worker_samples_per_s",
+        "trainer_idle",
+        "worker_busy",
+        "t_gen_s",
+        "t_train_s",
+        "ideal_speedup",
+        "dropped_stale",
+    ]
     cols = [c for c in cols if any(c in row for row in table)]
 
     def cell(v):
         return "-" if v is None else f"{v:.3g}" if isinstance(v, float) else str(v)
+
     lines = ["| " + " | ".join(cols) + " |", "|" + " --- |" * len(cols)]
     lines += ["| " + " | ".join(cell(row.get(c)) for c in cols) + " |" for row in table]
     return "\n".join(lines) + "\n"
@@ -143,25 +197,45 @@ def _bars(runs, ax, keys: dict[str, str], ylabel: str) -> bool:
 
 
 PANELS = {
-    "accuracy_time": ("Validation accuracy vs wall-clock", "no validation rows (val-core/*)",
-                      lambda runs, ax: _accuracy(runs, ax, 0, "wall-clock (minutes since start)")),
-    "accuracy_samples": ("Validation accuracy vs samples consumed", "no validation rows (val-core/*)",
-                         lambda runs, ax: _accuracy(runs, ax, 1, "samples consumed by the trainer")),
-    "throughput": ("Throughput", "no trainer or worker throughput",
-                   lambda runs, ax: _bars(runs, ax, {"trainer_samples_per_s": "trainer (consumed)",
-                                                     "worker_samples_per_s": "rollout (generated)"},
-                                          "samples / s of wall-clock")),
-    "busy": ("Busy and idle", "no time/wait_s rows nor worker histories",
-             lambda runs, ax: _bars(runs, ax, {"trainer_idle": "trainer idle (waiting for data)",
-                                               "worker_busy": "rollout generating"},
-                                    "fraction of wall-clock")),
+    "accuracy_time": (
+        "Validation accuracy vs wall-clock",
+        "no validation rows (val-core/*)",
+        lambda runs, ax: _accuracy(runs, ax, 0, "wall-clock (minutes since start)"),
+    ),
+    "accuracy_samples": (
+        "Validation accuracy vs samples consumed",
+        "no validation rows (val-core/*)",
+        lambda runs, ax: _accuracy(runs, ax, 1, "samples consumed by the trainer"),
+    ),
+    "throughput": (
+        "Throughput",
+        "no trainer or worker throughput",
+        lambda runs, ax: _bars(
+            runs,
+            ax,
+            {"trainer_samples_per_s": "trainer (consumed)", "worker_samples_per_s": "rollout (generated)"},
+            "samples / s of wall-clock",
+        ),
+    ),
+    "busy": (
+        "Busy and idle",
+        "no time/wait_s rows nor worker histories",
+        lambda runs, ax: _bars(
+            runs,
+            ax,
+            {"trainer_idle": "trainer idle (waiting for data)", "worker_busy": "rollout generating"},
+            "fraction of wall-clock",
+        ),
+    ),
 }
 
 
 def draw(runs: list[dict], out: str) -> list[str]:
     import matplotlib
+
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+
     written = []
     for name, (title, missing, panel) in PANELS.items():
         fig, ax = plt.subplots(figsize=(6.4, 4), dpi=100, layout="constrained")

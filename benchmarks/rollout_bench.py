@@ -13,6 +13,7 @@ at once, so they share the host fairly), `--rounds` times. Then the worker reloa
 published versions in place (checksums verified, files read by the engine process), each timed
 against a plain read of the same files.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -27,22 +28,37 @@ import time
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 
-QWEN25_05B = dict(hidden_size=896, intermediate_size=4864, num_hidden_layers=24,
-                  num_attention_heads=14, num_key_value_heads=2, vocab_size=151936,
-                  max_position_embeddings=4096, tie_word_embeddings=True, rope_theta=1e6)
+QWEN25_05B = dict(
+    hidden_size=896,
+    intermediate_size=4864,
+    num_hidden_layers=24,
+    num_attention_heads=14,
+    num_key_value_heads=2,
+    vocab_size=151936,
+    max_position_embeddings=4096,
+    tie_word_embeddings=True,
+    rope_theta=1e6,
+)
 # Qwen2.5-1.5B's published config.json (hidden, layers, heads; vocabulary and tied embeddings as 0.5B)
-QWEN25_15B = dict(QWEN25_05B, hidden_size=1536, intermediate_size=8960, num_hidden_layers=28,
-                  num_attention_heads=12, num_key_value_heads=2)
+QWEN25_15B = dict(
+    QWEN25_05B,
+    hidden_size=1536,
+    intermediate_size=8960,
+    num_hidden_layers=28,
+    num_attention_heads=12,
+    num_key_value_heads=2,
+)
 FILE_BYTES = 256 << 20  # the trainer publishes 256 MiB files (trainer/publish.py)
 
 
 def build_model(path: str, shape: dict = QWEN25_05B) -> None:
     import torch
     from transformers import Qwen2Config, Qwen2ForCausalLM
+
     from rollout import builtin_task
+
     torch.manual_seed(0)
-    model = Qwen2ForCausalLM(Qwen2Config(**shape, eos_token_id=1, pad_token_id=0,
-                                         bos_token_id=None)).to(torch.bfloat16)
+    model = Qwen2ForCausalLM(Qwen2Config(**shape, eos_token_id=1, pad_token_id=0, bos_token_id=None)).to(torch.bfloat16)
     model.save_pretrained(path)
     builtin_task.build_tokenizer().save_pretrained(path)
 
@@ -50,7 +66,9 @@ def build_model(path: str, shape: dict = QWEN25_05B) -> None:
 def publish_like_trainer(store, model_dir: str, version: int) -> None:
     """Publish the model's weights as the trainer does: 256 MiB safetensors files."""
     from safetensors.torch import load_file
+
     from buffer.weights.fs import copy_model_metadata
+
     state = load_file(os.path.join(model_dir, "model.safetensors"))
     staged, files, entries, part, size = store.stage(version), [], {}, {}, 0
     for name, t in state.items():
@@ -67,18 +85,20 @@ def publish_like_trainer(store, model_dir: str, version: int) -> None:
 
 # --- the two measured processes: one JSON command per stdin line, one JSON answer per line ---
 def serve_raw(args) -> None:
+    from transformers import AutoTokenizer
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
-    from transformers import AutoTokenizer
+
     from rollout.dataset import load_prompts
+
     tok = AutoTokenizer.from_pretrained(args.model)
-    prompts = [TokensPrompt(prompt_token_ids=p.token_ids)
-               for p in load_prompts([args.data], tok, "prompt", 512)]
+    prompts = [TokensPrompt(prompt_token_ids=p.token_ids) for p in load_prompts([args.data], tok, "prompt", 512)]
     llm = LLM(model=args.model, gpu_memory_utilization=0.9, seed=0)
     batches = 0
-    for line in sys.stdin:
-        sp = SamplingParams(n=args.n, temperature=1.0, top_p=1.0, max_tokens=args.max_tokens,
-                            logprobs=0, seed=batches, detokenize=False)
+    for _line in sys.stdin:
+        sp = SamplingParams(
+            n=args.n, temperature=1.0, top_p=1.0, max_tokens=args.max_tokens, logprobs=0, seed=batches, detokenize=False
+        )
         t0 = time.perf_counter()
         outs = llm.generate(prompts, sp, use_tqdm=False)
         tokens = sum(len(c.token_ids) for o in outs for c in o.outputs)
@@ -90,12 +110,22 @@ def serve_worker(args) -> None:
     from protocol.config import build
     from rollout.config import WorkerConfig
     from rollout.worker import RolloutWorker
-    cfg = build(WorkerConfig, {
-        "root": args.root, "data.train_files": f"[{args.data}]", "worker.id": "bench",
-        "data.shuffle": "false", "data.max_response_length": str(args.max_tokens),
-        "actor_rollout_ref.rollout.name": "vllm", "actor_rollout_ref.rollout.n": str(args.n),
-        "actor_rollout_ref.rollout.prompts_per_batch": str(args.prompts),
-        "buffer.flush_samples": "100000", "buffer.max_backlog_samples": "100000000"})
+
+    cfg = build(
+        WorkerConfig,
+        {
+            "root": args.root,
+            "data.train_files": f"[{args.data}]",
+            "worker.id": "bench",
+            "data.shuffle": "false",
+            "data.max_response_length": str(args.max_tokens),
+            "actor_rollout_ref.rollout.name": "vllm",
+            "actor_rollout_ref.rollout.n": str(args.n),
+            "actor_rollout_ref.rollout.prompts_per_batch": str(args.prompts),
+            "buffer.flush_samples": "100000",
+            "buffer.max_backlog_samples": "100000000",
+        },
+    )
     worker = RolloutWorker(cfg)
     worker.start()
     for line in sys.stdin:
@@ -115,8 +145,14 @@ def serve_worker(args) -> None:
             read_s = time.perf_counter() - t0
             t0 = time.perf_counter()
             assert worker.maybe_reload()
-            answer({"reload_s": time.perf_counter() - t0, "read_s": read_s,
-                    "bytes": sum(os.path.getsize(p) for p in files), "version": worker.version})
+            answer(
+                {
+                    "reload_s": time.perf_counter() - t0,
+                    "read_s": read_s,
+                    "bytes": sum(os.path.getsize(p) for p in files),
+                    "version": worker.version,
+                }
+            )
 
 
 def answer(obj: dict) -> None:
@@ -125,14 +161,40 @@ def answer(obj: dict) -> None:
 
 class Child:
     def __init__(self, role: str, gpu: str, args, log_path: str):
-        env = dict(os.environ, CUDA_VISIBLE_DEVICES=gpu, PYTHONUNBUFFERED="1",
-                   PYTHONPATH=os.pathsep.join([REPO, os.environ.get("PYTHONPATH", "")]))
+        env = dict(
+            os.environ,
+            CUDA_VISIBLE_DEVICES=gpu,
+            PYTHONUNBUFFERED="1",
+            PYTHONPATH=os.pathsep.join([REPO, os.environ.get("PYTHONPATH", "")]),
+        )
         self.log = open(log_path, "w")
         self.proc = subprocess.Popen(
-            [sys.executable, __file__, "--role", role, "--model", args.model, "--data", args.data,
-             "--root", args.root, "--n", str(args.n), "--prompts", str(args.prompts),
-             "--max-tokens", str(args.max_tokens), "--out", "-"],
-            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.log, text=True, env=env)
+            [
+                sys.executable,
+                __file__,
+                "--role",
+                role,
+                "--model",
+                args.model,
+                "--data",
+                args.data,
+                "--root",
+                args.root,
+                "--n",
+                str(args.n),
+                "--prompts",
+                str(args.prompts),
+                "--max-tokens",
+                str(args.max_tokens),
+                "--out",
+                "-",
+            ],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=self.log,
+            text=True,
+            env=env,
+        )
 
     def ask(self, cmd: dict, timeout_s: float = 600) -> dict:
         self.proc.stdin.write(json.dumps(cmd) + "\n")
@@ -181,13 +243,14 @@ def main() -> int:
         return serve_worker(args) or 0
 
     import shutil
+
     shutil.rmtree(args.work, ignore_errors=True)
     os.makedirs(args.work)
-    args.model, args.data, args.root = (f"{args.work}/model", f"{args.work}/train.parquet",
-                                        f"{args.work}/run")
+    args.model, args.data, args.root = (f"{args.work}/model", f"{args.work}/train.parquet", f"{args.work}/run")
     build_model(args.model)
     from buffer.weights.fs import WeightStore
     from rollout import builtin_task
+
     store = WeightStore(args.root)
     publish_like_trainer(store, args.model, 0)
     builtin_task.write_parquet(args.data, builtin_task.make_rows(args.prompts, 24))
@@ -202,8 +265,7 @@ def main() -> int:
         for r in range(args.rounds):
             raws.append(raw.ask({"do": "batch"})["tok_s"])
             workers.append(worker.ask({"do": "batch"})["tok_s"])
-            print(f"round {r + 1}/{args.rounds}: raw {raws[-1]:.0f} tok/s, worker {workers[-1]:.0f} tok/s",
-                  flush=True)
+            print(f"round {r + 1}/{args.rounds}: raw {raws[-1]:.0f} tok/s, worker {workers[-1]:.0f} tok/s", flush=True)
         reloads = []
         for v in range(1, args.reloads + 1):
             publish_like_trainer(store, args.model, v)
@@ -213,19 +275,27 @@ def main() -> int:
         raw.close()
         worker.close()
     import torch
+
     ratios = [w / r for w, r in zip(workers, raws)]
     result = {
-        "date": time.strftime("%Y-%m-%d"), "gpu": torch.cuda.get_device_name(0),
-        "host": platform.node(), "model": "Qwen2.5-0.5B shape, random init, bf16",
-        "engine": "vLLM default: multiprocess, CUDA graphs + torch.compile; raw at 0.9 memory, "
-                  "worker at its defaults", "gpus_raw_worker": args.gpus,
-        "prompts": args.prompts, "n": args.n, "max_tokens": args.max_tokens,
-        "rounds": args.rounds, "startup_and_warmup_s": started_s,
-        "raw_tok_s": spread(raws), "worker_tok_s": spread(workers),
+        "date": time.strftime("%Y-%m-%d"),
+        "gpu": torch.cuda.get_device_name(0),
+        "host": platform.node(),
+        "model": "Qwen2.5-0.5B shape, random init, bf16",
+        "engine": "vLLM default: multiprocess, CUDA graphs + torch.compile; raw at 0.9 memory, worker at its defaults",
+        "gpus_raw_worker": args.gpus,
+        "prompts": args.prompts,
+        "n": args.n,
+        "max_tokens": args.max_tokens,
+        "rounds": args.rounds,
+        "startup_and_warmup_s": started_s,
+        "raw_tok_s": spread(raws),
+        "worker_tok_s": spread(workers),
         "worker_over_raw_per_round": spread(ratios),
         "worker_over_raw": statistics.median(workers) / statistics.median(raws),
         "reloads": reloads,
-        "reload_over_read": spread([x["reload_s"] / x["read_s"] for x in reloads])}
+        "reload_over_read": spread([x["reload_s"] / x["read_s"] for x in reloads]),
+    }
     print(json.dumps(result, indent=1))
     with open(args.out, "w") as f:
         json.dump(result, f, indent=1)

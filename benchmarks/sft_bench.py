@@ -18,6 +18,7 @@ token of a sequence of length s (2·L·H·s per forward, x3 for forward + backwa
 count; MFU is against the dense bf16 peak of the GPU. With sdpa, a packed micro-batch's attention
 runs over its whole block-diagonal mask, so the kernels do more attention work than counted here.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -29,14 +30,18 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 # Length mix (medians in tokens, lognormal sigmas) and shape per mode.
-MIX = {"full": dict(prompt=200, prompt_sigma=0.7, response=400, response_sigma=0.9, max_length=4096),
-       "tiny": dict(prompt=8, prompt_sigma=0.5, response=16, response_sigma=0.7, max_length=64)}
+MIX = {
+    "full": dict(prompt=200, prompt_sigma=0.7, response=400, response_sigma=0.9, max_length=4096),
+    "tiny": dict(prompt=8, prompt_sigma=0.5, response=16, response_sigma=0.7, max_length=64),
+}
 
 
 def synthetic(n: int, vocab: int, mix: dict, seed: int = 0):
     """`n` sequences of random token ids: prompt then response (the loss tokens)."""
     import numpy as np
+
     from trainer.sft_data import Sequences
+
     rng = np.random.default_rng(seed)
     prompts = np.maximum(rng.lognormal(np.log(mix["prompt"]), mix["prompt_sigma"], n).astype(int), 2)
     responses = np.maximum(rng.lognormal(np.log(mix["response"]), mix["response_sigma"], n).astype(int), 2)
@@ -60,17 +65,28 @@ def main() -> int:
     ap.add_argument("--work", default="/tmp/sft_bench")
     ap.add_argument("--out", required=True)
     ap.add_argument("--batch", type=int, default=128, help="sequences per step, all ranks (default 128)")
-    ap.add_argument("--budget", type=int, default=8192,
-                    help="data.max_token_len_per_gpu: tokens per micro-batch per rank (default 8192, "
-                         "the config's default)")
+    ap.add_argument(
+        "--budget",
+        type=int,
+        default=8192,
+        help="data.max_token_len_per_gpu: tokens per micro-batch per rank (default 8192, the config's default)",
+    )
     ap.add_argument("--steps", type=int, default=10, help="steps; the first 2 are warm-up")
-    ap.add_argument("--attn", default="auto", help="model.attn_implementation (auto: "
-                    "flash_attention_2 if installed, else sdpa)")
-    ap.add_argument("--shape", default="0.5b", choices=("0.5b", "1.5b"),
-                    help="Qwen2.5 shape of the random-init model (default 0.5b)")
+    ap.add_argument(
+        "--attn", default="auto", help="model.attn_implementation (auto: flash_attention_2 if installed, else sdpa)"
+    )
+    ap.add_argument(
+        "--shape",
+        default="0.5b",
+        choices=("0.5b", "1.5b"),
+        help="Qwen2.5 shape of the random-init model (default 0.5b)",
+    )
     ap.add_argument("--grad-ckpt", action="store_true", help="gradient checkpointing on")
-    ap.add_argument("--tiny", action="store_true", help="the built-in tiny model and short "
-                    "sequences: smoke-tests this script on CPU")
+    ap.add_argument(
+        "--tiny",
+        action="store_true",
+        help="the built-in tiny model and short sequences: smoke-tests this script on CPU",
+    )
     ap.add_argument("--device", default="cuda", help="cpu only to smoke-test this script")
     args = ap.parse_args()
     if args.steps < 3:
@@ -78,6 +94,7 @@ def main() -> int:
 
     import torch
     import torch.distributed as dist
+
     from benchmarks.rollout_bench import QWEN25_05B, QWEN25_15B, build_model
     from benchmarks.trainer_bench import PEAK_BF16
     from protocol.config import build
@@ -103,14 +120,24 @@ def main() -> int:
     while not os.path.exists(os.path.join(model_dir, "config.json")):
         time.sleep(1)
     dist.barrier()
-    cfg = build(SFTConfig, {
-        "data.train_files": "[synthetic]", "model.partial_pretrain": model_dir,
-        "trainer.default_local_dir": out_dir[0], "trainer.resume_mode": "disable",
-        "data.train_batch_size": str(args.batch), "data.max_token_len_per_gpu": str(args.budget),
-        "data.max_length": str(mix["max_length"]), "model.attn_implementation": args.attn,
-        "model.enable_gradient_checkpointing": str(args.grad_ckpt), "optim.lr": "1e-5",
-        "trainer.total_training_steps": str(args.steps)})
+    cfg = build(
+        SFTConfig,
+        {
+            "data.train_files": "[synthetic]",
+            "model.partial_pretrain": model_dir,
+            "trainer.default_local_dir": out_dir[0],
+            "trainer.resume_mode": "disable",
+            "data.train_batch_size": str(args.batch),
+            "data.max_token_len_per_gpu": str(args.budget),
+            "data.max_length": str(mix["max_length"]),
+            "model.attn_implementation": args.attn,
+            "model.enable_gradient_checkpointing": str(args.grad_ckpt),
+            "optim.lr": "1e-5",
+            "trainer.total_training_steps": str(args.steps),
+        },
+    )
     from transformers import AutoConfig
+
     shape = AutoConfig.from_pretrained(model_dir)
     seqs = synthetic(args.batch * args.steps, shape.vocab_size, mix)
     lengths = seqs.lengths
@@ -142,27 +169,36 @@ def main() -> int:
     if rank == 0:
         lengths = sorted(lengths)
         result = {
-            "date": time.strftime("%Y-%m-%d"), "gpu": gpu, "gpus": world,
-            "model": ("tiny built-in Qwen2" if args.tiny else f"Qwen2.5-{args.shape.upper()} shape") +
-                     (", bf16 compute, fp32 master/reduce" if device.type == "cuda" else ", fp32"),
-            "params": n_params, "attn_implementation": trainer.model.config._attn_implementation,
-            "gradient_checkpointing": args.grad_ckpt, "batch_seqs": args.batch,
+            "date": time.strftime("%Y-%m-%d"),
+            "gpu": gpu,
+            "gpus": world,
+            "model": ("tiny built-in Qwen2" if args.tiny else f"Qwen2.5-{args.shape.upper()} shape")
+            + (", bf16 compute, fp32 master/reduce" if device.type == "cuda" else ", fp32"),
+            "params": n_params,
+            "attn_implementation": trainer.model.config._attn_implementation,
+            "gradient_checkpointing": args.grad_ckpt,
+            "batch_seqs": args.batch,
             "budget_tokens_per_micro_batch": args.budget,
-            "length_mix": {**mix, "mean": sum(lengths) / len(lengths),
-                           "p50": lengths[len(lengths) // 2], "p90": lengths[int(len(lengths) * 0.9)],
-                           "max": lengths[-1]},
+            "length_mix": {
+                **mix,
+                "mean": sum(lengths) / len(lengths),
+                "p50": lengths[len(lengths) // 2],
+                "p90": lengths[int(len(lengths) * 0.9)],
+                "max": lengths[-1],
+            },
             "tokens_per_step": sum(tokens[measured]) / len(tokens[measured]),
             "loss_tokens_per_step": sum(loss_tokens[measured]) / len(loss_tokens[measured]),
             "micro_batches_per_rank": sum(mbs[measured]) / len(mbs[measured]),
             "budget_fill": sum(fills[measured]) / len(fills[measured]),
-            "step_s": step_s, "step_times": times,
+            "step_s": step_s,
+            "step_times": times,
             "tokens_per_s": sum(tokens[measured]) / sum(times[measured]),
             "tokens_per_s_per_gpu": sum(tokens[measured]) / sum(times[measured]) / world,
             "mfu": sum(flops[measured]) / sum(times[measured]) / (peak * world),
             "mfu_6n": sum(flops_6n[measured]) / sum(times[measured]) / (peak * world),
             "flop_convention": "mfu: 6N per token + causal attention 6*L*H*s per token of a length-s "
-                               "sequence; mfu_6n: 6N per token alone (the usual convention); real "
-                               f"tokens only; peak {peak:.3g} FLOP/s per device",
+            "sequence; mfu_6n: 6N per token alone (the usual convention); real "
+            f"tokens only; peak {peak:.3g} FLOP/s per device",
         }
         print(json.dumps(result, indent=1))
         with open(args.out, "w") as f:

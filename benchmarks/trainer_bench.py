@@ -8,6 +8,7 @@ AdamW) on synthetic groups, and the real `publish_version`. MFU counts 8·N FLOP
 (forward+backward = 6N, plus the pi_old forward = 2N) plus attention, against the dense bf16
 peak of the GPU. Publish time is set against writing and fsyncing the same bytes to the same disk.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -26,6 +27,7 @@ def published_equals_model(trainer, version: int, rank: int) -> bool | None:
     """Collective. On rank 0: does the published version hold exactly the model's weights (cast
     to the publish dtype)? Checks the whole publish path, device-to-host copies included."""
     import torch
+
     published = dict(trainer.store.tensors(version)) if rank == 0 else {}
     ok = True
     for name, tensor in trainer.model.state_dict().items():
@@ -49,6 +51,7 @@ def main() -> int:
 
     import torch
     import torch.distributed as dist
+
     from benchmarks.rollout_bench import QWEN25_05B, build_model
     from protocol.config import build
     from protocol.experience import Sample
@@ -59,14 +62,19 @@ def main() -> int:
     model_dir = f"{args.work}/model"
     if rank == 0 and not os.path.exists(model_dir):
         build_model(model_dir)
-    cfg = build(TrainerConfig, {
-        "root": f"{args.work}/run-{os.environ.get('WORLD_SIZE', '1')}-{time.time_ns()}",
-        "actor_rollout_ref.model.path": model_dir, "trainer.resume_mode": "disable",
-        # groups of 8 per rank (see share()): one mini-batch of all of them per step
-        "data.train_batch_size": str(-(-args.samples_per_rank // 8) * int(os.environ.get("WORLD_SIZE", "1"))),
-        "actor_rollout_ref.actor.optim.lr": "1e-6",
-        "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu": str(args.micro),
-        "trainer.publish_dtype": "bfloat16"})
+    cfg = build(
+        TrainerConfig,
+        {
+            "root": f"{args.work}/run-{os.environ.get('WORLD_SIZE', '1')}-{time.time_ns()}",
+            "actor_rollout_ref.model.path": model_dir,
+            "trainer.resume_mode": "disable",
+            # groups of 8 per rank (see share()): one mini-batch of all of them per step
+            "data.train_batch_size": str(-(-args.samples_per_rank // 8) * int(os.environ.get("WORLD_SIZE", "1"))),
+            "actor_rollout_ref.actor.optim.lr": "1e-6",
+            "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu": str(args.micro),
+            "trainer.publish_dtype": "bfloat16",
+        },
+    )
     device = init_distributed(args.device, 1800)
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     cfg.root = [cfg.root]
@@ -84,10 +92,24 @@ def main() -> int:
         samples = []
         for i in range(args.samples_per_rank):
             g = f"r{rank}-{i // 8}"
-            samples.append(Sample(f"{g}/{i}", g, "p", "w", 0,
-                                  [rng.randrange(vocab) for _ in range(args.prompt)],
-                                  [rng.randrange(vocab) for _ in range(args.response)],
-                                  [-5.0] * args.response, float(i % 2), "length", 1.0, "x", 0.0, 0.0))
+            samples.append(
+                Sample(
+                    f"{g}/{i}",
+                    g,
+                    "p",
+                    "w",
+                    0,
+                    [rng.randrange(vocab) for _ in range(args.prompt)],
+                    [rng.randrange(vocab) for _ in range(args.response)],
+                    [-5.0] * args.response,
+                    float(i % 2),
+                    "length",
+                    1.0,
+                    "x",
+                    0.0,
+                    0.0,
+                )
+            )
         return samples
 
     times = []
@@ -126,17 +148,27 @@ def main() -> int:
             os.fsync(f.fileno())
         raw_s = time.perf_counter() - t0
         os.remove(path)
-        result = {"date": time.strftime("%Y-%m-%d"), "gpu": gpu, "gpus": world,
-                  "model": "Qwen2.5-0.5B shape, bf16 compute, fp32 master/reduce",
-                  "params": n_params, "tokens_per_step": tokens, "step_s": step_s,
-                  "step_times": times, "tokens_per_s": tokens / step_s,
-                  "tokens_per_s_per_gpu": tokens / step_s / world, "mfu": mfu,
-                  "publish_s": pub["weights/publish_s"], "publish_bytes": pub["weights/bytes"],
-                  "publish_gather_s": pub["weights/gather_s"],
-                  "publish_write_wait_s": pub["weights/write_wait_s"],
-                  "publish_second_s": pub2["weights/publish_s"],
-                  "publish_equals_model": matches,
-                  "raw_write_s": raw_s, "publish_over_raw_write": pub["weights/publish_s"] / raw_s}
+        result = {
+            "date": time.strftime("%Y-%m-%d"),
+            "gpu": gpu,
+            "gpus": world,
+            "model": "Qwen2.5-0.5B shape, bf16 compute, fp32 master/reduce",
+            "params": n_params,
+            "tokens_per_step": tokens,
+            "step_s": step_s,
+            "step_times": times,
+            "tokens_per_s": tokens / step_s,
+            "tokens_per_s_per_gpu": tokens / step_s / world,
+            "mfu": mfu,
+            "publish_s": pub["weights/publish_s"],
+            "publish_bytes": pub["weights/bytes"],
+            "publish_gather_s": pub["weights/gather_s"],
+            "publish_write_wait_s": pub["weights/write_wait_s"],
+            "publish_second_s": pub2["weights/publish_s"],
+            "publish_equals_model": matches,
+            "raw_write_s": raw_s,
+            "publish_over_raw_write": pub["weights/publish_s"] / raw_s,
+        }
         print(json.dumps(result, indent=1))
         with open(args.out, "w") as f:
             json.dump(result, f, indent=1)

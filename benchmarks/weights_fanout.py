@@ -17,6 +17,7 @@ start to the last verified folder. Fan-out: workers serve each other (`weights_p
 direct: every chunk from the trainer (ratio ~N by construction; run on a smaller model,
 `--direct-model-mb`, since N copies through R take N times as long).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -40,17 +41,25 @@ FILES = 4  # a ~1 GB model as 4 shards of ~256 MB, as the trainer publishes
 
 def _cfg(port: int, rate_mb_s: float, fanout: bool, chunk_kb: int):
     from buffer.config import BufferConfig
-    return BufferConfig(transport="grpc", grpc_address=f"127.0.0.1:{port}",
-                        grpc_bind=f"127.0.0.1:{port}", weights_chunk_kb=chunk_kb,
-                        weights_peer_host="127.0.0.1", weights_peer_fanout=fanout,
-                        weights_upload_mb_s=rate_mb_s,
-                        # 32 workers x 2 requests queue at the trainer's R: one can wait ~64 c/R
-                        weights_chunk_timeout_s=600.0, weights_stall_timeout_s=900.0)
+
+    return BufferConfig(
+        transport="grpc",
+        grpc_address=f"127.0.0.1:{port}",
+        grpc_bind=f"127.0.0.1:{port}",
+        weights_chunk_kb=chunk_kb,
+        weights_peer_host="127.0.0.1",
+        weights_peer_fanout=fanout,
+        weights_upload_mb_s=rate_mb_s,
+        # 32 workers x 2 requests queue at the trainer's R: one can wait ~64 c/R
+        weights_chunk_timeout_s=600.0,
+        weights_stall_timeout_s=900.0,
+    )
 
 
 def publish_model(work: str, mb: int) -> tuple[str, int]:
     """A published version of `mb` MB of random safetensors (made once, reused)."""
     from buffer.weights.fs import WeightStore
+
     root = os.path.join(work, f"trainer_{mb}mb")
     store = WeightStore(root)
     if store.latest() == 1:
@@ -77,7 +86,9 @@ def worker(args) -> None:
     """One simulated worker: READY once its peer server is up, fetch on GO, DONE + stats,
     then keep serving peers until EXIT."""
     import dataclasses
+
     from buffer.weights.net_client import WeightFetcher
+
     cfg = _cfg(args.port, args.rate_mb_s, args.fanout, args.chunk_kb)
     f = WeightFetcher(cfg.grpc_address, TOKEN, cfg, args.worker)
     print("READY", flush=True)
@@ -87,8 +98,7 @@ def worker(args) -> None:
     f.fetch(1, args.dest)  # raises unless every chunk and every file verified
     # seconds: the transfer (FetchStats); fetch_s: also the chunk list and the final check of
     # every file against the manifest
-    print("DONE", json.dumps({**dataclasses.asdict(f.stats[1]),
-                              "fetch_s": time.monotonic() - start}), flush=True)
+    print("DONE", json.dumps({**dataclasses.asdict(f.stats[1]), "fetch_s": time.monotonic() - start}), flush=True)
     sys.stdin.readline()  # EXIT (or EOF)
     f.close()
 
@@ -96,10 +106,11 @@ def worker(args) -> None:
 def one_run(work: str, root: str, nbytes: int, n: int, fanout: bool, args) -> dict:
     """Start a trainer server and n workers, say GO, wait for every DONE."""
     import grpc
+    from conftest import free_port
 
     from buffer.weights.fs import WeightStore
     from buffer.weights.net_server import add_weight_service
-    from conftest import free_port
+
     port = free_port()
     cfg = _cfg(port, args.rate_mb_s, fanout, args.chunk_kb)
     cpu0 = [resource.getrusage(who) for who in (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN)]
@@ -112,11 +123,30 @@ def one_run(work: str, root: str, nbytes: int, n: int, fanout: bool, args) -> di
     dests = [os.path.join(work, "workers", f"w{i}", "v000001") for i in range(n)]
     shutil.rmtree(os.path.join(work, "workers"), ignore_errors=True)
     env = {**os.environ, "PYTHONPATH": ROOT_DIR, "TANDEM_GRPC_TOKEN": TOKEN}
-    procs = [subprocess.Popen([sys.executable, __file__, "--worker", f"w{i}", "--port", str(port),
-                               "--dest", dests[i], "--rate-mb-s", str(args.rate_mb_s),
-                               "--chunk-kb", str(args.chunk_kb)] + ([] if fanout else ["--direct"]),
-                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env)
-             for i in range(n)]
+    procs = [
+        subprocess.Popen(
+            [
+                sys.executable,
+                __file__,
+                "--worker",
+                f"w{i}",
+                "--port",
+                str(port),
+                "--dest",
+                dests[i],
+                "--rate-mb-s",
+                str(args.rate_mb_s),
+                "--chunk-kb",
+                str(args.chunk_kb),
+            ]
+            + ([] if fanout else ["--direct"]),
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+            env=env,
+        )
+        for i in range(n)
+    ]
     try:
         for p in procs:
             line = p.stdout.readline()
@@ -142,28 +172,34 @@ def one_run(work: str, root: str, nbytes: int, n: int, fanout: bool, args) -> di
                 p.kill()
         server.stop(1).wait(timeout=10)
     cpu = [resource.getrusage(who) for who in (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN)]
-    trainer_cpu, workers_cpu = (c.ru_utime + c.ru_stime - c0.ru_utime - c0.ru_stime
-                                for c, c0 in zip(cpu, cpu0))
+    trainer_cpu, workers_cpu = (c.ru_utime + c.ru_stime - c0.ru_utime - c0.ru_stime for c, c0 in zip(cpu, cpu0))
     floor = nbytes / (args.rate_mb_s * 1e6)
     shutil.rmtree(os.path.join(work, "workers"), ignore_errors=True)
-    return {"workers": n, "fanout": fanout, "model_bytes": nbytes, "seconds": round(seconds, 2),
-            "floor_s": round(floor, 2), "ratio": round(seconds / floor, 3),
-            "trainer_chunks_sent": service.stats["chunks"],
-            "trainer_copies": round(service.stats["bytes"] / nbytes, 3),
-            "chunks_from_peers": sum(r["from_peers"] for r in results),
-            "chunks_from_trainer": sum(r["from_trainer"] for r in results),
-            "corrupt": sum(r["corrupt"] for r in results),
-            "duplicates": sum(r["duplicates"] for r in results),
-            "peer_failures": sum(r["peer_failures"] for r in results),
-            "busy_refusals": sum(r["busy"] for r in results),
-            # each worker's transfer alone, without the final whole-file check
-            "slowest_worker_s": round(max(r["seconds"] for r in results), 2),
-            "fastest_worker_s": round(min(r["seconds"] for r in results), 2),
-            "slowest_fetch_s": round(max(r.get("fetch_s", 0) for r in results), 2),
-            "verified_folders": len(results),
-            # CPU seconds used (start-up included): well under 2 x seconds = not CPU-bound
-            "trainer_cpu_s": round(trainer_cpu, 1), "workers_cpu_s": round(workers_cpu, 1),
-            "load_avg_1min_at_end": os.getloadavg()[0]}
+    return {
+        "workers": n,
+        "fanout": fanout,
+        "model_bytes": nbytes,
+        "seconds": round(seconds, 2),
+        "floor_s": round(floor, 2),
+        "ratio": round(seconds / floor, 3),
+        "trainer_chunks_sent": service.stats["chunks"],
+        "trainer_copies": round(service.stats["bytes"] / nbytes, 3),
+        "chunks_from_peers": sum(r["from_peers"] for r in results),
+        "chunks_from_trainer": sum(r["from_trainer"] for r in results),
+        "corrupt": sum(r["corrupt"] for r in results),
+        "duplicates": sum(r["duplicates"] for r in results),
+        "peer_failures": sum(r["peer_failures"] for r in results),
+        "busy_refusals": sum(r["busy"] for r in results),
+        # each worker's transfer alone, without the final whole-file check
+        "slowest_worker_s": round(max(r["seconds"] for r in results), 2),
+        "fastest_worker_s": round(min(r["seconds"] for r in results), 2),
+        "slowest_fetch_s": round(max(r.get("fetch_s", 0) for r in results), 2),
+        "verified_folders": len(results),
+        # CPU seconds used (start-up included): well under 2 x seconds = not CPU-bound
+        "trainer_cpu_s": round(trainer_cpu, 1),
+        "workers_cpu_s": round(workers_cpu, 1),
+        "load_avg_1min_at_end": os.getloadavg()[0],
+    }
 
 
 def main() -> None:
@@ -205,11 +241,16 @@ def main() -> None:
     summary = {}
     for r in runs:
         summary.setdefault(f"{'fanout' if r['fanout'] else 'direct'}_{r['workers']}", []).append(r["ratio"])
-    out = {"machine": f"{platform.node()} ({os.cpu_count()} CPUs, shared)", "date": time.strftime("%Y-%m-%d"),
-           "rate_mb_s": args.rate_mb_s, "chunk_kb": args.chunk_kb,
-           "load_avg_at_end": os.getloadavg(), "runs": runs,
-           "ratio_median": {k: statistics.median(v) for k, v in summary.items()},
-           "ratio_range": {k: [min(v), max(v)] for k, v in summary.items()}}
+    out = {
+        "machine": f"{platform.node()} ({os.cpu_count()} CPUs, shared)",
+        "date": time.strftime("%Y-%m-%d"),
+        "rate_mb_s": args.rate_mb_s,
+        "chunk_kb": args.chunk_kb,
+        "load_avg_at_end": os.getloadavg(),
+        "runs": runs,
+        "ratio_median": {k: statistics.median(v) for k, v in summary.items()},
+        "ratio_range": {k: [min(v), max(v)] for k, v in summary.items()},
+    }
     print(json.dumps(out["ratio_median"]))
     if args.out:
         with open(args.out, "w") as f:

@@ -6,6 +6,7 @@
 The id is the next free one; the file is created without overwriting anything
 (buffer.storage.create_new), so commands given at the same time all count, each once.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -16,8 +17,9 @@ from protocol import control
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m launch.control", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        prog="python -m launch.control", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--root", required=True, help="run folder")
     p.add_argument("action", choices=control.ACTIONS)
     p.add_argument("count", type=int, nargs="?", default=1)

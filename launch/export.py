@@ -13,6 +13,7 @@ A verl Megatron actor checkpoint (`model/dist_ckpt/`, `model/huggingface/`) is h
 own merger, `python -m verl.model_merger merge --backend megatron`, where its dependencies
 (megatron-core) are installed; elsewhere it is refused, naming what to install.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -25,8 +26,8 @@ import sys
 
 import torch
 
-from buffer.storage import respect_umask
 from buffer.checkpoints import state_file
+from buffer.storage import respect_umask
 from buffer.weights.fs import copy_model_metadata
 
 _VERL_SHARD = re.compile(r"^model_world_size_(\d+)_rank_(\d+)\.pt$")
@@ -38,6 +39,7 @@ class ExportError(ValueError):
 
 def _empty_model(config_dir: str):
     from transformers import AutoConfig, AutoModelForCausalLM
+
     config = AutoConfig.from_pretrained(config_dir)
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
@@ -47,6 +49,7 @@ def _empty_model(config_dir: str):
 def tandem_state(checkpoint: str) -> tuple[dict, str]:
     """Full HF-named tensors from a tandem DCP checkpoint, and the model folder it started from."""
     import torch.distributed.checkpoint as dcp
+
     with open(state_file(checkpoint)) as f:
         model_path = json.load(f)["model_path"]
     model = _empty_model(model_path)
@@ -60,11 +63,13 @@ def _load(path: str) -> dict:
     (torch allowlists those once torch.distributed.tensor is imported), never code named in
     the file."""
     import torch.distributed.tensor  # noqa: F401 - registers DTensor for weights_only loads
+
     try:
         return torch.load(path, map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as e:
-        raise ExportError(f"{path}: refused to load (not plain tensors; weights_only=True): "
-                          f"{str(e).splitlines()[0]}") from None
+        raise ExportError(
+            f"{path}: refused to load (not plain tensors; weights_only=True): {str(e).splitlines()[0]}"
+        ) from None
 
 
 def verl_state(actor_dir: str) -> tuple[dict, str]:
@@ -75,8 +80,10 @@ def verl_state(actor_dir: str) -> tuple[dict, str]:
             shards[int(m.group(2))] = (int(m.group(1)), os.path.join(actor_dir, name))
     world = {w for w, _ in shards.values()}
     if len(world) != 1 or sorted(shards) != list(range(next(iter(world)))):
-        raise ExportError(f"{actor_dir}: expected model_world_size_W_rank_0..W-1.pt, found ranks "
-                          f"{sorted(shards)} of sizes {sorted(world)}")
+        raise ExportError(
+            f"{actor_dir}: expected model_world_size_W_rank_0..W-1.pt, found ranks "
+            f"{sorted(shards)} of sizes {sorted(world)}"
+        )
     parts = [_load(shards[r][1]) for r in sorted(shards)]
     full = {}
     for key in parts[0]:
@@ -99,25 +106,44 @@ def is_megatron(checkpoint: str) -> bool:
 def merge_megatron(checkpoint: str, tmp: str) -> None:
     """verl's own Megatron merger into `tmp`; refused, naming what to install, where it cannot run."""
     import importlib.util
-    missing = [name for name, mod in (("megatron-core", "megatron.core"), ("verl", "verl.model_merger"))
-               if importlib.util.find_spec(mod.split(".")[0]) is None or importlib.util.find_spec(mod) is None]
+
+    missing = [
+        name
+        for name, mod in (("megatron-core", "megatron.core"), ("verl", "verl.model_merger"))
+        if importlib.util.find_spec(mod.split(".")[0]) is None or importlib.util.find_spec(mod) is None
+    ]
     if missing:
-        raise ExportError(f"--checkpoint {checkpoint}: a verl Megatron checkpoint; launch.export hands "
-                          f"it to verl's merger (python -m verl.model_merger merge --backend megatron), "
-                          f"which needs {' and '.join(missing)}: pip install {' '.join(missing)} "
-                          "(megatron-core with a torch build it supports; see verl's Megatron install docs)")
+        raise ExportError(
+            f"--checkpoint {checkpoint}: a verl Megatron checkpoint; launch.export hands "
+            f"it to verl's merger (python -m verl.model_merger merge --backend megatron), "
+            f"which needs {' and '.join(missing)}: pip install {' '.join(missing)} "
+            "(megatron-core with a torch build it supports; see verl's Megatron install docs)"
+        )
     if not os.path.isdir(os.path.join(checkpoint, "model", "huggingface")):
-        raise ExportError(f"--checkpoint {checkpoint}: no model/huggingface/ (an older verl layout): "
-                          "run verl's scripts/migrate_megatron_checkpoint_layout.py on it first")
+        raise ExportError(
+            f"--checkpoint {checkpoint}: no model/huggingface/ (an older verl layout): "
+            "run verl's scripts/migrate_megatron_checkpoint_layout.py on it first"
+        )
     with open(os.path.join(checkpoint, "model", "huggingface", "config.json")) as f:
         tied = json.load(f).get("tie_word_embeddings", False)
-    cmd = [sys.executable, "-m", "verl.model_merger", "merge", "--backend", "megatron",
-           "--local_dir", checkpoint, "--target_dir", tmp, *(["--tie-word-embedding"] if tied else [])]
+    cmd = [
+        sys.executable,
+        "-m",
+        "verl.model_merger",
+        "merge",
+        "--backend",
+        "megatron",
+        "--local_dir",
+        checkpoint,
+        "--target_dir",
+        tmp,
+        *(["--tie-word-embedding"] if tied else []),
+    ]
     import subprocess
+
     done = subprocess.run(cmd, capture_output=True, text=True)
     if done.returncode != 0:
-        raise ExportError(f"{' '.join(cmd)} failed (exit {done.returncode}):\n"
-                          f"{(done.stdout + done.stderr)[-3000:]}")
+        raise ExportError(f"{' '.join(cmd)} failed (exit {done.returncode}):\n{(done.stdout + done.stderr)[-3000:]}")
 
 
 def export(checkpoint: str, out: str) -> str:
@@ -135,15 +161,19 @@ def export(checkpoint: str, out: str) -> str:
     elif os.path.isfile(os.path.join(checkpoint, "fsdp_config.json")):
         state, config_dir = verl_state(checkpoint)
     else:
-        raise ExportError(f"--checkpoint {checkpoint}: neither a tandem checkpoint (trainer_state.json), "
-                          "a verl FSDP actor folder (fsdp_config.json) nor a verl Megatron one "
-                          "(model/dist_ckpt/)")
+        raise ExportError(
+            f"--checkpoint {checkpoint}: neither a tandem checkpoint (trainer_state.json), "
+            "a verl FSDP actor folder (fsdp_config.json) nor a verl Megatron one "
+            "(model/dist_ckpt/)"
+        )
     model = _empty_model(config_dir)
     missing, unexpected = model.load_state_dict(state, strict=False)
     missing = [k for k in missing if not (k == "lm_head.weight" and model.config.tie_word_embeddings)]
     if missing or unexpected:
-        raise ExportError(f"{checkpoint}: tensors do not match the model config in {config_dir}: "
-                          f"missing {missing[:3]}, unexpected {unexpected[:3]}")
+        raise ExportError(
+            f"{checkpoint}: tensors do not match the model config in {config_dir}: "
+            f"missing {missing[:3]}, unexpected {unexpected[:3]}"
+        )
     if model.config.tie_word_embeddings:
         model.tie_weights()
     tmp = f"{out.rstrip('/')}.tmp-{os.getpid()}"
@@ -156,10 +186,12 @@ def export(checkpoint: str, out: str) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m launch.export", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--checkpoint", required=True,
-                   help="checkpoint folder (tandem, or a verl FSDP or Megatron actor folder)")
+    p = argparse.ArgumentParser(
+        prog="python -m launch.export", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    p.add_argument(
+        "--checkpoint", required=True, help="checkpoint folder (tandem, or a verl FSDP or Megatron actor folder)"
+    )
     p.add_argument("--out", required=True, help="HF model folder to create")
     args = p.parse_args(argv)
     try:

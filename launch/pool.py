@@ -7,7 +7,8 @@ Keys under `pool.` configure the supervisor (command line only); every other key
 `--config FILE`, is passed to each worker (and validated as a worker config before anything
 starts). `add N` raises the target, `remove N` lowers it; the newest workers are drained
 (SIGTERM: finish the batch, flush, exit 0). Applied command ids and the target are saved before
-they take effect, so a command is applied once even across supervisor restarts. One worker per GPU when `pool.gpus` is set.
+they take effect, so a command is applied once even across supervisor restarts. One worker per
+GPU when `pool.gpus` is set.
 
 With `pool.backend=slurm` the workers are SLURM jobs instead of local processes (the supervisor
 runs wherever sbatch works, e.g. a login node):
@@ -27,6 +28,7 @@ the newest (SIGTERM: the worker flushes and exits; the job ends STOPPED):
     python -m launch.pool root=/shared/run pool.backend=ray pool.ray.address=http://HEAD:8265 \
         pool.initial_workers=4 data.train_files=[/shared/train.parquet]
 """
+
 from __future__ import annotations
 
 import ctypes
@@ -42,7 +44,7 @@ import time
 from buffer.layout import check_worker_id
 from buffer.run import setup_worker_run
 from protocol import control
-from protocol.config import F, ConfigError, build, split_argv, usage
+from protocol.config import ConfigError, F, build, split_argv, usage
 from rollout.config import WorkerConfig
 
 log = logging.getLogger("launch.pool")
@@ -56,8 +58,11 @@ class SlurmPoolSection:
     time: str = F("1-00:00:00", "time limit of each rollout job")
     job_name: str = F("", "job name (default tandem-<pool.id>)")
     sbatch_args: list[str] = F(doc="extra sbatch options, e.g. [--account=rl]", factory=list)
-    resignal_interval: float = F(5.0, "seconds between SIGTERMs to a draining job that still runs "
-                                      "(its worker may have started after the first)", gt=0)
+    resignal_interval: float = F(
+        5.0,
+        "seconds between SIGTERMs to a draining job that still runs (its worker may have started after the first)",
+        gt=0,
+    )
 
 
 @dataclasses.dataclass
@@ -73,8 +78,11 @@ class RayPoolSection:
 @dataclasses.dataclass
 class PoolSection:
     id: str = F("pool", "supervisor id, unique per node (names its workers <id>-w<k>)")
-    backend: str = F("local", "local: worker processes on this node; slurm: one SLURM job per "
-                     "worker; ray: one Ray job per worker", choices=["local", "slurm", "ray"])
+    backend: str = F(
+        "local",
+        "local: worker processes on this node; slurm: one SLURM job per worker; ray: one Ray job per worker",
+        choices=["local", "slurm", "ray"],
+    )
     initial_workers: int = F(1, "workers started when the supervisor first starts", ge=0)
     max_workers: int = F(64, "upper bound on the target, whatever the commands say", ge=1)
     gpus: list[int] = F(doc="GPU indices to bind workers to, one each (empty: no GPUs)", factory=list)
@@ -128,7 +136,10 @@ class Pool:
         self._wake = threading.Event()
         self._unwatch = lambda: None
         self.state = self.control.pool_state(self.cfg.id) or {
-            "applied": [], "target": self.cfg.initial_workers, "next_index": 0}
+            "applied": [],
+            "target": self.cfg.initial_workers,
+            "next_index": 0,
+        }
 
     # --- commands ----------------------------------------------------------------------------
     def read_commands(self) -> list[control.Command]:
@@ -155,9 +166,15 @@ class Pool:
             self.save()  # persisted before it takes effect: applied exactly once
 
     def save(self) -> None:
-        self.state["workers"] = [{"worker_id": m.worker_id, "pid": m.proc.pid, "gpu": m.gpu,
-                                  "state": "draining" if m.draining_since else "running"}
-                                 for m in self.members]
+        self.state["workers"] = [
+            {
+                "worker_id": m.worker_id,
+                "pid": m.proc.pid,
+                "gpu": m.gpu,
+                "state": "draining" if m.draining_since else "running",
+            }
+            for m in self.members
+        ]
         self.state["updated"] = time.time()
         self.control.save_pool_state(self.cfg.id, self.state)
 
@@ -174,8 +191,7 @@ class Pool:
         env = dict(os.environ)
         if self.cfg.gpus:
             env["CUDA_VISIBLE_DEVICES"] = str(gpu)
-        cmd = [sys.executable, "-m", "rollout.worker", f"root={self.root}", f"worker.id={worker_id}",
-               *self.worker_args]
+        cmd = [sys.executable, "-m", "rollout.worker", f"root={self.root}", f"worker.id={worker_id}", *self.worker_args]
         proc = subprocess.Popen(cmd, env=env, preexec_fn=_die_with_parent)
         self.members.append(Member(worker_id, gpu, proc))
         log.info("started %s (pid %d%s)", worker_id, proc.pid, f", GPU {gpu}" if gpu is not None else "")
@@ -201,8 +217,13 @@ class Pool:
                 log.info("%s exited with code %d", m.worker_id, code)
             else:
                 self.restarts += 1
-                log.error("%s crashed with code %d (restart %d of %d)", m.worker_id, code,
-                          self.restarts, self.cfg.max_restarts)
+                log.error(
+                    "%s crashed with code %d (restart %d of %d)",
+                    m.worker_id,
+                    code,
+                    self.restarts,
+                    self.cfg.max_restarts,
+                )
                 if self.restarts > self.cfg.max_restarts:
                     raise RuntimeError(f"rollout workers crashed {self.restarts} times; see their logs")
         return None
@@ -214,7 +235,7 @@ class Pool:
             if self.cfg.gpus and self._free_gpu() is None:
                 break  # a draining worker still holds its GPU; retry next round
             self.start_worker()
-        for m in live[self.state["target"]:][::-1]:
+        for m in live[self.state["target"] :][::-1]:
             self.drain(m)
         self.save()
 
@@ -271,6 +292,7 @@ class JobPool(Pool):
     def queue_states(self, job_ids: list[str]) -> dict[str, str]:
         """Job id -> its backend state (each backend answers it)."""
         raise NotImplementedError(f"{type(self).__name__} has no queue_states")
+
     Error: type[Exception] = RuntimeError
 
     def __init__(self, cfg: PoolConfig, worker_args: list[str]):
@@ -279,17 +301,17 @@ class JobPool(Pool):
         self.jobs = [Job(**j) for j in self.state.get("jobs", [])]  # adopted after a restart
         self.state.setdefault("finished", [])
         if self.jobs:
-            log.info("adopting jobs %s from %s", [j.job_id for j in self.jobs],
-                     self.control.where())
+            log.info("adopting jobs %s from %s", [j.job_id for j in self.jobs], self.control.where())
 
     def submit_worker(self, worker_id: str) -> str:
         raise NotImplementedError
 
     def save(self) -> None:
         self.state["jobs"] = [dataclasses.asdict(j) for j in self.jobs]
-        self.state["workers"] = [{"worker_id": j.worker_id, "job_id": j.job_id,
-                                  "state": "draining" if j.draining_since else "running"}
-                                 for j in self.jobs]
+        self.state["workers"] = [
+            {"worker_id": j.worker_id, "job_id": j.job_id, "state": "draining" if j.draining_since else "running"}
+            for j in self.jobs
+        ]
         self.state["updated"] = time.time()
         self.control.save_pool_state(self.cfg.id, self.state)
 
@@ -305,15 +327,30 @@ class JobPool(Pool):
     def ended(self, job: Job, final: str, code, ok: bool, where: str) -> None:
         """Record a job that has left the queue; count it as a crash unless it ended well."""
         self.jobs.remove(job)
-        self.state["finished"].append({"job_id": job.job_id, "worker_id": job.worker_id,
-                                       "state": final, "exit_code": code,
-                                       "drained": job.draining_since is not None, "ended": time.time()})
+        self.state["finished"].append(
+            {
+                "job_id": job.job_id,
+                "worker_id": job.worker_id,
+                "state": final,
+                "exit_code": code,
+                "drained": job.draining_since is not None,
+                "ended": time.time(),
+            }
+        )
         if ok:
             log.info("job %s (%s) ended: %s, exit code %s", job.job_id, job.worker_id, final, code)
             return
         self.restarts += 1
-        log.error("job %s (%s) ended %s with exit code %s (restart %d of %d); see %s",
-                  job.job_id, job.worker_id, final, code, self.restarts, self.cfg.max_restarts, where)
+        log.error(
+            "job %s (%s) ended %s with exit code %s (restart %d of %d); see %s",
+            job.job_id,
+            job.worker_id,
+            final,
+            code,
+            self.restarts,
+            self.cfg.max_restarts,
+            where,
+        )
         if self.restarts > self.cfg.max_restarts:
             self.save()
             raise RuntimeError(f"rollout jobs failed {self.restarts} times; see their output")
@@ -323,7 +360,7 @@ class JobPool(Pool):
         live = [j for j in self.jobs if j.draining_since is None]
         for _ in range(self.state["target"] - len(live)):
             self.start_worker()
-        for job in live[self.state["target"]:][::-1]:
+        for job in live[self.state["target"] :][::-1]:
             self.drain(job, states)
         self.save()
 
@@ -356,6 +393,7 @@ class SlurmPool(JobPool):
 
     def __init__(self, cfg: PoolConfig, worker_args: list[str]):
         from launch import slurm
+
         self.slurm = slurm
         self.Error = slurm.SlurmError
         super().__init__(cfg, worker_args)
@@ -363,9 +401,15 @@ class SlurmPool(JobPool):
     def spec(self, worker_id: str):
         sc = self.cfg.slurm
         return self.slurm.JobSpec(
-            root=self.run_root, partition=sc.partition or None, gpus_per_node=sc.gpus_per_job,
-            cpus_per_task=sc.cpus_per_task, time=sc.time, job_name=sc.job_name or f"tandem-{self.cfg.id}",
-            worker_prefix=worker_id, sbatch_args=list(sc.sbatch_args))
+            root=self.run_root,
+            partition=sc.partition or None,
+            gpus_per_node=sc.gpus_per_job,
+            cpus_per_task=sc.cpus_per_task,
+            time=sc.time,
+            job_name=sc.job_name or f"tandem-{self.cfg.id}",
+            worker_prefix=worker_id,
+            sbatch_args=list(sc.sbatch_args),
+        )
 
     def submit_worker(self, worker_id: str) -> str:
         spec = self.spec(worker_id)
@@ -402,8 +446,7 @@ class SlurmPool(JobPool):
                 if job.draining_since is None:
                     continue
                 if now - job.draining_since > self.cfg.drain_timeout_s:
-                    log.error("job %s did not drain in %.0f s; cancelling it", job.job_id,
-                              self.cfg.drain_timeout_s)
+                    log.error("job %s did not drain in %.0f s; cancelling it", job.job_id, self.cfg.drain_timeout_s)
                     self.slurm.cancel(job.job_id)
                     job.draining_since = now  # give SLURM's own TERM/KILL a new period
                 elif state == "RUNNING" and now - job.last_signal > self.cfg.slurm.resignal_interval:
@@ -426,6 +469,7 @@ class RayPool(JobPool):
 
     def __init__(self, cfg: PoolConfig, worker_args: list[str]):
         from launch import ray_jobs
+
         self.ray_jobs = ray_jobs
         self.Error = ray_jobs.RayJobError
         super().__init__(cfg, worker_args)
@@ -434,11 +478,18 @@ class RayPool(JobPool):
     def spec(self, worker_id: str):
         rc = self.cfg.ray
         return self.ray_jobs.RaySpec(
-            root=self.run_root, address=rc.address, gpus_per_node=rc.gpus_per_job,
-            cpus_per_task=rc.cpus_per_job, worker_prefix=worker_id,
-            stop_timeout_s=int(self.cfg.drain_timeout_s), job_name=f"tandem-{self.cfg.id}",
+            root=self.run_root,
+            address=rc.address,
+            gpus_per_node=rc.gpus_per_job,
+            cpus_per_task=rc.cpus_per_job,
+            worker_prefix=worker_id,
+            stop_timeout_s=int(self.cfg.drain_timeout_s),
+            job_name=f"tandem-{self.cfg.id}",
             submission_id=f"tandem-{worker_id}-{os.urandom(2).hex()}",
-            working_dir=rc.working_dir or None, env=dict(rc.env), python=rc.python or sys.executable)
+            working_dir=rc.working_dir or None,
+            env=dict(rc.env),
+            python=rc.python or sys.executable,
+        )
 
     def submit_worker(self, worker_id: str) -> str:
         job = self.ray_jobs.render("rollout", self.spec(worker_id), self.worker_args)
@@ -490,8 +541,9 @@ def parse(argv: list[str]) -> tuple[PoolConfig, list[str]]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    logging.basicConfig(level=logging.INFO, stream=sys.stdout,
-                        format="%(asctime)s %(levelname)s pool[%(process)d] %(message)s")
+    logging.basicConfig(
+        level=logging.INFO, stream=sys.stdout, format="%(asctime)s %(levelname)s pool[%(process)d] %(message)s"
+    )
     try:
         cfg, worker_args = parse(sys.argv[1:] if argv is None else argv)
     except ConfigError as e:
@@ -499,6 +551,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     if cfg.pool.backend in ("slurm", "ray"):
         from launch import ray_jobs, slurm
+
         try:
             pool = (SlurmPool if cfg.pool.backend == "slurm" else RayPool)(cfg, worker_args)
             pool.spec("x").check("rollout")

@@ -17,6 +17,7 @@ SIGKILL comes RAY_JOB_STOP_WAIT_TIME_S later (launch.submit's --stop-timeout).
 Every child also gets SIGTERM if its parent dies first (prctl PR_SET_PDEATHSIG), so none is left
 running when this process or an agent is killed.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -31,8 +32,7 @@ import sys
 import time
 
 log = logging.getLogger("launch.ray_driver")
-MODULES = {"rollout": "rollout.worker", "validate": "rollout.validate",
-           "trainer": "trainer.main", "sft": "trainer.sft"}
+MODULES = {"rollout": "rollout.worker", "validate": "rollout.validate", "trainer": "trainer.main", "sft": "trainer.sft"}
 
 
 @dataclasses.dataclass
@@ -50,8 +50,9 @@ class Proc:
 
 def parse_args(argv):
     """The plan (this module's options), and the role's key=value arguments after `--`."""
-    p = argparse.ArgumentParser(prog="python -m launch.ray_driver", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        prog="python -m launch.ray_driver", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("role", choices=sorted(MODULES))
     p.add_argument("--nodes", type=int, default=1)
     p.add_argument("--gpus-per-node", type=int, default=0)
@@ -62,11 +63,15 @@ def parse_args(argv):
     p.add_argument("--rdzv-id", default="tandem", help="trainer/sft: torchrun's rendezvous id")
     p.add_argument("--port", default="auto", help="several nodes: rendezvous port on node 0")
     p.add_argument("--placement-strategy", default="STRICT_SPREAD")
-    p.add_argument("--placement-timeout", type=float, default=600.0,
-                   help="seconds to wait for the cluster to have every node's bundle free")
+    p.add_argument(
+        "--placement-timeout",
+        type=float,
+        default=600.0,
+        help="seconds to wait for the cluster to have every node's bundle free",
+    )
     cut = argv.index("--") if "--" in argv else len(argv)
     plan = p.parse_args(argv[:cut])
-    plan.args = argv[cut + 1:]  # the role's own key=value arguments, after --
+    plan.args = argv[cut + 1 :]  # the role's own key=value arguments, after --
     return plan
 
 
@@ -74,11 +79,31 @@ def node_procs(plan, node_rank: int, rendezvous: str | None) -> list[Proc]:
     """The processes of one node of the role. `rendezvous` HOST:PORT: node 0's (several nodes)."""
     py, module = sys.executable, MODULES[plan.role]
     if plan.role in ("trainer", "sft"):
-        meet = ["--standalone"] if plan.nodes == 1 else [
-            "--rdzv_backend=c10d", f"--rdzv_endpoint={rendezvous}", f"--rdzv_id={plan.rdzv_id}",
-            f"--rdzv_conf=is_host={int(node_rank == 0)}"]  # node 0 serves the store, whatever its name
-        return [Proc([py, "-m", "torch.distributed.run", f"--nnodes={plan.nodes}",
-                      f"--nproc_per_node={plan.nproc_per_node}", *meet, "-m", module, *plan.args])]
+        meet = (
+            ["--standalone"]
+            if plan.nodes == 1
+            else [
+                "--rdzv_backend=c10d",
+                f"--rdzv_endpoint={rendezvous}",
+                f"--rdzv_id={plan.rdzv_id}",
+                f"--rdzv_conf=is_host={int(node_rank == 0)}",
+            ]
+        )  # node 0 serves the store, whatever its name
+        return [
+            Proc(
+                [
+                    py,
+                    "-m",
+                    "torch.distributed.run",
+                    f"--nnodes={plan.nodes}",
+                    f"--nproc_per_node={plan.nproc_per_node}",
+                    *meet,
+                    "-m",
+                    module,
+                    *plan.args,
+                ]
+            )
+        ]
     if plan.role == "validate":
         return [Proc([py, "-m", module, *plan.args])]
     total = plan.nodes * plan.tasks_per_node
@@ -86,8 +111,9 @@ def node_procs(plan, node_rank: int, rendezvous: str | None) -> list[Proc]:
     for k in range(plan.tasks_per_node):
         index = node_rank * plan.tasks_per_node + k
         worker_id = plan.worker_prefix + (f"-t{index}" if total > 1 else "")
-        procs.append(Proc([py, "-m", module, *plan.args, f"worker.id={worker_id}"],
-                          gpu=k if plan.gpus_per_node else None))
+        procs.append(
+            Proc([py, "-m", module, *plan.args, f"worker.id={worker_id}"], gpu=k if plan.gpus_per_node else None)
+        )
     return procs
 
 
@@ -137,6 +163,7 @@ class NodeAgent:
 
     def endpoint(self, port: str) -> tuple[str, int]:
         import ray
+
         if port == "auto":  # a free port now; torchrun binds it moments later
             with socket.socket() as s:
                 s.bind(("", 0))
@@ -171,21 +198,39 @@ def run_nodes(plan, stopping) -> int:
     import ray
     from ray.util.placement_group import placement_group, remove_placement_group
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
     from launch import ray_driver as me  # by name, not __main__: the actors import it themselves
+
     ray.init()  # the job's cluster: RAY_ADDRESS, set by Ray's job supervisor
     bundle = {"CPU": plan.cpus_per_node, **({"GPU": plan.gpus_per_node} if plan.gpus_per_node else {})}
     pg = placement_group([bundle] * plan.nodes, strategy=plan.placement_strategy)
-    log.info("waiting up to %.0f s for %d bundles %s (%s)", plan.placement_timeout, plan.nodes,
-             bundle, plan.placement_strategy)
+    log.info(
+        "waiting up to %.0f s for %d bundles %s (%s)",
+        plan.placement_timeout,
+        plan.nodes,
+        bundle,
+        plan.placement_strategy,
+    )
     if not pg.wait(timeout_seconds=plan.placement_timeout):
-        log.error("the cluster did not give %d x %s (%s) in %.0f s: `ray status` shows what is "
-                  "free; STRICT_SPREAD needs that many distinct nodes", plan.nodes, bundle,
-                  plan.placement_strategy, plan.placement_timeout)
+        log.error(
+            "the cluster did not give %d x %s (%s) in %.0f s: `ray status` shows what is "
+            "free; STRICT_SPREAD needs that many distinct nodes",
+            plan.nodes,
+            bundle,
+            plan.placement_strategy,
+            plan.placement_timeout,
+        )
         return 1
     agent = ray.remote(me.NodeAgent)
-    agents = [agent.options(num_cpus=plan.cpus_per_node, num_gpus=plan.gpus_per_node, max_concurrency=2,
-                            scheduling_strategy=PlacementGroupSchedulingStrategy(pg, i)).remote()
-              for i in range(plan.nodes)]
+    agents = [
+        agent.options(
+            num_cpus=plan.cpus_per_node,
+            num_gpus=plan.gpus_per_node,
+            max_concurrency=2,
+            scheduling_strategy=PlacementGroupSchedulingStrategy(pg, i),
+        ).remote()
+        for i in range(plan.nodes)
+    ]
     try:
         host, port = ray.get(agents[0].endpoint.remote(plan.port), timeout=300)
     except ray.exceptions.RayError as e:  # GetTimeoutError too
@@ -214,8 +259,9 @@ def run_nodes(plan, stopping) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    logging.basicConfig(level=logging.INFO, stream=sys.stdout,
-                        format="%(asctime)s %(levelname)s ray_driver[%(process)d] %(message)s")
+    logging.basicConfig(
+        level=logging.INFO, stream=sys.stdout, format="%(asctime)s %(levelname)s ray_driver[%(process)d] %(message)s"
+    )
     plan = parse_args(sys.argv[1:] if argv is None else argv)
     got: list[int] = []
 
@@ -223,6 +269,7 @@ def main(argv: list[str] | None = None) -> int:
         if not got:
             log.info("%s received: stopping the %s", signal.Signals(signum).name, plan.role)
         got.append(signum)
+
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
     stopping = lambda: bool(got)  # noqa: E731

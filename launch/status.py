@@ -17,6 +17,7 @@ A live terminal view refreshed every `--interval` seconds (Ctrl-C leaves it):
 one JSON object. It only reads files (metrics.jsonl, progress.json, workers/*.json, the listing of
 quarantine/ and sizes), never anything the trainer waits on.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -74,21 +75,34 @@ def _trainer(run: TrainerRun, rows: list[dict], now: float) -> dict:
     done = run.state.done_info()
     latest = run.weights.pointer() or {}
     total = progress.get("total_steps") or (done or {}).get("steps")
-    out = {"state": "done" if done is not None else ("running" if rows or progress else "not started"),
-           "step": None, "total_steps": total, "version": None,
-           "latest_published": latest.get("version"), "reward": None, "samples_consumed": None,
-           "last_step": None, "last_step_age_s": None, "step_pace_s": None, "eta_s": None,
-           "idle_fraction": None}
+    out = {
+        "state": "done" if done is not None else ("running" if rows or progress else "not started"),
+        "step": None,
+        "total_steps": total,
+        "version": None,
+        "latest_published": latest.get("version"),
+        "reward": None,
+        "samples_consumed": None,
+        "last_step": None,
+        "last_step_age_s": None,
+        "step_pace_s": None,
+        "eta_s": None,
+        "idle_fraction": None,
+    }
     if not rows:
         return out
     last = rows[-1]
-    out.update(step=last["step"], version=last["weights/version"], reward=last["reward/mean"],
-               samples_consumed=last.get("samples/consumed"), last_step=step_split(last),
-               idle_fraction=sum(r.get("time/wait_s", 0.0) for r in rows)
-               / max(sum(r["time/step_s"] for r in rows), 1e-9))
+    out.update(
+        step=last["step"],
+        version=last["weights/version"],
+        reward=last["reward/mean"],
+        samples_consumed=last.get("samples/consumed"),
+        last_step=step_split(last),
+        idle_fraction=sum(r.get("time/wait_s", 0.0) for r in rows) / max(sum(r["time/step_s"] for r in rows), 1e-9),
+    )
     if "time/unix" in last:
         out["last_step_age_s"] = now - last["time/unix"]
-        recent = [r for r in rows[-(PACE_STEPS + 1):] if "time/unix" in r]
+        recent = [r for r in rows[-(PACE_STEPS + 1) :] if "time/unix" in r]
         if len(recent) >= 2:  # wall-clock pace: everything between steps counts
             pace = (recent[-1]["time/unix"] - recent[0]["time/unix"]) / (recent[-1]["step"] - recent[0]["step"])
         else:
@@ -102,12 +116,19 @@ def _trainer(run: TrainerRun, rows: list[dict], now: float) -> dict:
 def _worker(worker: str, beat: dict, now: float, silent_after: float) -> dict:
     age = now - beat["last_beat"] if "last_beat" in beat else None
     state = beat.get("state", "?")
-    return {"worker_id": worker, "state": state, "host": beat.get("host"), "pid": beat.get("pid"),
-            "version": beat.get("weight_version"), "tokens_per_s": beat.get("tokens_per_s"),
-            "samples_written": beat.get("samples_written"), "batches": beat.get("batches"),
-            **{k: beat.get(k) for k in ("generate_s", "reload_s", "wait_s", "reload_fraction")},
-            "last_beat_age_s": age,
-            "silent": state != "stopped" and (age is None or age > silent_after)}
+    return {
+        "worker_id": worker,
+        "state": state,
+        "host": beat.get("host"),
+        "pid": beat.get("pid"),
+        "version": beat.get("weight_version"),
+        "tokens_per_s": beat.get("tokens_per_s"),
+        "samples_written": beat.get("samples_written"),
+        "batches": beat.get("batches"),
+        **{k: beat.get(k) for k in ("generate_s", "reload_s", "wait_s", "reload_fraction")},
+        "last_beat_age_s": age,
+        "silent": state != "stopped" and (age is None or age > silent_after),
+    }
 
 
 def _quarantined(run: TrainerRun) -> int:
@@ -128,17 +149,23 @@ def _bytes(fs, path: str) -> int:
 def _buffer(run: TrainerRun, rows: list[dict]) -> dict:
     fs, files = run.fs, run.files
     last = rows[-1] if rows else {}
-    out = {"backlog_samples": backlog(run.heartbeats, run.progress),
-           "staleness_mean": last.get("staleness/mean"), "staleness_max": last.get("staleness/max"),
-           "run_staleness_mean": (sum(r["staleness/mean"] for r in rows) / len(rows)) if rows else None,
-           "run_staleness_max": max((r["staleness/max"] for r in rows), default=None),
-           "dropped_stale_samples": last.get("buffer/dropped_stale_samples"),
-           "bad_shards": last.get("buffer/bad_shards"),
-           "quarantined_shards": _quarantined(run),
-           "bytes": {"experience": _bytes(fs, files.experience_dir),
-                     "weights": _bytes(fs, files.weights_dir),
-                     "checkpoints": _bytes(fs, files.checkpoints_dir)},
-           "disk_free_bytes": None, "disk_total_bytes": None}
+    out = {
+        "backlog_samples": backlog(run.heartbeats, run.progress),
+        "staleness_mean": last.get("staleness/mean"),
+        "staleness_max": last.get("staleness/max"),
+        "run_staleness_mean": (sum(r["staleness/mean"] for r in rows) / len(rows)) if rows else None,
+        "run_staleness_max": max((r["staleness/max"] for r in rows), default=None),
+        "dropped_stale_samples": last.get("buffer/dropped_stale_samples"),
+        "bad_shards": last.get("buffer/bad_shards"),
+        "quarantined_shards": _quarantined(run),
+        "bytes": {
+            "experience": _bytes(fs, files.experience_dir),
+            "weights": _bytes(fs, files.weights_dir),
+            "checkpoints": _bytes(fs, files.checkpoints_dir),
+        },
+        "disk_free_bytes": None,
+        "disk_total_bytes": None,
+    }
     if run.is_local():
         usage = shutil.disk_usage(files.root)
         out["disk_free_bytes"], out["disk_total_bytes"] = usage.free, usage.total
@@ -157,8 +184,10 @@ def validation_series(rows: list[dict]) -> dict[str, list[list]]:
 
 def validation(rows: list[dict]) -> dict[str, dict]:
     """Every val-core/* metric: the latest value and its step, the first and the best value."""
-    return {key: {"step": s[-1][0], "value": s[-1][2], "first": s[0][2], "best": max(p[2] for p in s)}
-            for key, s in validation_series(rows).items()}
+    return {
+        key: {"step": s[-1][0], "value": s[-1][2], "first": s[0][2], "best": max(p[2] for p in s)}
+        for key, s in validation_series(rows).items()
+    }
 
 
 def snapshot(root: str, silent_after: float = 300.0, now: float | None = None) -> dict:
@@ -167,10 +196,15 @@ def snapshot(root: str, silent_after: float = 300.0, now: float | None = None) -
     now = time.time() if now is None else now
     rows, vals = split_metrics(read_metrics(run))
     beats = read_heartbeats(run)
-    return {"root": run.files.root, "time": now, "silent_after_s": silent_after,
-            "trainer": _trainer(run, rows, now),
-            "workers": [_worker(w, b, now, silent_after) for w, b in beats.items()],
-            "buffer": _buffer(run, rows), "validation": validation(vals)}
+    return {
+        "root": run.files.root,
+        "time": now,
+        "silent_after_s": silent_after,
+        "trainer": _trainer(run, rows, now),
+        "workers": [_worker(w, b, now, silent_after) for w, b in beats.items()],
+        "buffer": _buffer(run, rows),
+        "validation": validation(vals),
+    }
 
 
 # --- text -------------------------------------------------------------------------------------
@@ -201,9 +235,13 @@ def trainer_lines(t: dict) -> list[tuple[str, str]]:
         ("weights", f"training on {_v(t['version'])}, latest published {_v(t['latest_published'])}"),
         ("reward/mean", _num(t["reward"])),
         ("samples consumed", _num(t["samples_consumed"], "{:,}")),
-        ("last step", "-" if split is None else
-         f"wait {split['wait_s']:.2f} s | compute {split['compute_s']:.2f} s | "
-         f"publish {split['publish_s']:.2f} s"),
+        (
+            "last step",
+            "-"
+            if split is None
+            else f"wait {split['wait_s']:.2f} s | compute {split['compute_s']:.2f} s | "
+            f"publish {split['publish_s']:.2f} s",
+        ),
         ("idle", f"{_num(t['idle_fraction'], '{:.1%}')} of the run's step time waiting for experience"),
         ("pace", f"{_num(t['step_pace_s'], '{:.2f}')} s/step, last step {_dur(t['last_step_age_s'])} ago"),
         ("ETA", _dur(t["eta_s"]) if t["state"] != "done" else "finished"),
@@ -212,29 +250,36 @@ def trainer_lines(t: dict) -> list[tuple[str, str]]:
 
 def buffer_lines(b: dict) -> list[tuple[str, str]]:
     sizes = ", ".join(f"{k} {_mb(v)}" for k, v in b["bytes"].items())
-    free = ("-" if b["disk_free_bytes"] is None else
-            f"{_mb(b['disk_free_bytes'])} free of {_mb(b['disk_total_bytes'])}")
+    free = "-" if b["disk_free_bytes"] is None else f"{_mb(b['disk_free_bytes'])} free of {_mb(b['disk_total_bytes'])}"
     return [
         ("backlog", f"{b['backlog_samples']:,} samples written, not yet trained on or dropped"),
-        ("staleness", f"last step mean {_num(b['staleness_mean'], '{:.2f}')} max "
-                      f"{_num(b['staleness_max'], '{}')}; run mean {_num(b['run_staleness_mean'], '{:.2f}')} "
-                      f"max {_num(b['run_staleness_max'], '{}')} versions"),
+        (
+            "staleness",
+            f"last step mean {_num(b['staleness_mean'], '{:.2f}')} max "
+            f"{_num(b['staleness_max'], '{}')}; run mean {_num(b['run_staleness_mean'], '{:.2f}')} "
+            f"max {_num(b['run_staleness_max'], '{}')} versions",
+        ),
         ("dropped stale", f"{_num(b['dropped_stale_samples'], '{:,}')} samples"),
         ("bad / quarantined", f"{_num(b['bad_shards'], '{}')} rejected, {b['quarantined_shards']} in quarantine/"),
         ("disk", f"{sizes}; {free}"),
     ]
 
 
-WORKER_COLUMNS = ("worker", "state", "version", "tokens/s", "samples", "batches", "reload/gen",
-                  "last beat", "flag")
+WORKER_COLUMNS = ("worker", "state", "version", "tokens/s", "samples", "batches", "reload/gen", "last beat", "flag")
 
 
 def worker_cells(w: dict) -> tuple[str, ...]:
-    return (w["worker_id"], w["state"], _v(w["version"]),
-            _num(w["tokens_per_s"], "{:,.0f}"), _num(w["samples_written"], "{:,}"),
-            _num(w["batches"], "{:,}"), _num(w["reload_fraction"], "{:.1%}"),
-            f"{_dur(w['last_beat_age_s'])} ago",
-            "SILENT" if w["silent"] else "")
+    return (
+        w["worker_id"],
+        w["state"],
+        _v(w["version"]),
+        _num(w["tokens_per_s"], "{:,.0f}"),
+        _num(w["samples_written"], "{:,}"),
+        _num(w["batches"], "{:,}"),
+        _num(w["reload_fraction"], "{:.1%}"),
+        f"{_dur(w['last_beat_age_s'])} ago",
+        "SILENT" if w["silent"] else "",
+    )
 
 
 def render(snap: dict):
@@ -250,16 +295,19 @@ def render(snap: dict):
             t.add_row(k, v)
         return t
 
-    workers = Table(title=f"workers (SILENT: no heartbeat for {snap['silent_after_s']:.0f} s)",
-                    title_justify="left")
+    workers = Table(title=f"workers (SILENT: no heartbeat for {snap['silent_after_s']:.0f} s)", title_justify="left")
     for c in WORKER_COLUMNS:
-        workers.add_column(c, justify="right" if c in ("version", "tokens/s", "samples", "batches",
-                                                      "reload/gen") else "left")
+        workers.add_column(
+            c, justify="right" if c in ("version", "tokens/s", "samples", "batches", "reload/gen") else "left"
+        )
     for w in snap["workers"]:
         workers.add_row(*worker_cells(w), style="bold red" if w["silent"] else None)
-    parts = [f"[bold]{snap['root']}[/bold]  {time.strftime('%Y-%m-%d %H:%M:%S', time.localtime(snap['time']))}",
-             kv("trainer", trainer_lines(snap["trainer"])), workers,
-             kv("buffer", buffer_lines(snap["buffer"]))]
+    parts = [
+        f"[bold]{snap['root']}[/bold]  {time.strftime('%Y-%m-%d %H:%M:%S', time.localtime(snap['time']))}",
+        kv("trainer", trainer_lines(snap["trainer"])),
+        workers,
+        kv("buffer", buffer_lines(snap["buffer"])),
+    ]
     if snap["validation"]:
         val = Table(title="validation", title_justify="left")
         for c in ("metric", "step", "value", "first", "best"):
@@ -271,14 +319,19 @@ def render(snap: dict):
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m launch.status", description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        prog="python -m launch.status", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("root", help="the run folder")
     ap.add_argument("--once", action="store_true", help="print one snapshot and exit")
     ap.add_argument("--json", action="store_true", help="print one snapshot as JSON and exit")
     ap.add_argument("--interval", type=float, default=3.0, help="seconds between refreshes (default 3)")
-    ap.add_argument("--silent-after", type=float, default=300.0,
-                    help="flag a worker whose last heartbeat is older than this many seconds (default 300)")
+    ap.add_argument(
+        "--silent-after",
+        type=float,
+        default=300.0,
+        help="flag a worker whose last heartbeat is older than this many seconds (default 300)",
+    )
     args = ap.parse_args(argv)
     if args.interval <= 0 or args.silent_after <= 0:
         ap.error("--interval and --silent-after must be positive")
@@ -290,13 +343,13 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     from rich.console import Console
     from rich.live import Live
+
     console = Console(width=None if sys.stdout.isatty() else 120)  # files and SLURM logs: no wrap
     if args.once:
         console.print(render(snapshot(args.root, args.silent_after)))
         return 0
     try:
-        with Live(render(snapshot(args.root, args.silent_after)), console=console,
-                  auto_refresh=False) as live:
+        with Live(render(snapshot(args.root, args.silent_after)), console=console, auto_refresh=False) as live:
             while True:
                 time.sleep(args.interval)
                 live.update(render(snapshot(args.root, args.silent_after)), refresh=True)

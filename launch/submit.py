@@ -25,6 +25,7 @@ the role's process (`python -m rollout.worker` per task, `python -m rollout.vali
 sft: the output folder, trainer.default_local_dir) must be on a filesystem every node sees at the
 same path.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -37,59 +38,117 @@ from protocol.config import ConfigError, build, split_argv
 
 
 def parse_args(argv):
-    p = argparse.ArgumentParser(prog="python -m launch.submit", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter, allow_abbrev=False)
+    p = argparse.ArgumentParser(
+        prog="python -m launch.submit",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        allow_abbrev=False,
+    )
     p.add_argument("role", choices=["rollout", "trainer", "sft", "validate"])
-    p.add_argument("--root", required=True, help="run folder, on the shared filesystem (sft: the "
-                   "output folder, trainer.default_local_dir)")
+    p.add_argument(
+        "--root",
+        required=True,
+        help="run folder, on the shared filesystem (sft: the output folder, trainer.default_local_dir)",
+    )
     p.add_argument("--partition", help="SLURM partition (default: the cluster's default)")
     p.add_argument("--nodes", type=int, default=1, help="nodes (default 1)")
-    p.add_argument("--gpus-per-node", type=int, default=0,
-                   help="GPUs per node (rollout: one worker per GPU; default 0: CPU)")
-    p.add_argument("--tasks-per-node", type=int, default=1,
-                   help="rollout on CPU: workers per node (default 1; with GPUs: one per GPU)")
-    p.add_argument("--cpus-per-task", type=int, default=None,
-                   help="CPUs per worker (rollout, default 1) or per node (trainer/sft, default nproc)")
-    p.add_argument("--nproc-per-node", type=int, default=None,
-                   help="trainer/sft: ranks per node (default: --gpus-per-node, or 1 on CPU)")
+    p.add_argument(
+        "--gpus-per-node", type=int, default=0, help="GPUs per node (rollout: one worker per GPU; default 0: CPU)"
+    )
+    p.add_argument(
+        "--tasks-per-node",
+        type=int,
+        default=1,
+        help="rollout on CPU: workers per node (default 1; with GPUs: one per GPU)",
+    )
+    p.add_argument(
+        "--cpus-per-task",
+        type=int,
+        default=None,
+        help="CPUs per worker (rollout, default 1) or per node (trainer/sft, default nproc)",
+    )
+    p.add_argument(
+        "--nproc-per-node",
+        type=int,
+        default=None,
+        help="trainer/sft: ranks per node (default: --gpus-per-node, or 1 on CPU)",
+    )
     p.add_argument("--time", default="1-00:00:00", help="time limit (default 1-00:00:00)")
-    p.add_argument("--signal-before", type=int, default=None, metavar="SECONDS",
-                   help="this long before the time limit: rollout workers get SIGTERM (flush, "
-                        "exit; default 120); the trainer checkpoints, exits and its job is "
-                        "requeued to resume (default 600: a checkpoint of a large model takes "
-                        "minutes)")
+    p.add_argument(
+        "--signal-before",
+        type=int,
+        default=None,
+        metavar="SECONDS",
+        help="this long before the time limit: rollout workers get SIGTERM (flush, "
+        "exit; default 120); the trainer checkpoints, exits and its job is "
+        "requeued to resume (default 600: a checkpoint of a large model takes "
+        "minutes)",
+    )
     p.add_argument("--array", help="rollout: job array spec, e.g. 0-3 or 0-7%%2 (one job per task)")
     p.add_argument("--flush-interval", type=float, help="rollout: seconds before a partial shard is published")
-    p.add_argument("--port", default="auto",
-                   help="trainer/sft: c10d rendezvous port on the first node (default: 20000 + job id %% 20000)")
+    p.add_argument(
+        "--port",
+        default="auto",
+        help="trainer/sft: c10d rendezvous port on the first node (default: 20000 + job id %% 20000)",
+    )
     p.add_argument("--job-name", default="", help="job name (default tandem-<role>)")
     p.add_argument("--worker-prefix", default="", help="rollout: worker id prefix (default w-j<job id>)")
     p.add_argument("--output", help="job output file (default ROOT/logs/slurm-<role>-%%j.out)")
-    p.add_argument("--sbatch", action="append", default=[], metavar="OPTION",
-                   help="extra sbatch option, repeatable (e.g. --sbatch=--account=rl)")
+    p.add_argument(
+        "--sbatch",
+        action="append",
+        default=[],
+        metavar="OPTION",
+        help="extra sbatch option, repeatable (e.g. --sbatch=--account=rl)",
+    )
     p.add_argument("--dry-run", action="store_true", help="print the script instead of submitting it")
     ray = p.add_argument_group("Ray (--backend ray; docs/ray.md)")
-    ray.add_argument("--backend", choices=["slurm", "ray"], default="slurm",
-                     help="slurm (default): an sbatch job; ray: a Ray job (Jobs API)")
-    ray.add_argument("--address",
-                     default=os.environ.get("RAY_API_SERVER_ADDRESS") or os.environ.get("RAY_ADDRESS"),
-                     help="the Ray dashboard, e.g. http://HEAD:8265 (default: $RAY_API_SERVER_ADDRESS, "
-                          "then $RAY_ADDRESS)")
-    ray.add_argument("--working-dir", help="runtime_env working_dir: a folder Ray uploads and runs the "
-                     "job in (the tandem checkout); default: tandem installed on every node")
-    ray.add_argument("--env", action="append", default=[], metavar="KEY=VALUE",
-                     help="runtime_env env var, repeatable (e.g. --env NCCL_SOCKET_IFNAME=ib0)")
-    ray.add_argument("--runtime-env", metavar="FILE", help="a runtime_env YAML/JSON file (pip, conda, "
-                     "env_vars...), merged under tandem's own env vars")
-    ray.add_argument("--python", default=sys.executable,
-                     help="the python on the nodes (default: this one, %(default)s)")
-    ray.add_argument("--submission-id", default="", help="Ray submission id (default "
-                     "<job name>-<time>-<random>)")
-    ray.add_argument("--placement-strategy", default="STRICT_SPREAD", choices=ray_jobs.STRATEGIES,
-                     help="trainer/sft on several nodes: how the per-node bundles are placed "
-                          "(default STRICT_SPREAD: one bundle per node)")
-    ray.add_argument("--stop-timeout", type=int, default=None, metavar="SECONDS",
-                     help="ray job stop: SIGKILL this long after SIGTERM (default 120; trainer 60)")
+    ray.add_argument(
+        "--backend",
+        choices=["slurm", "ray"],
+        default="slurm",
+        help="slurm (default): an sbatch job; ray: a Ray job (Jobs API)",
+    )
+    ray.add_argument(
+        "--address",
+        default=os.environ.get("RAY_API_SERVER_ADDRESS") or os.environ.get("RAY_ADDRESS"),
+        help="the Ray dashboard, e.g. http://HEAD:8265 (default: $RAY_API_SERVER_ADDRESS, then $RAY_ADDRESS)",
+    )
+    ray.add_argument(
+        "--working-dir",
+        help="runtime_env working_dir: a folder Ray uploads and runs the "
+        "job in (the tandem checkout); default: tandem installed on every node",
+    )
+    ray.add_argument(
+        "--env",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="runtime_env env var, repeatable (e.g. --env NCCL_SOCKET_IFNAME=ib0)",
+    )
+    ray.add_argument(
+        "--runtime-env",
+        metavar="FILE",
+        help="a runtime_env YAML/JSON file (pip, conda, env_vars...), merged under tandem's own env vars",
+    )
+    ray.add_argument(
+        "--python", default=sys.executable, help="the python on the nodes (default: this one, %(default)s)"
+    )
+    ray.add_argument("--submission-id", default="", help="Ray submission id (default <job name>-<time>-<random>)")
+    ray.add_argument(
+        "--placement-strategy",
+        default="STRICT_SPREAD",
+        choices=ray_jobs.STRATEGIES,
+        help="trainer/sft on several nodes: how the per-node bundles are placed "
+        "(default STRICT_SPREAD: one bundle per node)",
+    )
+    ray.add_argument(
+        "--stop-timeout",
+        type=int,
+        default=None,
+        metavar="SECONDS",
+        help="ray job stop: SIGKILL this long after SIGTERM (default 120; trainer 60)",
+    )
     return p.parse_known_args(argv)  # the rest: the role's key=value arguments
 
 
@@ -102,6 +161,7 @@ def role_args(role: str, root: str, rest: list[str]) -> list[str]:
     cls: type
     if role == "rollout":
         from rollout.config import WorkerConfig as cls
+
         if "worker.id" in overrides or "id" in overrides:
             raise ConfigError("worker.id: set per task by the job (use --worker-prefix)")
     elif role == "validate":
@@ -121,21 +181,45 @@ def spec_from(args) -> slurm.JobSpec:
     nproc = args.nproc_per_node or args.gpus_per_node or 1
     cpus = args.cpus_per_task or (nproc if args.role in slurm.TORCHRUN_ROLES else 1)
     return slurm.JobSpec(
-        root=os.path.abspath(args.root), partition=args.partition, nodes=args.nodes,
-        gpus_per_node=args.gpus_per_node, tasks_per_node=args.tasks_per_node, cpus_per_task=cpus,
-        time=args.time, job_name=args.job_name, array=args.array, flush_interval=args.flush_interval,
-        nproc_per_node=nproc, port=str(args.port), worker_prefix=args.worker_prefix,
+        root=os.path.abspath(args.root),
+        partition=args.partition,
+        nodes=args.nodes,
+        gpus_per_node=args.gpus_per_node,
+        tasks_per_node=args.tasks_per_node,
+        cpus_per_task=cpus,
+        time=args.time,
+        job_name=args.job_name,
+        array=args.array,
+        flush_interval=args.flush_interval,
+        nproc_per_node=nproc,
+        port=str(args.port),
+        worker_prefix=args.worker_prefix,
         signal_before_s=args.signal_before or (600 if args.role == "trainer" else 120),
-        output=args.output, sbatch_args=args.sbatch)
+        output=args.output,
+        sbatch_args=args.sbatch,
+    )
 
 
 # launch.submit's SLURM-only options, with their defaults: refused with --backend ray;
-SLURM_ONLY = {"partition": None, "time": "1-00:00:00", "signal_before": None, "array": None,
-              "output": None, "sbatch": []}
+SLURM_ONLY = {
+    "partition": None,
+    "time": "1-00:00:00",
+    "signal_before": None,
+    "array": None,
+    "output": None,
+    "sbatch": [],
+}
 
 # and the Ray-only ones, refused without it
-RAY_ONLY = {"working_dir": None, "env": [], "runtime_env": None, "python": sys.executable,
-            "submission_id": "", "placement_strategy": "STRICT_SPREAD", "stop_timeout": None}
+RAY_ONLY = {
+    "working_dir": None,
+    "env": [],
+    "runtime_env": None,
+    "python": sys.executable,
+    "submission_id": "",
+    "placement_strategy": "STRICT_SPREAD",
+    "stop_timeout": None,
+}
 
 
 def _given(args, defaults: dict) -> list[str]:
@@ -145,8 +229,10 @@ def _given(args, defaults: dict) -> list[str]:
 def ray_spec_from(args) -> ray_jobs.RaySpec:
     given = _given(args, SLURM_ONLY)
     if given:
-        raise ValueError(f"{', '.join(given)}: SLURM options; a Ray job takes --nodes, --gpus-per-node, "
-                         "--cpus-per-task and the Ray options (docs/ray.md)")
+        raise ValueError(
+            f"{', '.join(given)}: SLURM options; a Ray job takes --nodes, --gpus-per-node, "
+            "--cpus-per-task and the Ray options (docs/ray.md)"
+        )
     if not args.address:
         raise ValueError("--address: give the Ray dashboard, e.g. --address http://HEAD:8265")
     env = {}
@@ -158,6 +244,7 @@ def ray_spec_from(args) -> ray_jobs.RaySpec:
     runtime_env: dict = {}
     if args.runtime_env:
         import yaml
+
         with open(args.runtime_env) as f:
             runtime_env = yaml.safe_load(f) or {}
         if not isinstance(runtime_env, dict):
@@ -165,16 +252,27 @@ def ray_spec_from(args) -> ray_jobs.RaySpec:
     nproc = args.nproc_per_node or args.gpus_per_node or 1
     torchrun = args.role in slurm.TORCHRUN_ROLES
     return ray_jobs.RaySpec(
-        root=os.path.abspath(args.root), address=args.address, nodes=args.nodes,
-        gpus_per_node=args.gpus_per_node, tasks_per_node=args.tasks_per_node,
-        cpus_per_task=args.cpus_per_task or (nproc if torchrun else 1), nproc_per_node=nproc,
-        port=str(args.port), strategy=args.placement_strategy, worker_prefix=args.worker_prefix,
+        root=os.path.abspath(args.root),
+        address=args.address,
+        nodes=args.nodes,
+        gpus_per_node=args.gpus_per_node,
+        tasks_per_node=args.tasks_per_node,
+        cpus_per_task=args.cpus_per_task or (nproc if torchrun else 1),
+        nproc_per_node=nproc,
+        port=str(args.port),
+        strategy=args.placement_strategy,
+        worker_prefix=args.worker_prefix,
         flush_interval=args.flush_interval,
         stop_timeout_s=args.stop_timeout or (60 if args.role == "trainer" else 120),
-        submission_id=args.submission_id, job_name=args.job_name,
-        working_dir=args.working_dir if not args.working_dir or "://" in args.working_dir
+        submission_id=args.submission_id,
+        job_name=args.job_name,
+        working_dir=args.working_dir
+        if not args.working_dir or "://" in args.working_dir
         else os.path.abspath(args.working_dir),  # a local folder, or a URI Ray fetches (s3://...)
-        env=env, runtime_env=runtime_env, python=args.python)
+        env=env,
+        runtime_env=runtime_env,
+        python=args.python,
+    )
 
 
 def main_ray(args, rest: list[str]) -> int:

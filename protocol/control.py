@@ -19,6 +19,7 @@ A command's id makes it idempotent: a supervisor records the ids it applied and 
 one twice, whether the file is rewritten, repeated, or the supervisor restarts. A command
 without an id is identified by its content, so rewriting the same text does nothing.
 """
+
 from __future__ import annotations
 
 import dataclasses

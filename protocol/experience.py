@@ -22,13 +22,14 @@ the run id (RUN_ID_KEY, RunState.run_id in buffer/control/) in the metadata. Ver
 checkpoint's pool.arrow of version 2 still loads); the trainer refuses experience shards without
 its run id whatever their version.
 """
+
 from __future__ import annotations
 
 import dataclasses
 import hashlib
 import io
 import struct
-from typing import Iterable
+from collections.abc import Iterable
 
 import pyarrow as pa
 
@@ -68,22 +69,25 @@ class Sample:
     finished_at: float  # unix seconds, reward computed
 
 
-SCHEMA = pa.schema([
-    pa.field("sample_id", pa.string(), nullable=False),
-    pa.field("group_id", pa.string(), nullable=False),
-    pa.field("prompt_id", pa.string(), nullable=False),
-    pa.field("worker_id", pa.string(), nullable=False),
-    pa.field("weight_version", pa.int64(), nullable=False),
-    pa.field("prompt_ids", pa.list_(pa.int32()), nullable=False),
-    pa.field("response_ids", pa.list_(pa.int32()), nullable=False),
-    pa.field("behaviour_logprobs", pa.list_(pa.float32()), nullable=False),
-    pa.field("reward", pa.float32(), nullable=False),
-    pa.field("finish_reason", pa.string(), nullable=False),
-    pa.field("temperature", pa.float32(), nullable=False),
-    pa.field("data_source", pa.string(), nullable=False),
-    pa.field("created_at", pa.float64(), nullable=False),
-    pa.field("finished_at", pa.float64(), nullable=False),
-], metadata={SCHEMA_VERSION_KEY: SCHEMA_VERSION.encode()})
+SCHEMA = pa.schema(
+    [
+        pa.field("sample_id", pa.string(), nullable=False),
+        pa.field("group_id", pa.string(), nullable=False),
+        pa.field("prompt_id", pa.string(), nullable=False),
+        pa.field("worker_id", pa.string(), nullable=False),
+        pa.field("weight_version", pa.int64(), nullable=False),
+        pa.field("prompt_ids", pa.list_(pa.int32()), nullable=False),
+        pa.field("response_ids", pa.list_(pa.int32()), nullable=False),
+        pa.field("behaviour_logprobs", pa.list_(pa.float32()), nullable=False),
+        pa.field("reward", pa.float32(), nullable=False),
+        pa.field("finish_reason", pa.string(), nullable=False),
+        pa.field("temperature", pa.float32(), nullable=False),
+        pa.field("data_source", pa.string(), nullable=False),
+        pa.field("created_at", pa.float64(), nullable=False),
+        pa.field("finished_at", pa.float64(), nullable=False),
+    ],
+    metadata={SCHEMA_VERSION_KEY: SCHEMA_VERSION.encode()},
+)
 
 _NAMES = [f.name for f in dataclasses.fields(Sample)]
 assert _NAMES == SCHEMA.names, "Sample and SCHEMA must list the same columns in the same order"
@@ -118,8 +122,9 @@ def check_rows(samples: list[Sample]) -> None:
     """Per-row invariants the trainer relies on."""
     for s in samples:
         if len(s.response_ids) != len(s.behaviour_logprobs):
-            raise SchemaError(f"{s.sample_id}: {len(s.response_ids)} response tokens but "
-                              f"{len(s.behaviour_logprobs)} logprobs")
+            raise SchemaError(
+                f"{s.sample_id}: {len(s.response_ids)} response tokens but {len(s.behaviour_logprobs)} logprobs"
+            )
         if not s.prompt_ids or not s.response_ids:
             raise SchemaError(f"{s.sample_id}: empty prompt or response")
 
@@ -155,8 +160,7 @@ def validate_table(table: pa.Table, vocab_size: int | None = None) -> None:
     differ = pc.not_equal(n_resp, n_lp)
     if pc.any(differ).as_py():
         row = pc.index(differ, True).as_py()
-        raise SchemaError(f"{ids[row].as_py()}: {n_resp[row].as_py()} response tokens but "
-                          f"{n_lp[row].as_py()} logprobs")
+        raise SchemaError(f"{ids[row].as_py()}: {n_resp[row].as_py()} response tokens but {n_lp[row].as_py()} logprobs")
     for name in ("prompt_ids", "response_ids"):
         empty = pc.equal(pc.list_value_length(table.column(name)), 0)
         if pc.any(empty).as_py():
@@ -165,15 +169,17 @@ def validate_table(table: pa.Table, vocab_size: int | None = None) -> None:
         mm = pc.min_max(flat)
         lo, hi = mm["min"].as_py(), mm["max"].as_py()
         if lo is not None and lo < 0:
-            raise where(_row_mask(table, name, lambda v: pc.less(v, 0)),
-                        f"negative token id {lo} in {name}")
+            raise where(_row_mask(table, name, lambda v: pc.less(v, 0)), f"negative token id {lo} in {name}")
         if vocab_size is not None and hi is not None and hi >= vocab_size:
-            raise where(_row_mask(table, name, lambda v: pc.greater_equal(v, vocab_size)),
-                        f"token id {hi} in {name} outside the vocabulary (size {vocab_size})")
+            raise where(
+                _row_mask(table, name, lambda v: pc.greater_equal(v, vocab_size)),
+                f"token id {hi} in {name} outside the vocabulary (size {vocab_size})",
+            )
     lp = pc.list_flatten(table.column("behaviour_logprobs"))
     if len(lp) and not pc.all(pc.is_finite(lp)).as_py():
-        raise where(_row_mask(table, "behaviour_logprobs", lambda v: pc.invert(pc.is_finite(v))),
-                    "non-finite behaviour logprob")
+        raise where(
+            _row_mask(table, "behaviour_logprobs", lambda v: pc.invert(pc.is_finite(v))), "non-finite behaviour logprob"
+        )
     for name in ("reward", "temperature"):
         col = table.column(name)
         if not pc.all(pc.is_finite(col)).as_py():
@@ -185,8 +191,7 @@ def _row_mask(table: pa.Table, name: str, pred) -> pa.ChunkedArray:
     col = table.column(name).combine_chunks()
     hit = pred(col.flatten()).to_pylist()
     offsets = col.offsets.to_pylist()
-    return pa.chunked_array([pa.array([any(hit[offsets[i]:offsets[i + 1]])
-                                       for i in range(len(col))])])
+    return pa.chunked_array([pa.array([any(hit[offsets[i] : offsets[i + 1]]) for i in range(len(col))])])
 
 
 def encode(table: pa.Table) -> bytes:
@@ -204,23 +209,24 @@ def _check_trailer(trailer: bytes | memoryview, payload_len: int, digest_of_payl
     (computed lazily by `digest_of_payload()`, the expensive part) matches."""
     magic, n, digest = _TRAILER.unpack(trailer)
     if magic != TRAILER_MAGIC:
-        raise IntegrityError("no tandem trailer at the end of the file (truncated, written by "
-                             "another schema version, or not a tandem shard)")
+        raise IntegrityError(
+            "no tandem trailer at the end of the file (truncated, written by "
+            "another schema version, or not a tandem shard)"
+        )
     if n != payload_len:
-        raise IntegrityError(f"trailer says {n} payload bytes, the file has "
-                             f"{payload_len} (truncated or extended)")
+        raise IntegrityError(f"trailer says {n} payload bytes, the file has {payload_len} (truncated or extended)")
     got = digest_of_payload()
     if got != digest:
-        raise IntegrityError(f"sha256 mismatch: trailer {digest.hex()[:16]}..., "
-                             f"content {got.hex()[:16]}... (damaged bytes)")
+        raise IntegrityError(
+            f"sha256 mismatch: trailer {digest.hex()[:16]}..., content {got.hex()[:16]}... (damaged bytes)"
+        )
 
 
 def payload(data: bytes) -> memoryview:
     """The IPC payload of shard bytes, after checking the trailer (raises IntegrityError)."""
     view = memoryview(data)
     if len(view) < TRAILER_SIZE:
-        raise IntegrityError(f"{len(view)} bytes: too short for a tandem shard "
-                             f"(truncated, or not a shard)")
+        raise IntegrityError(f"{len(view)} bytes: too short for a tandem shard (truncated, or not a shard)")
     body = view[:-TRAILER_SIZE]
     _check_trailer(view[-TRAILER_SIZE:], len(body), lambda: hashlib.sha256(body).digest())
     return body
@@ -251,8 +257,7 @@ class StreamVerifier:
     def finish(self) -> None:
         """Raise IntegrityError unless the bytes so far are one whole, undamaged shard."""
         if self.size < TRAILER_SIZE:
-            raise IntegrityError(f"{self.size} bytes: too short for a tandem shard "
-                                 f"(truncated, or not a shard)")
+            raise IntegrityError(f"{self.size} bytes: too short for a tandem shard (truncated, or not a shard)")
         _check_trailer(self._tail, self.size - TRAILER_SIZE, self._sha.digest)
 
 

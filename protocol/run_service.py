@@ -20,6 +20,7 @@ serving (the client waits and retries).
 retry after a lost reply) with the first call's reply instead of doing it again (a second
 SyncClaim would claim slots the worker never fills).
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -70,6 +71,7 @@ class WorkerRef:
 class DocReply:
     """One JSON document of the run (a heartbeat, progress.json, weights/LATEST, a pool
     state), None when there is none yet."""
+
     doc: dict | None = None
 
 
@@ -223,7 +225,6 @@ def decode(cls, raw: bytes):
     for f in dataclasses.fields(cls):
         if f.name in d:
             if not _matches(d[f.name], hints[f.name]):
-                raise MessageError(f"{cls.__name__}.{f.name}: {type(d[f.name]).__name__} is not "
-                                   f"{hints[f.name]}")
+                raise MessageError(f"{cls.__name__}.{f.name}: {type(d[f.name]).__name__} is not {hints[f.name]}")
             kwargs[f.name] = d[f.name]
     return cls(**kwargs)

@@ -9,6 +9,7 @@ wire type 2 (0x12), the length as a varint, the bytes. `encode_chunk` writes exa
 memoryview of the payload for that form and parses anything else (headers, any other valid
 encoding from another client) with protobuf, so any client generated from the .proto works.
 """
+
 from __future__ import annotations
 
 from google.protobuf.message import DecodeError

@@ -6,6 +6,7 @@ answers with a result (`RunLayout.validation_result`), written atomically, then 
 request. A result carries verl's validation metric names (`val-core/<data_source>/reward/mean@1`,
 `val-aux/...`), or, when the version could not be evaluated, `skipped` saying why.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -26,7 +27,7 @@ class ValidationRequest:
         return json.dumps(dataclasses.asdict(self), sort_keys=True)
 
     @classmethod
-    def from_json(cls, text: str | bytes, where: str) -> "ValidationRequest":
+    def from_json(cls, text: str | bytes, where: str) -> ValidationRequest:
         return _parse(cls, text, where)
 
 
@@ -45,7 +46,7 @@ class ValidationResult:
         return json.dumps(dataclasses.asdict(self), sort_keys=True)
 
     @classmethod
-    def from_json(cls, text: str | bytes, where: str) -> "ValidationResult":
+    def from_json(cls, text: str | bytes, where: str) -> ValidationResult:
         return _parse(cls, text, where)
 
 

@@ -4,6 +4,7 @@ A version folder holds HF-named safetensors files, the HF config, and `manifest.
 schema. A reader trusts a version only after its manifest parses and the checksums of the files it
 reads match.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -48,15 +49,18 @@ class WeightManifest:
         return json.dumps(dataclasses.asdict(self), indent=1, sort_keys=True)
 
     @classmethod
-    def from_json(cls, text: str, where: str = "manifest") -> "WeightManifest":
+    def from_json(cls, text: str, where: str = "manifest") -> WeightManifest:
         try:
             d = json.loads(text)
             if d.get("format") != MANIFEST_FORMAT:
                 raise ManifestError(f"{where}: format {d.get('format')}, expected {MANIFEST_FORMAT}")
-            return cls(version=int(d["version"]), step=int(d["step"]),
-                       created_at=float(d["created_at"]),
-                       files=[FileEntry(**f) for f in d["files"]],
-                       tensors={k: TensorEntry(**v) for k, v in d["tensors"].items()})
+            return cls(
+                version=int(d["version"]),
+                step=int(d["step"]),
+                created_at=float(d["created_at"]),
+                files=[FileEntry(**f) for f in d["files"]],
+                tensors={k: TensorEntry(**v) for k, v in d["tensors"].items()},
+            )
         except (KeyError, TypeError, ValueError, json.JSONDecodeError) as e:
             if isinstance(e, ManifestError):
                 raise

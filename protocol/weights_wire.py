@@ -14,6 +14,7 @@ Chunks are numbered globally: file 0's chunks first, then file 1's, ... in manif
 the wire as a little-endian bitmap (`to_bitmap` / `from_bitmap`). Every call carries
 `authorization: Bearer <token>` metadata (the experience server's token).
 """
+
 from __future__ import annotations
 
 import bisect
@@ -74,13 +75,14 @@ class FileChunks:
     name: str
     bytes: int
     sha256: str  # of the whole file, as the manifest says
-    chunks: "list[builtins.bytes]"  # raw 32-byte sha256 digest of each chunk, in order
+    chunks: list[builtins.bytes]  # raw 32-byte sha256 digest of each chunk, in order
 
 
 @dataclasses.dataclass
 class ChunkList(_Message):
     """A version's files (those its manifest lists) cut into `chunk_bytes` pieces (the last
     piece of a file may be shorter), with the manifest's JSON text."""
+
     version: int
     chunk_bytes: int
     manifest: str
@@ -109,13 +111,22 @@ class ChunkList(_Message):
         if self.chunk_bytes <= 0:
             raise WireError(f"ChunkList v{self.version}: chunk_bytes {self.chunk_bytes}")
         for f in self.files:
-            if (not f.name or f.name in (".", "..") or "/" in f.name or "\\" in f.name
-                    or f.name.startswith(SIDECAR_PREFIX) or f.name == "manifest.json"):
+            if (
+                not f.name
+                or f.name in (".", "..")
+                or "/" in f.name
+                or "\\" in f.name
+                or f.name.startswith(SIDECAR_PREFIX)
+                or f.name == "manifest.json"
+            ):
                 raise WireError(f"ChunkList v{self.version}: file name {f.name!r} refused")
             if len(f.chunks) != max(1, -(-f.bytes // self.chunk_bytes)) or any(
-                    not isinstance(c, bytes) or len(c) != 32 for c in f.chunks):
-                raise WireError(f"ChunkList v{self.version}: {f.name}: {len(f.chunks)} chunk "
-                                f"digests for {f.bytes} bytes in chunks of {self.chunk_bytes}")
+                not isinstance(c, bytes) or len(c) != 32 for c in f.chunks
+            ):
+                raise WireError(
+                    f"ChunkList v{self.version}: {f.name}: {len(f.chunks)} chunk "
+                    f"digests for {f.bytes} bytes in chunks of {self.chunk_bytes}"
+                )
         names = [f.name for f in self.files]
         if len(set(names)) != len(names):
             raise WireError(f"ChunkList v{self.version}: a file listed twice")
@@ -137,20 +148,29 @@ class ChunkList(_Message):
         return range(self._starts[file_pos], self._starts[file_pos] + len(self.files[file_pos].chunks))
 
     def encode(self) -> bytes:
-        return msgpack.packb({"version": self.version, "chunk_bytes": self.chunk_bytes,
-                              "manifest": self.manifest,
-                              "files": [dataclasses.asdict(f) for f in self.files]},
-                             use_bin_type=True)
+        return msgpack.packb(
+            {
+                "version": self.version,
+                "chunk_bytes": self.chunk_bytes,
+                "manifest": self.manifest,
+                "files": [dataclasses.asdict(f) for f in self.files],
+            },
+            use_bin_type=True,
+        )
 
     @classmethod
-    def of_folder(cls, folder: str, manifest: WeightManifest, manifest_text: str,
-                  chunk_bytes: int) -> "ChunkList":
+    def of_folder(cls, folder: str, manifest: WeightManifest, manifest_text: str, chunk_bytes: int) -> ChunkList:
         """Hash the manifest's files in `folder` chunk by chunk (one read of each file)."""
         files = []
         for entry in manifest.files:
-            files.append(FileChunks(entry.name, entry.bytes, entry.sha256,
-                                    _chunk_digests(os.path.join(folder, entry.name), entry,
-                                                   chunk_bytes)))
+            files.append(
+                FileChunks(
+                    entry.name,
+                    entry.bytes,
+                    entry.sha256,
+                    _chunk_digests(os.path.join(folder, entry.name), entry, chunk_bytes),
+                )
+            )
         out = cls(manifest.version, chunk_bytes, manifest_text, files)
         out.check()
         return out
@@ -178,6 +198,7 @@ class ChunkRequest(_Message):
     (the trainer sends the one it has sent least often: each chunk leaves it about once).
     `peers`: the requester takes chunks from peers, except those in `avoid` (so the trainer
     may answer REDIRECT, index -1, when live peers hold every chunk of `want`)."""
+
     version: int
     peer_id: str
     index: int = -1
@@ -196,6 +217,7 @@ class ChunkRequest(_Message):
 @dataclasses.dataclass
 class ChunkReply(_Message):
     """`index` -1 (no data): every chunk asked for is with live peers; ask them."""
+
     version: int
     index: int
     data: bytes
@@ -211,6 +233,7 @@ class PeerInfo:
 @dataclasses.dataclass
 class PeerReport(_Message):
     """A worker's holdings of a version; `address` empty: it serves nothing (fan-out off)."""
+
     version: int
     peer_id: str
     address: str
@@ -240,5 +263,10 @@ def to_bitmap(indices: Iterable[int], total: int) -> bytes:
 
 def from_bitmap(raw: bytes, total: int) -> set[int]:
     """The chunk numbers below `total` set in `raw` (bits past it are ignored)."""
-    return {pos << 3 | bit for pos, byte in enumerate(raw[:(total + 7) // 8]) if byte
-            for bit in range(8) if byte >> bit & 1 and pos << 3 | bit < total}
+    return {
+        pos << 3 | bit
+        for pos, byte in enumerate(raw[: (total + 7) // 8])
+        if byte
+        for bit in range(8)
+        if byte >> bit & 1 and pos << 3 | bit < total
+    }

@@ -1,4 +1,5 @@
 """Configuration of a rollout worker (`python -m rollout.worker`). Names follow verl's."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -6,13 +7,14 @@ import re
 
 from buffer.config import BufferConfig
 from buffer.layout import check_worker_id
-from protocol.config import F, ConfigError
+from protocol.config import ConfigError, F
 from protocol.sections import DataConfig, ModelConfig
 
 
 @dataclasses.dataclass
 class ValKwargsConfig:
     """verl's actor_rollout_ref.rollout.val_kwargs (same defaults: greedy, one response)."""
+
     do_sample: bool = F(False, "sample with the settings below; false: greedy decoding")
     n: int = F(1, "responses per validation prompt (metrics become mean@n, best@n, ...)", ge=1)
     temperature: float = F(0.0, "with do_sample: sampling temperature (0: greedy)", ge=0)
@@ -22,28 +24,45 @@ class ValKwargsConfig:
 
 @dataclasses.dataclass
 class RolloutSamplingConfig:
-    name: str = F("hf", "engine: 'hf' (transformers, runs on CPU) or 'vllm' (GPU)",
-                  choices=("hf", "vllm"))
+    name: str = F("hf", "engine: 'hf' (transformers, runs on CPU) or 'vllm' (GPU)", choices=("hf", "vllm"))
     n: int = F(8, "responses sampled per prompt (the GRPO group size)", ge=1)
     temperature: float = F(1.0, "sampling temperature; the trainer recomputes logprobs at it", gt=0)
     top_p: float = F(1.0, "nucleus sampling mass", gt=0, le=1)
-    prompts_per_batch: int = F(16, "prompts submitted to the engine at once (synchronous "
-                               "trainer, max_staleness=0: at most, of a version's groups claimed "
-                               "at a time, an equal share among the live workers)", ge=1)
-    interruptible: bool = F(False, "generate in segments of segment_tokens; between segments "
-                            "load new weights and resume unfinished responses on them (as AReaL "
-                            "does); off: weights switch only between batches")
+    prompts_per_batch: int = F(
+        16,
+        "prompts submitted to the engine at once (synchronous "
+        "trainer, max_staleness=0: at most, of a version's groups claimed "
+        "at a time, an equal share among the live workers)",
+        ge=1,
+    )
+    interruptible: bool = F(
+        False,
+        "generate in segments of segment_tokens; between segments "
+        "load new weights and resume unfinished responses on them (as AReaL "
+        "does); off: weights switch only between batches",
+    )
     segment_tokens: int = F(64, "tokens per segment when interruptible", ge=1)
-    dtype: str = F("auto", "weights dtype in the engine: auto|float32|bfloat16|float16",
-                   choices=("auto", "float32", "bfloat16", "float16"))
-    gpu_memory_utilization: float = F(0.9, "vLLM: fraction of the GPU's memory the engine takes "
-                                      "(weights, activations, KV cache); 0.9 for a GPU the worker "
-                                      "owns, less when it shares one", gt=0, le=1)
+    dtype: str = F(
+        "auto",
+        "weights dtype in the engine: auto|float32|bfloat16|float16",
+        choices=("auto", "float32", "bfloat16", "float16"),
+    )
+    gpu_memory_utilization: float = F(
+        0.9,
+        "vLLM: fraction of the GPU's memory the engine takes "
+        "(weights, activations, KV cache); 0.9 for a GPU the worker "
+        "owns, less when it shares one",
+        gt=0,
+        le=1,
+    )
     tensor_model_parallel_size: int = F(1, "vLLM: tensor-parallel degree", ge=1)
-    enforce_eager: bool = F(False, "vLLM: skip torch.compile and CUDA graphs (starts ~45 s "
-                            "faster, generates ~20% slower). For debugging, true together with "
-                            "the environment variable VLLM_ENABLE_V1_MULTIPROCESSING=0 runs the "
-                            "model in the worker's own process, where errors surface directly")
+    enforce_eager: bool = F(
+        False,
+        "vLLM: skip torch.compile and CUDA graphs (starts ~45 s "
+        "faster, generates ~20% slower). For debugging, true together with "
+        "the environment variable VLLM_ENABLE_V1_MULTIPROCESSING=0 runs the "
+        "model in the worker's own process, where errors surface directly",
+    )
     val_kwargs: ValKwargsConfig = F(factory=ValKwargsConfig)
 
 
@@ -55,25 +74,29 @@ class ActorRolloutRefConfig:
 
 @dataclasses.dataclass
 class RewardFunctionConfig:
-    path: str | None = F(None, "python file with a custom reward function; default: verl's "
-                         "reward for the row's data_source, or the built-in task's")
-    name: str = F("compute_score", "function name in that file: "
-                  "f(data_source, solution_str, ground_truth, extra_info) -> float | dict")
+    path: str | None = F(
+        None,
+        "python file with a custom reward function; default: verl's "
+        "reward for the row's data_source, or the built-in task's",
+    )
+    name: str = F(
+        "compute_score",
+        "function name in that file: f(data_source, solution_str, ground_truth, extra_info) -> float | dict",
+    )
 
 
 @dataclasses.dataclass
 class EngineProcessSection:
     """What every process with an engine (worker, validator) is told."""
+
     seed: int = F(0, "sampling seed (a worker's also orders its prompts; mixed with its id)")
-    weights_timeout_s: float = F(900.0, "seconds to wait for the trainer's first weight version",
-                                 gt=0)
+    weights_timeout_s: float = F(900.0, "seconds to wait for the trainer's first weight version", gt=0)
     device: str = F("auto", "torch device for the hf engine: auto|cpu|cuda|cuda:N")
     SECTION = "worker"  # the section's name, for messages (not a field)
 
     def check(self) -> None:
         if not re.fullmatch(r"auto|cpu|cuda(:\d+)?", self.device):
-            raise ConfigError(f"{self.SECTION}.device: {self.device!r} is not one of auto, cpu, "
-                              "cuda, cuda:N")
+            raise ConfigError(f"{self.SECTION}.device: {self.device!r} is not one of auto, cpu, cuda, cuda:N")
 
 
 @dataclasses.dataclass
@@ -92,9 +115,11 @@ class WorkerSection(EngineProcessSection):
 
 @dataclasses.dataclass
 class WorkerConfig:
-    root: str = F(doc="the run folder shared with the trainer (local path or fsspec URL); with "
-                  "buffer.transport=grpc this process's own local folder (weight cache, shard-number "
-                  "claim, logs): everything else goes through the trainer's run service")
+    root: str = F(
+        doc="the run folder shared with the trainer (local path or fsspec URL); with "
+        "buffer.transport=grpc this process's own local folder (weight cache, shard-number "
+        "claim, logs): everything else goes through the trainer's run service"
+    )
     data: DataConfig = F(factory=DataConfig)
     actor_rollout_ref: ActorRolloutRefConfig = F(factory=ActorRolloutRefConfig)
     custom_reward_function: RewardFunctionConfig = F(factory=RewardFunctionConfig)
@@ -114,9 +139,11 @@ class ValidatorSection(EngineProcessSection):
 
 @dataclasses.dataclass
 class ValidatorConfig:
-    root: str = F(doc="the run folder shared with the trainer (local path or fsspec URL); with "
-                  "buffer.transport=grpc this process's own local folder (weight cache, shard-number "
-                  "claim, logs): everything else goes through the trainer's run service")
+    root: str = F(
+        doc="the run folder shared with the trainer (local path or fsspec URL); with "
+        "buffer.transport=grpc this process's own local folder (weight cache, shard-number "
+        "claim, logs): everything else goes through the trainer's run service"
+    )
     data: DataConfig = F(factory=DataConfig)
     actor_rollout_ref: ActorRolloutRefConfig = F(factory=ActorRolloutRefConfig)
     custom_reward_function: RewardFunctionConfig = F(factory=RewardFunctionConfig)
@@ -125,5 +152,4 @@ class ValidatorConfig:
 
     def check(self) -> None:
         if not self.data.val_files:
-            raise ConfigError("data.val_files: at least one parquet file of held-out prompts is "
-                              "required")
+            raise ConfigError("data.val_files: at least one parquet file of held-out prompts is required")

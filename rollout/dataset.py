@@ -4,6 +4,7 @@ A row is {data_source, prompt: [{role, content}], ability, reward_model: {style,
 extra_info: {index, ...}}. Rows are checked when loaded; a bad row names the file, the row and
 the field.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -59,8 +60,9 @@ def data_sources(files: list[str], field: str = "data.train_files") -> dict[str,
     return out
 
 
-def load_prompts(files: list[str], tokenizer, prompt_key: str, max_prompt_length: int,
-                 field: str = "data.train_files") -> list[Prompt]:
+def load_prompts(
+    files: list[str], tokenizer, prompt_key: str, max_prompt_length: int, field: str = "data.train_files"
+) -> list[Prompt]:
     """Every usable row of `files`; `field` is the setting they came from, for errors."""
     prompts, skipped = [], 0
     for file in map(os.path.expanduser, files):  # verl's configs write ~/data/...
@@ -68,29 +70,38 @@ def load_prompts(files: list[str], tokenizer, prompt_key: str, max_prompt_length
         for i, row in enumerate(rows):
             where = f"{file} row {i}"
             messages = _row_field(row, prompt_key, where)
-            if not isinstance(messages, list) or not messages or not all(
-                    isinstance(m, dict) and "role" in m and "content" in m for m in messages):
-                raise DatasetError(f"{where}: field {prompt_key!r} must be a non-empty list of "
-                                   f"{{role, content}}, got {str(messages)[:80]}")
+            if (
+                not isinstance(messages, list)
+                or not messages
+                or not all(isinstance(m, dict) and "role" in m and "content" in m for m in messages)
+            ):
+                raise DatasetError(
+                    f"{where}: field {prompt_key!r} must be a non-empty list of "
+                    f"{{role, content}}, got {str(messages)[:80]}"
+                )
             extra = row.get("extra_info") or {}
             if not isinstance(extra, dict):
                 raise DatasetError(f"{where}: field 'extra_info' must be a mapping, got {str(extra)[:80]}")
             try:
                 ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
             except Exception as e:  # noqa: BLE001 - jinja/tokenizer errors: name the row
-                raise DatasetError(f"{where}: the tokenizer's chat template failed on field "
-                                   f"{prompt_key!r}: {type(e).__name__}: {e}") from None
+                raise DatasetError(
+                    f"{where}: the tokenizer's chat template failed on field {prompt_key!r}: {type(e).__name__}: {e}"
+                ) from None
             if hasattr(ids, "keys"):  # transformers 5 returns a BatchEncoding
                 ids = ids["input_ids"]
             if len(ids) > max_prompt_length:
                 skipped += 1
                 continue
-            prompts.append(Prompt(
-                prompt_id=str(extra.get("index", f"{Path(file).name}:{i}")),
-                data_source=str(_row_field(row, "data_source", where)),
-                token_ids=list(ids),
-                ground_truth=_row_field(row, "reward_model.ground_truth", where),
-                extra_info=extra))
+            prompts.append(
+                Prompt(
+                    prompt_id=str(extra.get("index", f"{Path(file).name}:{i}")),
+                    data_source=str(_row_field(row, "data_source", where)),
+                    token_ids=list(ids),
+                    ground_truth=_row_field(row, "reward_model.ground_truth", where),
+                    extra_info=extra,
+                )
+            )
     if skipped:
         log.warning("skipped %d prompts longer than data.max_prompt_length=%d", skipped, max_prompt_length)
     if not prompts:

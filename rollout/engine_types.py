@@ -1,5 +1,6 @@
 """What every generation engine takes and returns (rollout/engine.py's HFEngine,
 rollout/vllm_engine.py's VLLMEngine): imported by both, so neither imports the other."""
+
 from __future__ import annotations
 
 import dataclasses

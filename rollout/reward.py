@@ -1,10 +1,11 @@
 """Reward functions: a custom one from a file, the built-in task's, or verl's by data_source."""
+
 from __future__ import annotations
 
 import importlib.util
 import math
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 from rollout import builtin_task
 
@@ -33,6 +34,7 @@ def _default(data_source, solution_str, ground_truth, extra_info=None):
     if data_source in builtin_task.DATA_SOURCES:
         return builtin_task.compute_score(data_source, solution_str, ground_truth, extra_info)
     from verl.utils.reward_score import default_compute_score
+
     return default_compute_score(data_source, solution_str, ground_truth, extra_info)
 
 
@@ -44,7 +46,9 @@ def verl_handles(data_source: str) -> bool:
     import ast
     import inspect
     import textwrap
+
     from verl.utils.reward_score import default_compute_score
+
     function = ast.parse(textwrap.dedent(inspect.getsource(default_compute_score))).body[0]
     body = function.body if isinstance(function, ast.FunctionDef) else []
     node: ast.stmt | None = next((n for n in body if isinstance(n, ast.If)), None)
@@ -52,8 +56,11 @@ def verl_handles(data_source: str) -> bool:
         return True  # not the shape we know: let the first scoring decide
     while isinstance(node, ast.If):
         try:
-            if eval(compile(ast.Expression(node.test), "<verl condition>", "eval"),  # noqa: S307
-                    {"__builtins__": {}}, {"data_source": data_source}):
+            if eval(
+                compile(ast.Expression(node.test), "<verl condition>", "eval"),  # noqa: S307
+                {"__builtins__": {}},
+                {"data_source": data_source},
+            ):
                 return True
         except Exception:  # noqa: BLE001 - a condition on something else: assume it may match
             return True
@@ -71,7 +78,8 @@ def check_data_sources(sources: dict[str, str], custom_path: str | None) -> None
             raise RewardError(
                 f"data_source {source!r} (in {file}) has no reward function: it is neither the "
                 f"built-in task's ({', '.join(sorted(builtin_task.DATA_SOURCES))}) nor one of "
-                "verl's default_compute_score; set custom_reward_function.path")
+                "verl's default_compute_score; set custom_reward_function.path"
+            )
 
 
 def resolve_details(path: str | None, name: str) -> Callable[[str, str, object, dict], tuple[float, dict]]:
@@ -109,6 +117,8 @@ def check_value(result, data_source: str) -> float:
     if not math.isfinite(value):
         raise RewardError(f"reward for data_source {data_source!r} is not finite: {value}")
     if abs(value) > FLOAT32_MAX:  # it would become inf in the shard's float32 column
-        raise RewardError(f"reward for data_source {data_source!r} is out of range: {value:g} "
-                          f"(|reward| must be at most {FLOAT32_MAX:g}, float32)")
+        raise RewardError(
+            f"reward for data_source {data_source!r} is out of range: {value:g} "
+            f"(|reward| must be at most {FLOAT32_MAX:g}, float32)"
+        )
     return value

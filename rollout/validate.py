@@ -15,6 +15,7 @@ trainer has finished (DONE) and no request is open; SIGTERM finishes the current
 refused at start; a reward that is not a finite float32 drops its sample (counted as
 `val-aux/rewards_dropped`), as in the workers.
 """
+
 from __future__ import annotations
 
 import logging
@@ -44,14 +45,14 @@ def val_metrics(data_sources: list[str], uids: list[str], infos: dict[str, list]
     `acc` if the reward function reports it, else of `reward`, go under val-core/, the rest
     under val-aux/. `infos`: variable -> one value per sample."""
     from verl.trainer.ppo.metric_utils import process_validation_metrics
+
     out = {}
     for source, var2metrics in process_validation_metrics(data_sources, uids, infos).items():
         core_var = "acc" if "acc" in var2metrics else "reward"
         for var, metrics in var2metrics.items():
             n_max = max(int(name.split("@")[-1].split("/")[0]) for name in metrics)
             for name, value in metrics.items():
-                core = (var == core_var and name.startswith(("mean", "maj", "best"))
-                        and f"@{n_max}" in name)
+                core = var == core_var and name.startswith(("mean", "maj", "best")) and f"@{n_max}" in name
                 out[f"{'val-core' if core else 'val-aux'}/{source}/{var}/{name}"] = float(value)
     return out
 
@@ -62,18 +63,15 @@ class Validator:
         self.stores = setup_worker_run(cfg)
         self.store = self.stores.weights
         self.queue = self.stores.validation
-        self.score = reward.resolve_details(cfg.custom_reward_function.path,
-                                            cfg.custom_reward_function.name)
+        self.score = reward.resolve_details(cfg.custom_reward_function.path, cfg.custom_reward_function.name)
         # Before waiting for weights or loading an engine: every row can be scored.
-        reward.check_data_sources(data_sources(cfg.data.val_files, "data.val_files"),
-                                  cfg.custom_reward_function.path)
+        reward.check_data_sources(data_sources(cfg.data.val_files, "data.val_files"), cfg.custom_reward_function.path)
         self.stopping = False
         self.version: int | None = None  # the weights in the engine
         self.answered: list[int] = []
 
     def _on_signal(self, signum, _frame) -> None:
-        log.info("%s received: finishing the current version, then stopping",
-                 signal.Signals(signum).name)
+        log.info("%s received: finishing the current version, then stopping", signal.Signals(signum).name)
         self.stopping = True
 
     def start(self) -> bool:
@@ -82,25 +80,36 @@ class Validator:
         signal.signal(signal.SIGINT, self._on_signal)
         self.heartbeat("starting")
         self.engine, self.version = start_engine(
-            self.store, self.cfg.actor_rollout_ref.rollout, self.cfg.validator.device,
-            self.cfg.validator.weights_timeout_s, "validator", should_stop=lambda: self.stopping)
+            self.store,
+            self.cfg.actor_rollout_ref.rollout,
+            self.cfg.validator.device,
+            self.cfg.validator.weights_timeout_s,
+            "validator",
+            should_stop=lambda: self.stopping,
+        )
         if self.engine is None:
             return False
         data = self.cfg.data
-        self.prompts: list[Prompt] = load_prompts(data.val_files, self.engine.tokenizer,
-                                                  data.prompt_key, data.max_prompt_length,
-                                                  field="data.val_files")
+        self.prompts: list[Prompt] = load_prompts(
+            data.val_files, self.engine.tokenizer, data.prompt_key, data.max_prompt_length, field="data.val_files"
+        )
         log.info("validator: %d prompts from %s", len(self.prompts), data.val_files)
         return True
 
     def sampling(self) -> SamplingSettings:
         vk = self.cfg.actor_rollout_ref.rollout.val_kwargs
         if not vk.do_sample:  # verl: greedy, whatever temperature says
-            return SamplingSettings(n=vk.n, temperature=0.0, top_p=1.0, top_k=-1,
-                                    max_tokens=self.cfg.data.max_response_length, seed=0)
-        return SamplingSettings(n=vk.n, temperature=vk.temperature, top_p=vk.top_p, top_k=vk.top_k,
-                                max_tokens=self.cfg.data.max_response_length,
-                                seed=self.cfg.validator.seed)
+            return SamplingSettings(
+                n=vk.n, temperature=0.0, top_p=1.0, top_k=-1, max_tokens=self.cfg.data.max_response_length, seed=0
+            )
+        return SamplingSettings(
+            n=vk.n,
+            temperature=vk.temperature,
+            top_p=vk.top_p,
+            top_k=vk.top_k,
+            max_tokens=self.cfg.data.max_response_length,
+            seed=self.cfg.validator.seed,
+        )
 
     def load(self, version: int) -> str:
         """Put `version` into the engine in place; '' on success, else why it is not there."""
@@ -110,8 +119,10 @@ class Validator:
         try:
             self.engine.load_files(self.store.files(version))
         except (OSError, ManifestError) as e:
-            return (f"weight version {version} is no longer on disk (pruned before validation: "
-                    f"more than trainer.keep_versions validations were pending): {e}")
+            return (
+                f"weight version {version} is no longer on disk (pruned before validation: "
+                f"more than trainer.keep_versions validations were pending): {e}"
+            )
         self.version = version
         return ""
 
@@ -124,37 +135,49 @@ class Validator:
         size = self.cfg.data.val_batch_size or len(self.prompts)
         sources, uids, rows, dropped = [], [], [], 0
         for start in range(0, len(self.prompts), size):
-            chunk = self.prompts[start:start + size]
-            for i, (p, group) in enumerate(zip(chunk, self.engine.generate(
-                    [p.token_ids for p in chunk], params)), start):
+            chunk = self.prompts[start : start + size]
+            for i, (p, group) in enumerate(
+                zip(chunk, self.engine.generate([p.token_ids for p in chunk], params)), start
+            ):
                 for c in group:
                     text = self.engine.tokenizer.decode(c.token_ids, skip_special_tokens=True)
                     try:
                         value, extra = self.score(p.data_source, text, p.ground_truth, p.extra_info)
                     except reward.RewardError as e:  # one bad value costs one sample, not the run
                         dropped += 1
-                        log.warning("weights v%d: dropped a sample of prompt %s: %s", req.version,
-                                    p.prompt_id, e)
+                        log.warning("weights v%d: dropped a sample of prompt %s: %s", req.version, p.prompt_id, e)
                         continue
                     sources.append(p.data_source)
                     uids.append(str(i))  # a prompt's n responses share its uid
                     rows.append({"reward": value, **extra})
         infos = {k: [r.get(k) for r in rows] for k in dict.fromkeys(k for r in rows for k in r)}
         metrics = val_metrics(sources, uids, infos) | {"val-aux/rewards_dropped": float(dropped)}
-        return ValidationResult(req.version, req.step, metrics,
-                                prompts=len(self.prompts), samples=len(rows),
-                                generate_s=time.monotonic() - t0, finished_at=time.time())
+        return ValidationResult(
+            req.version,
+            req.step,
+            metrics,
+            prompts=len(self.prompts),
+            samples=len(rows),
+            generate_s=time.monotonic() - t0,
+            finished_at=time.time(),
+        )
 
     def heartbeat(self, state: str) -> None:
         try:
-            self.queue.write_beat({
-                "host": socket.gethostname(), "pid": os.getpid(), "state": state,
-                "weight_version": self.version, "answered": self.answered, "last_beat": time.time()})
+            self.queue.write_beat(
+                {
+                    "host": socket.gethostname(),
+                    "pid": os.getpid(),
+                    "state": state,
+                    "weight_version": self.version,
+                    "answered": self.answered,
+                    "last_beat": time.time(),
+                }
+            )
         except OSError as e:
             if not is_disk_full(e):
                 raise
-            log.warning("disk full at %s: heartbeat skipped (the next one tries again)",
-                        self.queue.where())
+            log.warning("disk full at %s: heartbeat skipped (the next one tries again)", self.queue.where())
 
     def answer_next(self) -> bool:
         """Answer the oldest open request; False when there is none."""
@@ -168,10 +191,15 @@ class Validator:
         if result.skipped:
             log.warning("skipped weights v%d (step %d): %s", result.version, result.step, result.skipped)
         else:
-            core = "; ".join(f"{k} {v:.3f}" for k, v in sorted(result.metrics.items())
-                             if k.startswith("val-core/"))
-            log.info("validated weights v%d (step %d): %s | %d samples in %.2f s", result.version,
-                     result.step, core, result.samples, result.generate_s)
+            core = "; ".join(f"{k} {v:.3f}" for k, v in sorted(result.metrics.items()) if k.startswith("val-core/"))
+            log.info(
+                "validated weights v%d (step %d): %s | %d samples in %.2f s",
+                result.version,
+                result.step,
+                core,
+                result.samples,
+                result.generate_s,
+            )
         return True
 
     def run(self) -> None:
@@ -189,8 +217,10 @@ class Validator:
                     break  # the trainer wrote every request before DONE
                 if time.monotonic() - last_note > NOTE_EVERY_S:
                     last_note = time.monotonic()
-                    log.info("waiting for validation requests in %s (the trainer writes one "
-                             "every trainer.test_freq steps)", self.queue.where())
+                    log.info(
+                        "waiting for validation requests in %s (the trainer writes one every trainer.test_freq steps)",
+                        self.queue.where(),
+                    )
                     self.heartbeat("running")
                 time.sleep(self.cfg.validator.poll_interval_s)
         finally:
@@ -200,10 +230,16 @@ class Validator:
 
 
 def main(argv: list[str] | None = None) -> int:
-    return run_role(Validator, ValidatorConfig, argv, "python -m rollout.validate",
-                    "Validator: evaluates the weight versions the trainer asks for (every "
-                    "trainer.test_freq steps) on data.val_files and writes verl's val-core / "
-                    "val-aux metrics beside them, for the trainer to log.", "validate")
+    return run_role(
+        Validator,
+        ValidatorConfig,
+        argv,
+        "python -m rollout.validate",
+        "Validator: evaluates the weight versions the trainer asks for (every "
+        "trainer.test_freq steps) on data.val_files and writes verl's val-core / "
+        "val-aux metrics beside them, for the trainer to log.",
+        "validate",
+    )
 
 
 if __name__ == "__main__":

@@ -25,6 +25,7 @@ whatever was imported before.
 Debugging: `VLLM_ENABLE_V1_MULTIPROCESSING=0` in the environment (with `enforce_eager=true`)
 runs the model in this process, where its errors surface directly; never needed in production.
 """
+
 from __future__ import annotations
 
 import os
@@ -43,6 +44,7 @@ class WeightLoader:
     def tandem_load_files(self, paths: list[str]) -> int:
         """Load HF-named tensors from verified safetensors files into the running model."""
         from buffer.weights.fs import read_tensors
+
         count = 0
 
         def counted():
@@ -59,26 +61,40 @@ class VLLMEngine:
     def __init__(self, model_dir: str, cfg):
         from transformers import AutoTokenizer
         from vllm import LLM
+
         os.environ.setdefault("HF_HUB_OFFLINE", "1")
         # Read by vLLM when it starts its processes, i.e. inside LLM(...) below (module doc).
         os.environ.setdefault("VLLM_WORKER_MULTIPROC_METHOD", "spawn")
         self.tokenizer = AutoTokenizer.from_pretrained(model_dir)
-        self.llm = LLM(model=model_dir, tokenizer=model_dir, dtype=cfg.dtype,
-                       gpu_memory_utilization=cfg.gpu_memory_utilization,
-                       tensor_parallel_size=cfg.tensor_model_parallel_size,
-                       enforce_eager=cfg.enforce_eager, logprobs_mode="processed_logprobs",
-                       enable_prefix_caching=True, seed=0,
-                       worker_extension_cls=f"{__name__}.{WeightLoader.__qualname__}")
+        self.llm = LLM(
+            model=model_dir,
+            tokenizer=model_dir,
+            dtype=cfg.dtype,
+            gpu_memory_utilization=cfg.gpu_memory_utilization,
+            tensor_parallel_size=cfg.tensor_model_parallel_size,
+            enforce_eager=cfg.enforce_eager,
+            logprobs_mode="processed_logprobs",
+            enable_prefix_caching=True,
+            seed=0,
+            worker_extension_cls=f"{__name__}.{WeightLoader.__qualname__}",
+        )
 
     def generate(self, prompts: list[list[int]], params: SamplingSettings) -> list[list[Completion]]:
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
+
         top_k = {"top_k": params.top_k} if params.top_k > 0 else {}  # temperature 0: greedy
-        sampling = SamplingParams(n=params.n, temperature=params.temperature, top_p=params.top_p,
-                                  max_tokens=params.max_tokens, logprobs=0, seed=params.seed,
-                                  detokenize=False, **top_k)  # the worker decodes what it scores
-        outputs = self.llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], sampling,
-                                    use_tqdm=False)
+        sampling = SamplingParams(
+            n=params.n,
+            temperature=params.temperature,
+            top_p=params.top_p,
+            max_tokens=params.max_tokens,
+            logprobs=0,
+            seed=params.seed,
+            detokenize=False,
+            **top_k,
+        )  # the worker decodes what it scores
+        outputs = self.llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], sampling, use_tqdm=False)
         results = []
         for out in outputs:
             group = []
@@ -92,8 +108,7 @@ class VLLMEngine:
 
     def load_files(self, paths: list[str]) -> int:
         # Every tensor-parallel rank reads all files; each keeps its own shard.
-        counts = self.llm.collective_rpc("tandem_load_files", timeout=RELOAD_TIMEOUT_S,
-                                         args=(list(paths),))
+        counts = self.llm.collective_rpc("tandem_load_files", timeout=RELOAD_TIMEOUT_S, args=(list(paths),))
         self.llm.reset_prefix_cache()  # cached KV was computed by the old weights
         return counts[0]
 

@@ -14,6 +14,7 @@ It refuses to run on a dirty tree: a restore writes the committed text back. Not
 in this tree meanwhile (it would see the fix removed). Not part of the test suite: about 30 min
 on a 2-core machine; the SLURM case needs root (tests/test_slurm.py starts a one-node SLURM).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -41,85 +42,175 @@ class Case:
 
 
 CASES = [
-    Case("1", "a restarted writer ignores its durable seq claim (workers/<id>.claim)",
-         [("buffer/writer.py", "claim = self.sink.read_claim() or {}", "claim = {}")],
-         [F + "test_restarted_worker_never_reuses_a_consumed_and_pruned_shard_number",
-          F + "test_restarted_grpc_worker_is_not_acknowledged_as_a_duplicate"]),
-    Case("1b", "a gRPC writer's claim counts its unacknowledged shards in samples_before (found "
-               "by the chaos soak after the 11 items)",
-         [("buffer/writer.py", '"samples_before": self.samples_written - sum(self._unsure_samples.values())}',
-           '"samples_before": self.samples_written}')],
-         [F + "test_a_restarted_grpc_worker_counts_each_written_sample_once"]),
-    Case("2", "no parent-death signal: die_with_agent() returns at once",
-         [("trainer/lifeline.py", 'if "TORCHELASTIC_RUN_ID" not in os.environ:', "if True:")],
-         [F + "test_killing_torchrun_kills_its_ranks"]),
-    Case("3", "no run lock: RunLock.acquire takes no fcntl lock",
-         [("trainer/run_lock.py", "fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)", "pass")],
-         [F + "test_a_second_trainer_on_the_run_folder_is_refused_naming_the_first"]),
-    Case("4", "the reader checks neither the run id nor versions from the future",
-         [("buffer/experience/reader.py",
-           "check_origin(table.schema.metadata or {}, worker, seq, path, self.run_id)\n"
-           "            check_not_future(table, current_version)",
-           "check_origin(table.schema.metadata or {}, worker, seq, path, None)")],
-         [F + "test_leftover_experience_of_another_run_is_not_trained_on",
-          F + "test_reader_refuses_shards_of_another_run_without_a_run_id_or_from_the_future"]),
-    Case("5a", "quarantined samples are not counted as retired",
-         [("buffer/experience/reader.py",
-           'self.stats["quarantined_samples"] += _declared_samples(data, path)', "pass")],
-         [F + "test_quarantined_and_stale_samples_are_retired_while_the_trainer_waits"]),
-    Case("5b", "the worker's cap is buffer.max_backlog_samples alone, not sized from one step",
-         [("buffer/control/backpressure.py",
-           'cap = max(limit, int(report.get("batch_groups", 0)) * group_size)', "cap = limit")],
-         [F + "test_a_step_larger_than_the_backlog_cap_completes"]),
-    Case("5c", "no age-based flush while blocked by backpressure",
-         [("rollout/worker.py", "on_wait=self._flush_while_waiting,", "")],
-         [F + "test_a_worker_blocked_by_backpressure_still_flushes_by_age"]),
-    Case("6a", "the gRPC server never pushes back",
-         [("buffer/experience/net_server.py", "        self._backpressure(head, key, context)\n", "")],
-         [F + "test_grpc_spool_stops_growing_while_the_trainer_does_not_consume"]),
-    Case("6b", "the reader ingests every discovered shard, not just one step's",
-         [("buffer/experience/reader.py", "if len(self.pool) >= num_groups:\n"
-           "                    break  # the rest", "if False:\n                    break  # the rest")],
-         [F + "test_reader_reads_no_further_than_a_step_needs"]),
-    Case("7", "maybe_reload catches FileNotFoundError only, not ManifestError",
-         [("rollout/worker.py", "except (FileNotFoundError, ManifestError) as e:",
-           "except FileNotFoundError as e:")],
-         [F + "test_worker_survives_a_version_pruned_while_it_loads"]),
-    Case("8", "the per-shard lock is dropped when its holder ends (waiters or not), and every "
-              "push of a shard spools under one temporary name",
-         [("buffer/experience/net_server.py", "                if not entry[1]:\n",
-           "                if True:\n"),
-          ("buffer/experience/net_server.py", 'f"{os.getpid()}.{next(self._push_ids)}"', "os.getpid()")],
-         [F + "test_concurrent_pushes_of_one_shard_never_publish_damaged_bytes"]),
-    Case("9", "control.d/<id>.json created by check-then-rename, not by a hard link",
-         [("buffer/storage.py", "if not is_local(fs):\n        if fs.exists(path):",
-           "if True:\n        if fs.exists(path):")],
-         [F + "test_concurrent_control_commands_are_all_kept_with_distinct_ids"]),
-    Case("10a", "a full disk is an error like any other (is_disk_full() is False)",
-         [("buffer/storage.py", "return isinstance(e, OSError) and e.errno in DISK_FULL", "return False")],
-         [F + "test_every_role_outlives_a_full_disk"]),
-    Case("10b", "no checkpoint by default (trainer.save_freq default 0)",
-         [("trainer/config.py", "save_freq: int = F(10,", "save_freq: int = F(0,")],
-         [F + "test_a_trainer_killed_before_its_first_checkpoint_starts_again"]),
-    Case("10c", "versions but no checkpoint: refused, not started again at step 0",
-         [("trainer/main.py", 'if cfg.trainer.resume_mode != "auto":', "if True:")],
-         [F + "test_a_trainer_killed_before_its_first_checkpoint_starts_again"]),
-    Case("10d", "staging folders of killed publishes are not removed at start",
-         [("trainer/main.py", "self.store.remove_debris()  #", "pass  #")],
-         [F + "test_a_trainer_killed_before_its_first_checkpoint_starts_again"]),
-    Case("11a", "the trainer ignores ROOT/trainer.stop",
-         [("trainer/main.py", "path = self.stores.files.trainer_stop\n        if os.path.exists(path):",
-           "path = self.stores.files.trainer_stop\n        if False:")],
-         [F + "test_a_stop_request_checkpoints_and_a_restart_resumes"]),
-    Case("11b", "the trainer job's batch script does not trap USR1 (no stop request, no requeue)",
-         [("launch/slurm/trainer.sbatch", "trap stop_requested USR1\n", "")],
-         ["tests/test_slurm.py::test_trainer_job_checkpoints_on_the_time_limit_signal_and_is_requeued"]),
+    Case(
+        "1",
+        "a restarted writer ignores its durable seq claim (workers/<id>.claim)",
+        [("buffer/writer.py", "claim = self.sink.read_claim() or {}", "claim = {}")],
+        [
+            F + "test_restarted_worker_never_reuses_a_consumed_and_pruned_shard_number",
+            F + "test_restarted_grpc_worker_is_not_acknowledged_as_a_duplicate",
+        ],
+    ),
+    Case(
+        "1b",
+        "a gRPC writer's claim counts its unacknowledged shards in samples_before (found "
+        "by the chaos soak after the 11 items)",
+        [
+            (
+                "buffer/writer.py",
+                '"samples_before": self.samples_written - sum(self._unsure_samples.values())}',
+                '"samples_before": self.samples_written}',
+            )
+        ],
+        [F + "test_a_restarted_grpc_worker_counts_each_written_sample_once"],
+    ),
+    Case(
+        "2",
+        "no parent-death signal: die_with_agent() returns at once",
+        [("trainer/lifeline.py", 'if "TORCHELASTIC_RUN_ID" not in os.environ:', "if True:")],
+        [F + "test_killing_torchrun_kills_its_ranks"],
+    ),
+    Case(
+        "3",
+        "no run lock: RunLock.acquire takes no fcntl lock",
+        [("trainer/run_lock.py", "fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)", "pass")],
+        [F + "test_a_second_trainer_on_the_run_folder_is_refused_naming_the_first"],
+    ),
+    Case(
+        "4",
+        "the reader checks neither the run id nor versions from the future",
+        [
+            (
+                "buffer/experience/reader.py",
+                "check_origin(table.schema.metadata or {}, worker, seq, path, self.run_id)\n"
+                "            check_not_future(table, current_version)",
+                "check_origin(table.schema.metadata or {}, worker, seq, path, None)",
+            )
+        ],
+        [
+            F + "test_leftover_experience_of_another_run_is_not_trained_on",
+            F + "test_reader_refuses_shards_of_another_run_without_a_run_id_or_from_the_future",
+        ],
+    ),
+    Case(
+        "5a",
+        "quarantined samples are not counted as retired",
+        [("buffer/experience/reader.py", 'self.stats["quarantined_samples"] += _declared_samples(data, path)', "pass")],
+        [F + "test_quarantined_and_stale_samples_are_retired_while_the_trainer_waits"],
+    ),
+    Case(
+        "5b",
+        "the worker's cap is buffer.max_backlog_samples alone, not sized from one step",
+        [
+            (
+                "buffer/control/backpressure.py",
+                'cap = max(limit, int(report.get("batch_groups", 0)) * group_size)',
+                "cap = limit",
+            )
+        ],
+        [F + "test_a_step_larger_than_the_backlog_cap_completes"],
+    ),
+    Case(
+        "5c",
+        "no age-based flush while blocked by backpressure",
+        [("rollout/worker.py", "on_wait=self._flush_while_waiting,", "")],
+        [F + "test_a_worker_blocked_by_backpressure_still_flushes_by_age"],
+    ),
+    Case(
+        "6a",
+        "the gRPC server never pushes back",
+        [("buffer/experience/net_server.py", "        self._backpressure(head, key, context)\n", "")],
+        [F + "test_grpc_spool_stops_growing_while_the_trainer_does_not_consume"],
+    ),
+    Case(
+        "6b",
+        "the reader ingests every discovered shard, not just one step's",
+        [
+            (
+                "buffer/experience/reader.py",
+                "if len(self.pool) >= num_groups:\n                    break  # the rest",
+                "if False:\n                    break  # the rest",
+            )
+        ],
+        [F + "test_reader_reads_no_further_than_a_step_needs"],
+    ),
+    Case(
+        "7",
+        "maybe_reload catches FileNotFoundError only, not ManifestError",
+        [("rollout/worker.py", "except (FileNotFoundError, ManifestError) as e:", "except FileNotFoundError as e:")],
+        [F + "test_worker_survives_a_version_pruned_while_it_loads"],
+    ),
+    Case(
+        "8",
+        "the per-shard lock is dropped when its holder ends (waiters or not), and every "
+        "push of a shard spools under one temporary name",
+        [
+            ("buffer/experience/net_server.py", "                if not entry[1]:\n", "                if True:\n"),
+            ("buffer/experience/net_server.py", 'f"{os.getpid()}.{next(self._push_ids)}"', "os.getpid()"),
+        ],
+        [F + "test_concurrent_pushes_of_one_shard_never_publish_damaged_bytes"],
+    ),
+    Case(
+        "9",
+        "control.d/<id>.json created by check-then-rename, not by a hard link",
+        [
+            (
+                "buffer/storage.py",
+                "if not is_local(fs):\n        if fs.exists(path):",
+                "if True:\n        if fs.exists(path):",
+            )
+        ],
+        [F + "test_concurrent_control_commands_are_all_kept_with_distinct_ids"],
+    ),
+    Case(
+        "10a",
+        "a full disk is an error like any other (is_disk_full() is False)",
+        [("buffer/storage.py", "return isinstance(e, OSError) and e.errno in DISK_FULL", "return False")],
+        [F + "test_every_role_outlives_a_full_disk"],
+    ),
+    Case(
+        "10b",
+        "no checkpoint by default (trainer.save_freq default 0)",
+        [("trainer/config.py", "save_freq: int = F(10,", "save_freq: int = F(0,")],
+        [F + "test_a_trainer_killed_before_its_first_checkpoint_starts_again"],
+    ),
+    Case(
+        "10c",
+        "versions but no checkpoint: refused, not started again at step 0",
+        [("trainer/main.py", 'if cfg.trainer.resume_mode != "auto":', "if True:")],
+        [F + "test_a_trainer_killed_before_its_first_checkpoint_starts_again"],
+    ),
+    Case(
+        "10d",
+        "staging folders of killed publishes are not removed at start",
+        [("trainer/main.py", "self.store.remove_debris()  #", "pass  #")],
+        [F + "test_a_trainer_killed_before_its_first_checkpoint_starts_again"],
+    ),
+    Case(
+        "11a",
+        "the trainer ignores ROOT/trainer.stop",
+        [
+            (
+                "trainer/main.py",
+                "path = self.stores.files.trainer_stop\n        if os.path.exists(path):",
+                "path = self.stores.files.trainer_stop\n        if False:",
+            )
+        ],
+        [F + "test_a_stop_request_checkpoints_and_a_restart_resumes"],
+    ),
+    Case(
+        "11b",
+        "the trainer job's batch script does not trap USR1 (no stop request, no requeue)",
+        [("launch/slurm/trainer.sbatch", "trap stop_requested USR1\n", "")],
+        ["tests/test_slurm.py::test_trainer_job_checkpoints_on_the_time_limit_signal_and_is_requeued"],
+    ),
 ]
 
 
 def dirty() -> str:
-    return subprocess.run(["git", "status", "--porcelain"], cwd=REPO, capture_output=True,
-                          text=True, check=True).stdout.strip()
+    return subprocess.run(
+        ["git", "status", "--porcelain"], cwd=REPO, capture_output=True, text=True, check=True
+    ).stdout.strip()
 
 
 def apply(edits: list[tuple[str, str, str]], originals: dict[Path, str]) -> None:
@@ -131,8 +222,7 @@ def apply(edits: list[tuple[str, str, str]], originals: dict[Path, str]) -> None
         originals.setdefault(path, current)
         count = current.count(anchor)
         if count != 1:
-            raise SystemExit(f"{name}: the anchor occurs {count} times, not once (has the fix "
-                             f"moved?):\n{anchor}")
+            raise SystemExit(f"{name}: the anchor occurs {count} times, not once (has the fix moved?):\n{anchor}")
         path.write_text(current.replace(anchor, replacement))
 
 
@@ -147,9 +237,14 @@ def run_pytest(tests: list[str], timeout_s: float, log: Path) -> dict[str, tuple
     with tempfile.TemporaryDirectory() as tmp, open(log, "w") as out:
         xml = os.path.join(tmp, "junit.xml")
         env = dict(os.environ, PYTHONPATH=str(REPO), PYTHONDONTWRITEBYTECODE="1")
-        p = subprocess.Popen([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
-                              f"--junitxml={xml}", *tests], cwd=REPO, env=env,
-                             stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+        p = subprocess.Popen(
+            [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", f"--junitxml={xml}", *tests],
+            cwd=REPO,
+            env=env,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
         try:
             p.wait(timeout=timeout_s)
         except subprocess.TimeoutExpired:
@@ -160,9 +255,11 @@ def run_pytest(tests: list[str], timeout_s: float, log: Path) -> dict[str, tuple
             if p.poll() is None:
                 os.killpg(p.pid, signal.SIGKILL)
                 p.wait()
-        return _outcomes(xml, tests) if os.path.exists(xml) else {
-            t: ("missing", f"pytest exited {p.returncode} without a report ({log})", 0.0)
-            for t in tests}
+        return (
+            _outcomes(xml, tests)
+            if os.path.exists(xml)
+            else {t: ("missing", f"pytest exited {p.returncode} without a report ({log})", 0.0) for t in tests}
+        )
 
 
 def _outcomes(xml: str, tests: list[str]) -> dict[str, tuple[str, str, float]]:
@@ -179,8 +276,7 @@ def _outcomes(xml: str, tests: list[str]) -> dict[str, tuple[str, str, float]]:
                 message = "\n".join(report) or el.get("message") or ""
                 break
         got[name] = (outcome, _line(message), float(case.get("time", 0)))
-    return {t: got.get(t.rsplit("::", 1)[-1], ("missing", f"not in pytest's report ({xml})", 0.0))
-            for t in tests}
+    return {t: got.get(t.rsplit("::", 1)[-1], ("missing", f"not in pytest's report ({xml})", 0.0)) for t in tests}
 
 
 def _line(message: str) -> str:
@@ -191,8 +287,7 @@ def _line(message: str) -> str:
     told = [x for x in lines if not x.startswith(("assert ", "+", "where "))] or lines or [""]
     line = told[0]
     if line.rstrip(":") == "AssertionError" and len(told) > 1:
-        raised = [x for x in told[1:] if re.search(r"\w(Error|Exception): \S", x)
-                  and "ChildFailedError" not in x]
+        raised = [x for x in told[1:] if re.search(r"\w(Error|Exception): \S", x) and "ChildFailedError" not in x]
         line = raised[-1] if raised else told[-1]
     line = re.sub(r"/tmp/pytest-of-[^/]+/pytest-\d+/", "", line)
     return (line[:160] + ("..." if len(line) > 160 else "")).replace("|", "\\|")
@@ -211,10 +306,10 @@ def table(cases: list[Case], without: dict, with_fix: dict) -> int:
             fixed = with_fix.get(test)
             # skipped (e.g. no SLURM here) proves nothing either way, and is shown as such
             bad += out in ("passed", "missing") or (
-                fixed is not None and fixed[0] in ("failed", "error", "timeout", "missing"))
+                fixed is not None and fixed[0] in ("failed", "error", "timeout", "missing")
+            )
             shown = f"**{out}** ({secs:.0f} s): {msg}" if out != "passed" else "**PASSED: the test is defective**"
-            after = f"{fixed[0]} ({fixed[2]:.0f} s)" + (f": {fixed[1]}" if fixed[1] else "") \
-                if fixed else "not run"
+            after = f"{fixed[0]} ({fixed[2]:.0f} s)" + (f": {fixed[1]}" if fixed[1] else "") if fixed else "not run"
             print(f"| {case.key} | {files}: {case.what} | `{test.rsplit('::', 1)[-1]}` | {shown} | {after} |")
     return bad
 
@@ -224,14 +319,17 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--only", default="", help="comma-separated case keys (e.g. 2,5b); default all")
     p.add_argument("--no-pass-run", action="store_true", help="skip the run with every fix in place")
     p.add_argument("--timeout", type=float, default=1800, help="seconds per pytest run")
-    p.add_argument("--logs", default=None, help="folder for pytest's output per run (default: a "
-                   "new temporary folder, printed)")
-    p.add_argument("--check", action="store_true",
-                   help="only check that every anchor occurs once (changes nothing)")
+    p.add_argument(
+        "--logs", default=None, help="folder for pytest's output per run (default: a new temporary folder, printed)"
+    )
+    p.add_argument("--check", action="store_true", help="only check that every anchor occurs once (changes nothing)")
     args = p.parse_args(argv)
     if args.check:
-        counts = [(case.key, name, (REPO / name).read_text().count(anchor))
-                  for case in CASES for name, anchor, _ in case.edits]
+        counts = [
+            (case.key, name, (REPO / name).read_text().count(anchor))
+            for case in CASES
+            for name, anchor, _ in case.edits
+        ]
         for key, name, count in counts:
             print(f"{key}: {name}: {'ok' if count == 1 else f'the anchor occurs {count} times'}")
         return 0 if all(count == 1 for *_, count in counts) else 1

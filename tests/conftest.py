@@ -4,6 +4,7 @@
 ragged content. It is a plain function (not a fixture) so that helper scripts started as
 subprocesses can import it too: `sys.path.insert(0, TESTS_DIR); from conftest import make_group`.
 """
+
 from __future__ import annotations
 
 import os
@@ -31,8 +32,9 @@ def group_id(worker_id: str, batch, idx: int) -> str:
     return f"{worker_id}/{batch}/{idx}"
 
 
-def make_group(worker_id: str, batch, idx: int, version: int, n: int,
-               prompt_len: int = 7, response_len: int = 5) -> list[Sample]:
+def make_group(
+    worker_id: str, batch, idx: int, version: int, n: int, prompt_len: int = 7, response_len: int = 5
+) -> list[Sample]:
     """`n` samples of one prompt draw, sample ids "{worker}/{batch}/{idx}/{k}".
 
     Response lengths differ per member (response_len + k) so list columns are ragged; logprobs
@@ -42,30 +44,31 @@ def make_group(worker_id: str, batch, idx: int, version: int, n: int,
     out = []
     for k in range(n):
         length = response_len + k
-        out.append(Sample(
-            sample_id=sample_id(worker_id, batch, idx, k),
-            group_id=group_id(worker_id, batch, idx),
-            prompt_id=f"{worker_id}/{batch}/{idx}",  # survives the writer's renaming of ids
-            worker_id=worker_id,
-            weight_version=version,
-            prompt_ids=list(prompt),
-            response_ids=[(k * 7 + j) % 50_000 + 3 for j in range(length)],
-            behaviour_logprobs=[-0.1 * (j % 13) - 0.0123456789 * k - 0.001 for j in range(length)],
-            reward=0.1 * k - 0.3,
-            finish_reason="stop" if k % 2 == 0 else "length",
-            temperature=0.7,
-            data_source="tests/arith",
-            created_at=1_700_000_000.123456 + idx,
-            finished_at=1_700_000_001.654321 + idx + k,
-        ))
+        out.append(
+            Sample(
+                sample_id=sample_id(worker_id, batch, idx, k),
+                group_id=group_id(worker_id, batch, idx),
+                prompt_id=f"{worker_id}/{batch}/{idx}",  # survives the writer's renaming of ids
+                worker_id=worker_id,
+                weight_version=version,
+                prompt_ids=list(prompt),
+                response_ids=[(k * 7 + j) % 50_000 + 3 for j in range(length)],
+                behaviour_logprobs=[-0.1 * (j % 13) - 0.0123456789 * k - 0.001 for j in range(length)],
+                reward=0.1 * k - 0.3,
+                finish_reason="stop" if k % 2 == 0 else "length",
+                temperature=0.7,
+                data_source="tests/arith",
+                created_at=1_700_000_000.123456 + idx,
+                finished_at=1_700_000_001.654321 + idx + k,
+            )
+        )
     return out
 
 
 def subprocess_env() -> dict[str, str]:
     """Environment for helper subprocesses: the repo importable, no stray output buffering."""
     env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join(
-        [str(REPO_ROOT)] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
+    env["PYTHONPATH"] = os.pathsep.join([str(REPO_ROOT)] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
     env["PYTHONUNBUFFERED"] = "1"
     return env
 
@@ -78,22 +81,40 @@ STEPS, GROUPS, N = 8, 4, 4
 def experience(tmp_path_factory):
     """Shards generated once by the real tiny model, so trainer runs can be compared."""
     from buffer.config import BufferConfig
+    from buffer.run import setup_trainer_run
     from buffer.writer import ShardWriter
     from rollout import builtin_task
     from rollout.engine import HFEngine, SamplingSettings
-    from buffer.run import setup_trainer_run
+
     base = tmp_path_factory.mktemp("experience")
     setup_trainer_run(str(base / "data")).state.ensure_run_id()  # the shards belong to the runs made by run_folder()
     builtin_task.write_model(base / "model")
     engine = HFEngine(str(base / "model"))
     prompts = [[3 + (i * 3 + j) % 5 for j in range(1 + i % 3)] + [13] for i in range(STEPS * GROUPS)]
-    groups = engine.generate(prompts, SamplingSettings(n=N, temperature=1.0, top_p=1.0,
-                                                       max_tokens=3, seed=0))
+    groups = engine.generate(prompts, SamplingSettings(n=N, temperature=1.0, top_p=1.0, max_tokens=3, seed=0))
     writer = ShardWriter.at(str(base / "data"), "w0", BufferConfig(flush_samples=GROUPS * N))
     for i, (p, g) in enumerate(zip(prompts, groups)):
-        writer.add_group([Sample("", "", str(i), "w0", 0, p, c.token_ids, c.logprobs,
-                                 float((i + k) % 3) / 2, c.finish_reason, 1.0, "tandem/copy", 0.0, 0.0)
-                          for k, c in enumerate(g)])
+        writer.add_group(
+            [
+                Sample(
+                    "",
+                    "",
+                    str(i),
+                    "w0",
+                    0,
+                    p,
+                    c.token_ids,
+                    c.logprobs,
+                    float((i + k) % 3) / 2,
+                    c.finish_reason,
+                    1.0,
+                    "tandem/copy",
+                    0.0,
+                    0.0,
+                )
+                for k, c in enumerate(g)
+            ]
+        )
     writer.flush()
     return base
 
@@ -101,6 +122,7 @@ def experience(tmp_path_factory):
 def descendants(pid: int) -> list[int]:
     """Every live descendant of `pid` (torchrun's ranks run in sessions of their own)."""
     import glob
+
     out, todo = [], [pid]
     while todo:
         for children in glob.glob(f"/proc/{todo.pop()}/task/*/children"):
@@ -118,6 +140,7 @@ def kill_tree(pid: int) -> None:
     """SIGKILL a process and all its descendants, as a node failure would. torchrun starts each
     rank in a session of its own, so killpg on torchrun's group leaves the ranks running."""
     import signal
+
     for p in [pid, *descendants(pid)]:
         try:
             os.kill(p, signal.SIGKILL)
@@ -133,6 +156,7 @@ def free_port() -> int:
 
 def run_folder(experience, name):
     import shutil
+
     root = experience / name
     shutil.copytree(experience / "data" / "experience", root / "experience")
     shutil.copy(experience / "data" / "run.json", root / "run.json")
@@ -142,13 +166,30 @@ def run_folder(experience, name):
 def trainer_proc(root, model, nproc, *extra, steps=STEPS, groups=GROUPS, rendezvous=("--standalone",)):
     """trainer.main under torchrun; `rendezvous` replaces --standalone (e.g. c10d multi-node)."""
     return subprocess.Popen(
-        [sys.executable, "-m", "torch.distributed.run", *rendezvous, f"--nproc_per_node={nproc}",
-         "-m", "trainer.main", f"root={root}", f"actor_rollout_ref.model.path={model}",
-         f"trainer.total_training_steps={steps}", f"data.train_batch_size={groups}",
-         "trainer.max_staleness=1000", "actor_rollout_ref.actor.optim.lr=1e-2",
-         "trainer.data_timeout_s=60", "buffer.poll_interval=0.1", *extra],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,
-        env=dict(os.environ, OMP_NUM_THREADS="1"))
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            *rendezvous,
+            f"--nproc_per_node={nproc}",
+            "-m",
+            "trainer.main",
+            f"root={root}",
+            f"actor_rollout_ref.model.path={model}",
+            f"trainer.total_training_steps={steps}",
+            f"data.train_batch_size={groups}",
+            "trainer.max_staleness=1000",
+            "actor_rollout_ref.actor.optim.lr=1e-2",
+            "trainer.data_timeout_s=60",
+            "buffer.poll_interval=0.1",
+            *extra,
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+        env=dict(os.environ, OMP_NUM_THREADS="1"),
+    )
 
 
 def uninterrupted_run(experience, name, nproc=2, *extra):
@@ -163,6 +204,7 @@ def uninterrupted_run(experience, name, nproc=2, *extra):
 def final_weights(root):
     """The newest published version's tensors, checksums verified."""
     from buffer.weights.fs import WeightStore
+
     store = WeightStore(str(root))
     return dict(store.tensors(store.versions()[-1]))
 
@@ -187,16 +229,23 @@ def small_filesystem(mountpoint, size_mb: int, argv: list[str]) -> list[str]:
     skipped where they are not."""
     import shutil
     import subprocess
+
     if shutil.which("unshare") is None:
         pytest.skip("needs unshare(1) to make a small filesystem")
-    probe = subprocess.run(["unshare", "--user", "--map-root-user", "--mount", "true"],
-                           capture_output=True, text=True)
+    probe = subprocess.run(["unshare", "--user", "--map-root-user", "--mount", "true"], capture_output=True, text=True)
     if probe.returncode != 0:
-        pytest.skip(f"no user+mount namespace here ({probe.stderr.strip()}): cannot make a "
-                    "small filesystem")
-    return ["unshare", "--user", "--map-root-user", "--mount", "sh", "-c",
-            f'mount -t tmpfs -o size={size_mb}m tandem-small "{mountpoint}" && exec "$@"', "sh",
-            *argv]
+        pytest.skip(f"no user+mount namespace here ({probe.stderr.strip()}): cannot make a small filesystem")
+    return [
+        "unshare",
+        "--user",
+        "--map-root-user",
+        "--mount",
+        "sh",
+        "-c",
+        f'mount -t tmpfs -o size={size_mb}m tandem-small "{mountpoint}" && exec "$@"',
+        "sh",
+        *argv,
+    ]
 
 
 # How far two trainer runs over the same samples in the same steps may end apart when only the
@@ -218,6 +267,7 @@ def weight_distances(ref: dict, run: dict, init_dir) -> tuple[float, float, str]
     """(|run - ref|, |ref - init|, the tensor with the largest element difference): L2 norms over
     all weights, so a test can bound the difference relative to how far training moved them."""
     from safetensors.torch import load_file
+
     init = load_file(str(init_dir / "model.safetensors"))
     assert ref.keys() == run.keys()
     differ = sum(((run[k] - ref[k]) ** 2).sum().item() for k in ref) ** 0.5

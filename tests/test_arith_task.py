@@ -1,6 +1,7 @@
 """The GSM8K-format task (rollout/tasks/arith.py): generator, verl's gsm8k reward, tokenizer and
 model folder, the readers of both parquet formats, launch.local --task arith; then, as real
 processes, issue 14's experiment script on CPU (build, SFT, RL, plots: benchmarks/learn_gpu.py)."""
+
 import json
 import operator
 import os
@@ -11,11 +12,11 @@ import sys
 import pyarrow.parquet as pq
 import pytest
 import torch
+from conftest import REPO_ROOT
 
 from benchmarks import plot_learning
 from buffer.layout import RunLayout
 from buffer.run import setup_trainer_run
-from conftest import REPO_ROOT
 from launch import local
 from launch.status import split_metrics
 from rollout import builtin_task, reward
@@ -61,8 +62,12 @@ def test_generator_is_seeded_and_every_solution_is_right():
 def task(tmp_path_factory):
     """The task's files and tiny model, written by the CLI (verl's preprocessing shape)."""
     out = tmp_path_factory.mktemp("arith")
-    assert arith.main(["--local_save_dir", str(out / "data"), "--rows", "600", "--model",
-                       str(out / "model"), "--size", "tiny"]) == 0
+    assert (
+        arith.main(
+            ["--local_save_dir", str(out / "data"), "--rows", "600", "--model", str(out / "model"), "--size", "tiny"]
+        )
+        == 0
+    )
     return out
 
 
@@ -81,8 +86,7 @@ def test_rows_have_verl_gsm8k_shape_and_verl_reward_scores_them(task):
             assert r["reward_model"]["style"] == "rule"
             [message] = r["prompt"]
             assert message["role"] == "user" and message["content"] == s["prompt"]
-            assert s["prompt"].endswith(" Let's think step by step and output the final answer "
-                                        "after \"####\".")
+            assert s["prompt"].endswith(' Let\'s think step by step and output the final answer after "####".')
             truth = r["reward_model"]["ground_truth"]
             assert truth == str(solved(s["response"]))
             assert score(r["data_source"], s["response"], truth, r["extra_info"]) == 1.0
@@ -95,6 +99,7 @@ def test_rows_have_verl_gsm8k_shape_and_verl_reward_scores_them(task):
 
 def test_tokenizer_round_trips_and_has_a_qwen2_chat_template(task):
     from transformers import AutoConfig, AutoTokenizer, GenerationConfig
+
     tok = AutoTokenizer.from_pretrained(task / "model")
     assert (tok.eos_token, tok.pad_token) == ("<|im_end|>", "<|endoftext|>")
     for s in rows(task, "sft", "val"):
@@ -104,8 +109,8 @@ def test_tokenizer_round_trips_and_has_a_qwen2_chat_template(task):
     assert tok.convert_ids_to_tokens(ids)[:3] == ["1", "2", "3"]  # one token per digit
     messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}]
     assert tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False) == (
-        "<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nHi<|im_end|>\n"
-        "<|im_start|>assistant\n")
+        "<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n"
+    )
     config, gen = AutoConfig.from_pretrained(task / "model"), GenerationConfig.from_pretrained(task / "model")
     assert config.model_type == "qwen2" and config.vocab_size == len(tok)
     assert config.eos_token_id == gen.eos_token_id == tok.eos_token_id
@@ -119,18 +124,21 @@ def test_model_sizes():
         with torch.device("meta"):  # shapes only
             model = builtin_task.build_model(600, **arith.MODEL_SIZES[size])
         return sum(p.numel() for p in model.parameters())
+
     assert params("tiny") < 1_000_000 and 10_000_000 < params("gpu") < 100_000_000
 
 
 def test_both_parquet_formats_load_in_their_readers(task):
     from transformers import AutoTokenizer
+
     tok = AutoTokenizer.from_pretrained(task / "model")
     rl = str(task / "data" / "rl_train.parquet")
     prompts = load_prompts([rl], tok, "prompt", arith.MAX_PROMPT_LENGTH)
     assert len(prompts) == len(rows(task, "rl", "train"))  # none is longer than the bound
     sft = str(task / "data" / "sft_train.parquet")
-    seqs = load_sequences([sft], tok, SFTDataConfig(
-        train_files=[sft], max_length=arith.MAX_PROMPT_LENGTH + arith.MAX_RESPONSE_LENGTH))
+    seqs = load_sequences(
+        [sft], tok, SFTDataConfig(train_files=[sft], max_length=arith.MAX_PROMPT_LENGTH + arith.MAX_RESPONSE_LENGTH)
+    )
     first = rows(task, "sft", "train")[0]
     assert tok.decode(seqs.ids[0][seqs.target[0]]) == first["response"] + "<|im_end|>"
 
@@ -148,9 +156,14 @@ def test_launch_local_task_arith_writes_the_task_and_its_recipe(tmp_path):
 
 
 def _step(res, *args):
-    out = subprocess.run(["bash", "benchmarks/learn_gpu.sh", args[0], str(res), *args[1:], "--cpu"],
-                         capture_output=True, text=True, timeout=900, cwd=REPO_ROOT,
-                         env=dict(os.environ, PYTHON=sys.executable))  # this venv's, activated or not
+    out = subprocess.run(
+        ["bash", "benchmarks/learn_gpu.sh", args[0], str(res), *args[1:], "--cpu"],
+        capture_output=True,
+        text=True,
+        timeout=900,
+        cwd=REPO_ROOT,
+        env=dict(os.environ, PYTHON=sys.executable),
+    )  # this venv's, activated or not
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     return out.stdout
 
@@ -177,14 +190,17 @@ def test_experiment_script_runs_every_step_on_cpu(tmp_path):
     plots = tmp_path / "c"
     out = _step(plots, "plot", "--import", str(hand2))
     names = {p.name for p in (plots / "plots").iterdir()}
-    assert {"accuracy_time.png", "accuracy_samples.png", "throughput.png", "busy.png",
-            "summary.md"} <= names, out
+    assert {"accuracy_time.png", "accuracy_samples.png", "throughput.png", "busy.png", "summary.md"} <= names, out
     [row] = json.loads((plots / "plots" / "summary.json").read_text())
     assert row["run"] == "s1" and row["samples"] == 48 and row["metric"] == key
     assert 0 <= row["trainer_idle"] <= 1 and 0 < row["worker_busy"] <= 1 and row["ideal_speedup"] <= 2
     # against a sync run (here the same folder): time-to-accuracy and speedup are relative to it
-    assert plot_learning.main([str(plots / "rl-s1"), str(plots / "rl-s1"), "--labels", "sync,s1",
-                               "--out", str(tmp_path / "cmp")]) == 0
+    assert (
+        plot_learning.main(
+            [str(plots / "rl-s1"), str(plots / "rl-s1"), "--labels", "sync,s1", "--out", str(tmp_path / "cmp")]
+        )
+        == 0
+    )
     table = json.loads((tmp_path / "cmp" / "summary.json").read_text())
     assert [r["run"] for r in table] == ["sync", "s1"]
     assert all(r["speedup_vs_sync"] == 1.0 and r["sync_final"] == row["final"] for r in table)
@@ -195,6 +211,7 @@ def test_experiment_places_the_vllm_worker_beside_the_trainer_on_one_gpu():
     takes that share up front, so the trainer and validator need the rest); two keep the worker
     alone on GPU 1 at vLLM's own default."""
     from benchmarks.learn_gpu import gpu_placement
+
     flags, memory = gpu_placement("one", 0.25)
     assert flags == ["--trainer-gpus", "0", "--worker-gpus", "0", "--validator-gpu", "0"]
     assert memory == 0.25

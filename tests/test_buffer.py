@@ -1,4 +1,5 @@
 """buffer: atomic shard publication, exactly-once discovery, staleness, flushing, backpressure."""
+
 from __future__ import annotations
 
 import collections
@@ -11,17 +12,17 @@ import time
 from pathlib import Path
 
 import pytest
+from conftest import TESTS_DIR, make_group, subprocess_env
 
-from buffer.control.backpressure import backlog, wait_for_room
 from buffer.config import BufferConfig
-from buffer.run import setup_trainer_run
-from buffer.layout import TMP_MARK, RunLayout
+from buffer.control.backpressure import backlog, wait_for_room
 from buffer.experience.reader import ExperienceReader
+from buffer.layout import TMP_MARK, RunLayout
+from buffer.run import setup_trainer_run
 from buffer.storage import atomic_write, atomic_write_json, filesystem
 from buffer.writer import ShardWriter
-from conftest import TESTS_DIR, make_group, subprocess_env
-from protocol.experience import (SCHEMA_VERSION_KEY, check_rows, decode, encode, from_table,
-                                 to_table)
+from protocol.experience import SCHEMA_VERSION_KEY, check_rows, decode, encode, from_table, to_table
+
 
 def _cfg(**kw) -> BufferConfig:
     base = dict(discovery="poll", poll_interval=0.02, flush_interval=3600.0)
@@ -97,8 +98,12 @@ def test_killed_writer_leaves_only_temporaries_that_reader_ignores(tmp_path):
     attempts = 0
     while attempts < 12 and not (found_tmp and _published(wdir)):
         attempts += 1
-        p = subprocess.Popen([sys.executable, str(script), str(root), wid, str(TESTS_DIR)],
-                             env=subprocess_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+        p = subprocess.Popen(
+            [sys.executable, str(script), str(root), wid, str(TESTS_DIR)],
+            env=subprocess_env(),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+        )
         try:
             time.sleep(rng.uniform(0.0, 1.5))
             # then SIGKILL as soon as a shard's temporary is being written (they exist for
@@ -177,18 +182,22 @@ def test_exactly_once_with_two_concurrent_writers(tmp_path):
     workers, batches, groups, n, flush = ["w-a", "w-b"], 6, 5, 4, 10
     # The writer renames ids after the shard they land in; prompt_id + member index identify
     # what the test wrote.
-    expected = {(f"{w}/{b}/{g}", k) for w in workers for b in range(batches)
-                for g in range(groups) for k in range(n)}
+    expected = {(f"{w}/{b}/{g}", k) for w in workers for b in range(batches) for g in range(groups) for k in range(n)}
     total_groups = len(workers) * batches * groups  # 60
     per_batch = 6
 
     cfg = _cfg(discovery="auto")  # polling plus watchdog events
     reader = ExperienceReader(str(root), cfg, max_staleness=0)
-    procs = [subprocess.Popen([sys.executable, str(script), str(root), w, str(TESTS_DIR),
-                               str(batches), str(groups), str(n), str(flush)],
-                              env=subprocess_env(), stdout=subprocess.PIPE,
-                              stderr=subprocess.PIPE, text=True)
-             for w in workers]
+    procs = [
+        subprocess.Popen(
+            [sys.executable, str(script), str(root), w, str(TESTS_DIR), str(batches), str(groups), str(n), str(flush)],
+            env=subprocess_env(),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for w in workers
+    ]
     try:
         received = []
         while len(received) < total_groups:
@@ -205,8 +214,9 @@ def test_exactly_once_with_two_concurrent_writers(tmp_path):
     try:
         ids = collections.Counter(s.sample_id for g in received for s in g.samples)
         assert all(c == 1 for c in ids.values()), [i for i, c in ids.items() if c > 1]
-        written = collections.Counter((s.prompt_id, int(s.sample_id.rsplit("/", 1)[1]))
-                                      for g in received for s in g.samples)
+        written = collections.Counter(
+            (s.prompt_id, int(s.sample_id.rsplit("/", 1)[1])) for g in received for s in g.samples
+        )
         assert set(written) == expected
         assert all(c == 1 for c in written.values())
         assert all(len(g.samples) == n for g in received)
@@ -262,6 +272,7 @@ def test_writer_resumes_sequence_after_restart(tmp_path):
 
 # --- staleness ---------------------------------------------------------------------------------
 
+
 def test_stale_groups_are_dropped_and_counted(tmp_path):
     root = str(tmp_path / "run")
     n, per_version = 3, 2
@@ -305,6 +316,7 @@ def test_pooled_groups_go_stale_when_version_advances(tmp_path):
 
 
 # --- groups and flushing -----------------------------------------------------------------------
+
 
 @pytest.mark.parametrize("n,flush_samples", [(5, 2), (3, 7), (4, 4)])
 def test_groups_never_split_across_shards(tmp_path, n, flush_samples):
@@ -403,9 +415,11 @@ def test_reader_skips_unreadable_shard(tmp_path):
 
 # --- backpressure ------------------------------------------------------------------------------
 
+
 def _beat(fs, layout, worker_id, written):
-    atomic_write_json(fs, layout.heartbeat(worker_id),
-                      {"worker_id": worker_id, "samples_written": written, "state": "running"})
+    atomic_write_json(
+        fs, layout.heartbeat(worker_id), {"worker_id": worker_id, "samples_written": written, "state": "running"}
+    )
 
 
 def _progress(fs, layout, retired):
@@ -460,8 +474,9 @@ def test_wait_for_room(tmp_path):
     trainer = threading.Thread(target=lambda: waiting.wait(60) and _progress(fs, layout, 95))
     trainer.start()
     try:
-        waited = wait_for_room(run.heartbeats, run.progress, limit=10, timeout_s=60, should_stop=still_waiting,
-                               poll_s=0.05)
+        waited = wait_for_room(
+            run.heartbeats, run.progress, limit=10, timeout_s=60, should_stop=still_waiting, poll_s=0.05
+        )
     finally:
         trainer.join(timeout=60)
     assert waiting.is_set() and waited > 0
@@ -479,8 +494,7 @@ def test_restarted_writer_resumes_count_and_ids_after_shards_are_deleted(tmp_pat
     beat = {"next_seq": w.seq, "samples_written": w.samples_written}
     w.add_group(make_group("w0", 0, 3, 0, 4))  # published after the last heartbeat
     wdir = tmp_path / "run" / "experience" / "w0"
-    ids_before = {s.sample_id for name in _published(wdir)
-                  for s in from_table(decode((wdir / name).read_bytes()))}
+    ids_before = {s.sample_id for name in _published(wdir) for s in from_table(decode((wdir / name).read_bytes()))}
     for name in _published(wdir)[:3]:
         (wdir / name).unlink()  # retention removed the consumed ones
     again = ShardWriter.at(root, "w0", _cfg(flush_samples=4), resume=beat)

@@ -1,5 +1,6 @@
 """buffer: shard integrity and quarantine, retention, stale temporaries, probing discovery,
 `python -m buffer.inspect`. Real files and processes; every wait has a timeout."""
+
 from __future__ import annotations
 
 import collections
@@ -13,17 +14,26 @@ from pathlib import Path
 
 import pyarrow as pa
 import pytest
+from conftest import REPO_ROOT, TESTS_DIR, make_group, subprocess_env
 
-from buffer.inspect import report as inspect_report
 from buffer.config import BufferConfig
-from buffer.layout import TMP_MARK, RunLayout
 from buffer.experience.reader import ExperienceReader
 from buffer.experience.retention import clean_stale_temps, prune_consumed
+from buffer.inspect import report as inspect_report
+from buffer.layout import TMP_MARK, RunLayout
 from buffer.storage import atomic_write, atomic_write_json, filesystem
 from buffer.writer import ShardWriter
-from conftest import REPO_ROOT, TESTS_DIR, make_group, subprocess_env
-from protocol.experience import (TRAILER_SIZE, IntegrityError, SchemaError, StreamVerifier, decode,
-                                 encode, from_table, load_shard, to_table)
+from protocol.experience import (
+    TRAILER_SIZE,
+    IntegrityError,
+    SchemaError,
+    StreamVerifier,
+    decode,
+    encode,
+    from_table,
+    load_shard,
+    to_table,
+)
 
 N = 3  # samples per group
 
@@ -43,8 +53,7 @@ def _publish(root: str, worker: str, groups: int, version: int = 0, resume=None)
 
 
 def _reader(root: str, **kw) -> ExperienceReader:
-    return ExperienceReader(root, kw.pop("cfg", _cfg()), max_staleness=kw.pop("max_staleness", 100),
-                            **kw)
+    return ExperienceReader(root, kw.pop("cfg", _cfg()), max_staleness=kw.pop("max_staleness", 100), **kw)
 
 
 def _drain(reader: ExperienceReader, groups: int, version: int = 0, timeout_s: float = 10) -> list:
@@ -61,8 +70,9 @@ def _quarantined(root: Path, worker: str) -> dict[str, str]:
     qdir = root / "quarantine" / worker
     if not qdir.is_dir():
         return {}
-    return {n: (qdir / (n + ".reason.txt")).read_text() for n in sorted(os.listdir(qdir))
-            if not n.endswith(".reason.txt")}
+    return {
+        n: (qdir / (n + ".reason.txt")).read_text() for n in sorted(os.listdir(qdir)) if not n.endswith(".reason.txt")
+    }
 
 
 def _mutate(path: str, fn) -> None:
@@ -76,6 +86,7 @@ def _flip(data: bytearray, at: int) -> bytearray:
 
 
 # --- the byte format ---------------------------------------------------------------------------
+
 
 def test_trailer_catches_flips_truncation_and_strangers():
     data = encode(to_table(make_group("w0", 0, 0, 0, N)))
@@ -100,7 +111,7 @@ def test_trailer_catches_flips_truncation_and_strangers():
 def _stream_check(data: bytes, piece: int) -> None:
     v = StreamVerifier()
     for i in range(0, len(data), piece):
-        v.update(data[i:i + piece])
+        v.update(data[i : i + piece])
     v.finish()
 
 
@@ -109,25 +120,36 @@ def test_stream_verifier_agrees_with_payload_for_any_piece_size(piece):
     """The gRPC server checks shards arriving in pieces; any split must give decode's verdict."""
     data = encode(to_table(make_group("w0", 0, 0, 0, N)))
     _stream_check(data, piece)
-    for bad in (_flip(bytearray(data), len(data) // 3), _flip(bytearray(data), len(data) - 5),
-                data[:-1], data + b"\0", data[:TRAILER_SIZE - 1]):
+    for bad in (
+        _flip(bytearray(data), len(data) // 3),
+        _flip(bytearray(data), len(data) - 5),
+        data[:-1],
+        data + b"\0",
+        data[: TRAILER_SIZE - 1],
+    ):
         with pytest.raises(IntegrityError):
             decode(bytes(bad))
         with pytest.raises(IntegrityError):
             _stream_check(bytes(bad), piece)
 
 
-@pytest.mark.parametrize("mutate,vocab,match", [
-    (lambda g: g[1].response_ids.__setitem__(0, 1000), 1000, "outside the vocabulary"),
-    (lambda g: g[2].prompt_ids.__setitem__(3, 5000), 1000, "outside the vocabulary"),
-    (lambda g: g[0].prompt_ids.__setitem__(0, -1), None, "negative token id"),
-    (lambda g: g[1].behaviour_logprobs.__setitem__(2, float("nan")), None, "non-finite behaviour"),
-    (lambda g: g[2].behaviour_logprobs.__setitem__(0, float("-inf")), None, "non-finite behaviour"),
-    (lambda g: setattr(g[0], "reward", float("nan")), None, "non-finite reward"),
-    (lambda g: g[1].behaviour_logprobs.pop(), None, "response tokens but"),
-    (lambda g: (setattr(g[2], "response_ids", []), setattr(g[2], "behaviour_logprobs", [])),
-     None, "empty response_ids"),
-])
+@pytest.mark.parametrize(
+    "mutate,vocab,match",
+    [
+        (lambda g: g[1].response_ids.__setitem__(0, 1000), 1000, "outside the vocabulary"),
+        (lambda g: g[2].prompt_ids.__setitem__(3, 5000), 1000, "outside the vocabulary"),
+        (lambda g: g[0].prompt_ids.__setitem__(0, -1), None, "negative token id"),
+        (lambda g: g[1].behaviour_logprobs.__setitem__(2, float("nan")), None, "non-finite behaviour"),
+        (lambda g: g[2].behaviour_logprobs.__setitem__(0, float("-inf")), None, "non-finite behaviour"),
+        (lambda g: setattr(g[0], "reward", float("nan")), None, "non-finite reward"),
+        (lambda g: g[1].behaviour_logprobs.pop(), None, "response tokens but"),
+        (
+            lambda g: (setattr(g[2], "response_ids", []), setattr(g[2], "behaviour_logprobs", [])),
+            None,
+            "empty response_ids",
+        ),
+    ],
+)
 def test_load_shard_rejects_bad_values(mutate, vocab, match):
     group = [s for s in make_group("w0", 0, 0, 0, N, response_len=3)]
     for s in group:
@@ -140,6 +162,7 @@ def test_load_shard_rejects_bad_values(mutate, vocab, match):
 
 
 # --- quarantine in the reader ------------------------------------------------------------------
+
 
 def test_flipped_bytes_quarantined_while_a_writer_process_keeps_publishing(tmp_path):
     """A worker process publishes shards; one published shard gets a flipped byte. The reader
@@ -160,13 +183,15 @@ def test_flipped_bytes_quarantined_while_a_writer_process_keeps_publishing(tmp_p
         "for g in range(6):\n"
         "    w.add_group(make_group('w0', 'later', g, 0, 3))\n"
         "    time.sleep(0.05)\n"
-        "print(w.seq)\n")
+        "print(w.seq)\n"
+    )
     reader = _reader(str(root))
     try:
         early = _drain(reader, 3)
         assert reader.stats["bad_shards"] == 1 and reader.stats["quarantined_shards"] == 1
-        p = subprocess.run([sys.executable, str(script), str(root)], env=subprocess_env(),
-                           capture_output=True, text=True, timeout=60)
+        p = subprocess.run(
+            [sys.executable, str(script), str(root)], env=subprocess_env(), capture_output=True, text=True, timeout=60
+        )
         assert p.returncode == 0, p.stderr[-2000:]
         assert p.stdout.split() == ["10"]
         later = _drain(reader, 6)
@@ -189,8 +214,8 @@ def test_truncated_and_foreign_shards_are_quarantined(tmp_path):
     root = tmp_path / "run"
     w = _publish(str(root), "w0", 6)
     lay = w.sink.layout
-    _mutate(lay.shard("w0", 0), lambda d: d[: len(d) // 2])          # cut mid-payload
-    _mutate(lay.shard("w0", 2), lambda d: d[:-1])                     # cut one trailer byte
+    _mutate(lay.shard("w0", 0), lambda d: d[: len(d) // 2])  # cut mid-payload
+    _mutate(lay.shard("w0", 2), lambda d: d[:-1])  # cut one trailer byte
     # a plain Arrow IPC file of someone else's (another schema) under a shard name
     sink = pa.BufferOutputStream()
     with pa.ipc.new_file(sink, pa.schema([("x", pa.int64())])) as f:
@@ -215,8 +240,7 @@ def test_truncated_and_foreign_shards_are_quarantined(tmp_path):
     assert "IntegrityError" in q["000000000.arrow"] and "IntegrityError" in q["000000002.arrow"]
     assert "no tandem trailer" in q["000000003.arrow"]
     assert "foreign shard" in q["000000004.arrow"] and "w9" in q["000000004.arrow"]
-    assert sorted(os.listdir(root / "experience" / "w0")) == [
-        "000000001.arrow", "000000005.arrow", "notes.txt"]
+    assert sorted(os.listdir(root / "experience" / "w0")) == ["000000001.arrow", "000000005.arrow", "notes.txt"]
 
 
 def test_out_of_vocab_and_nan_shards_quarantined_reader_continues(tmp_path):
@@ -289,9 +313,14 @@ def test_probing_discovery_exactly_once_with_writer_processes(tmp_path):
     try:
         got = _drain(reader, 50)
         assert reader.stats["full_scans"] == 1
-        procs = [subprocess.Popen([sys.executable, str(script), str(root), w, str(TESTS_DIR),
-                                   str(shards)], env=subprocess_env(), stderr=subprocess.PIPE)
-                 for w in workers]
+        procs = [
+            subprocess.Popen(
+                [sys.executable, str(script), str(root), w, str(TESTS_DIR), str(shards)],
+                env=subprocess_env(),
+                stderr=subprocess.PIPE,
+            )
+            for w in workers
+        ]
         try:
             got += _drain(reader, len(workers) * shards, timeout_s=60)
             for p in procs:
@@ -354,6 +383,7 @@ def test_replacing_the_ledger_rescans(tmp_path):
 
 # --- retention ---------------------------------------------------------------------------------
 
+
 @pytest.mark.parametrize("mode", ["delete", "archive"])
 def test_retention_prunes_only_covered_shards_and_writer_never_reuses_a_name(tmp_path, mode):
     root = tmp_path / "run"
@@ -371,8 +401,7 @@ def test_retention_prunes_only_covered_shards_and_writer_never_reuses_a_name(tmp
     Path(str(wdir / ".000000009.arrow") + TMP_MARK + "77").write_bytes(b"x")
     counts = prune_consumed(str(root), covered, mode=mode)
     assert counts["pruned"] == 4 and counts["kept"] == 3 and counts["bytes"] > 0
-    assert sorted(n for n in os.listdir(wdir) if TMP_MARK not in n) == [
-        "000000003.arrow", "000000004.arrow"]
+    assert sorted(n for n in os.listdir(wdir) if TMP_MARK not in n) == ["000000003.arrow", "000000004.arrow"]
     assert os.listdir(root / "experience" / "w1") == ["000000001.arrow"]
     archived = root / "archive"
     if mode == "archive":
@@ -405,8 +434,7 @@ def test_clean_stale_temps(tmp_path):
     root = tmp_path / "run"
     w = _publish(str(root), "w0", 2)
     lay = w.sink.layout
-    old = [lay.shard_tmp("w0", 2, 111), lay.shard_tmp("w0", 3, 222),
-           lay.heartbeat("w0") + TMP_MARK + "333"]
+    old = [lay.shard_tmp("w0", 2, 111), lay.shard_tmp("w0", 3, 222), lay.heartbeat("w0") + TMP_MARK + "333"]
     fresh = lay.shard_tmp("w0", 4, 444)
     os.makedirs(lay.workers_dir, exist_ok=True)
     for p in old + [fresh]:
@@ -444,8 +472,9 @@ def test_temps_of_a_sigkilled_writer_are_cleaned_after_the_timeout(tmp_path):
     wdir = root / "experience" / "k"
     tmps = []
     for _ in range(10):
-        p = subprocess.Popen([sys.executable, str(script), str(root), "k", str(TESTS_DIR)],
-                             env=subprocess_env(), stderr=subprocess.PIPE)
+        p = subprocess.Popen(
+            [sys.executable, str(script), str(root), "k", str(TESTS_DIR)], env=subprocess_env(), stderr=subprocess.PIPE
+        )
         try:
             deadline = time.monotonic() + 30
             while time.monotonic() < deadline and p.poll() is None:
@@ -466,9 +495,16 @@ def test_temps_of_a_sigkilled_writer_are_cleaned_after_the_timeout(tmp_path):
 
 # --- python -m buffer.inspect ------------------------------------------------------------------
 
+
 def _inspect(*args) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "buffer.inspect", *args], cwd=REPO_ROOT,
-                          env=subprocess_env(), capture_output=True, text=True, timeout=60)
+    return subprocess.run(
+        [sys.executable, "-m", "buffer.inspect", *args],
+        cwd=REPO_ROOT,
+        env=subprocess_env(),
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
 
 
 def test_inspect_and_verify(tmp_path):
@@ -478,10 +514,8 @@ def test_inspect_and_verify(tmp_path):
     for v in range(4):
         w1.add_group(make_group("w1", "t", v, 5 + v, N))  # two shards, versions 5..8
     lay = w0.sink.layout
-    atomic_write_json(w0.sink.fs, lay.heartbeat("w0"), {"samples_written": 9, "next_seq": 3,
-                                                    "state": "running"})
-    atomic_write_json(w0.sink.fs, lay.heartbeat("w1"), {"samples_written": 12, "next_seq": 2,
-                                                    "state": "running"})
+    atomic_write_json(w0.sink.fs, lay.heartbeat("w0"), {"samples_written": 9, "next_seq": 3, "state": "running"})
+    atomic_write_json(w0.sink.fs, lay.heartbeat("w1"), {"samples_written": 12, "next_seq": 2, "state": "running"})
     atomic_write_json(w0.sink.fs, lay.progress, {"samples_retired": 6, "version": 7})
     Path(lay.shard_tmp("w0", 3, 99)).write_bytes(b"x")
 
@@ -502,8 +536,7 @@ def test_inspect_and_verify(tmp_path):
     assert "4/5 shards ok" in r.stdout
     # an out-of-vocab shard is bad only against a vocabulary
     assert _inspect(str(root), "--verify", "--vocab-size", "5").stdout.count("BAD ") == 5
-    assert "outside the vocabulary (size 5)" in _inspect(str(root), "--verify",
-                                                        "--vocab-size", "5").stdout
+    assert "outside the vocabulary (size 5)" in _inspect(str(root), "--verify", "--vocab-size", "5").stdout
 
     # the trainer quarantines it; inspect then shows it with its reason, and verify passes
     reader = _reader(str(root))

@@ -1,5 +1,6 @@
 """launch.check_env: a FAIL line naming the problem (and exit 1) on a read-only run folder and on
 an unreachable port; PASS on a good folder, with the node's versions recorded there."""
+
 from __future__ import annotations
 
 import contextlib
@@ -17,8 +18,9 @@ REPO = Path(__file__).resolve().parents[1]
 
 def check_env(*args: str) -> subprocess.CompletedProcess:
     env = dict(os.environ, PYTHONPATH=str(REPO))
-    return subprocess.run([sys.executable, "-m", "launch.check_env", *args], env=env,
-                          capture_output=True, text=True, timeout=120)
+    return subprocess.run(
+        [sys.executable, "-m", "launch.check_env", *args], env=env, capture_output=True, text=True, timeout=120
+    )
 
 
 def lines(out: str, status: str) -> list[str]:
@@ -31,9 +33,13 @@ def read_only_folder(tmp_path: Path):
     path under /proc (which refuses new files to everyone)."""
     target = tmp_path / "ro"
     target.mkdir()
-    mounted = os.geteuid() == 0 and subprocess.run(
-        ["mount", "-t", "tmpfs", "-o", "ro,size=1m", "tmpfs", str(target)],
-        capture_output=True, timeout=30).returncode == 0
+    mounted = (
+        os.geteuid() == 0
+        and subprocess.run(
+            ["mount", "-t", "tmpfs", "-o", "ro,size=1m", "tmpfs", str(target)], capture_output=True, timeout=30
+        ).returncode
+        == 0
+    )
     try:
         yield target if mounted else Path("/proc/self/tandem-run")
     finally:

@@ -1,15 +1,19 @@
 """Trainer checkpoints: SIGKILL and resume (on fewer ranks) reaches the uninterrupted result."""
+
 import json
 import os
 import signal
 import time
 from pathlib import Path
 
+from conftest import REORDER_REL_BOUND, STEPS, kill_tree, uninterrupted_run, weight_distances
+from conftest import final_weights as _final_weights
+from conftest import run_folder as _run_folder
+from conftest import trainer_proc as _trainer
+
+from buffer.checkpoints import FsCheckpoints
 from buffer.layout import RunLayout
 from protocol.experience import decode, from_table
-from conftest import STEPS, final_weights as _final_weights, run_folder as _run_folder, trainer_proc as _trainer
-from conftest import REORDER_REL_BOUND, kill_tree, uninterrupted_run, weight_distances
-from buffer.checkpoints import FsCheckpoints
 
 
 def _processes_of(run: Path) -> list[int]:
@@ -34,8 +38,14 @@ def _ids_by_step(root: Path) -> dict[int, list[str]]:
 
 # A critic (GAE) and an adaptive in-reward KL coefficient: the actor's final weights depend on
 # both, so they must resume exactly too.
-CRITIC = ("algorithm.adv_estimator=gae", "critic.optim.lr=1e-2", "algorithm.use_kl_in_reward=true",
-          "algorithm.kl_ctrl.type=adaptive", "algorithm.kl_ctrl.kl_coef=0.1", "algorithm.kl_ctrl.horizon=10")
+CRITIC = (
+    "algorithm.adv_estimator=gae",
+    "critic.optim.lr=1e-2",
+    "algorithm.use_kl_in_reward=true",
+    "algorithm.kl_ctrl.type=adaptive",
+    "algorithm.kl_ctrl.kl_coef=0.1",
+    "algorithm.kl_ctrl.horizon=10",
+)
 
 
 def test_sigkill_and_resume_on_one_rank_matches_uninterrupted_run(experience):
@@ -81,8 +91,7 @@ def test_sigkill_and_resume_on_one_rank_matches_uninterrupted_run(experience):
     by_step = _ids_by_step(run)
     assert sorted(by_step) == list(range(1, STEPS + 1)) and by_step == _ids_by_step(ref)
     trained = [i for ids in by_step.values() for i in ids]
-    committed = {s.sample_id for p in (ref / "experience").rglob("*.arrow")
-                 for s in from_table(decode(p.read_bytes()))}
+    committed = {s.sample_id for p in (ref / "experience").rglob("*.arrow") for s in from_table(decode(p.read_bytes()))}
     assert len(trained) == len(set(trained)) and set(trained) == committed
     # Same samples at every step (above): only the order of fp32 sums differs (1 rank vs 2).
     differ, moved, worst = weight_distances(_final_weights(ref), _final_weights(run), model)

@@ -1,14 +1,26 @@
 """protocol.experience: the Arrow schema and its round trip through the IPC stream format."""
+
 from __future__ import annotations
 
 import dataclasses
 
 import pyarrow as pa
 import pytest
-
 from conftest import make_group
-from protocol.experience import (SCHEMA, SCHEMA_VERSION, SCHEMA_VERSION_KEY, Sample, SchemaError,
-                                 check_rows, check_schema, decode, encode, from_table, to_table)
+
+from protocol.experience import (
+    SCHEMA,
+    SCHEMA_VERSION,
+    SCHEMA_VERSION_KEY,
+    Sample,
+    SchemaError,
+    check_rows,
+    check_schema,
+    decode,
+    encode,
+    from_table,
+    to_table,
+)
 
 FLOAT32_FIELDS = {"reward", "temperature"}
 
@@ -124,8 +136,7 @@ def test_check_schema_rejects_changed_type():
 
 def test_check_rows_rejects_mismatched_logprobs():
     samples = _samples()
-    samples[2] = dataclasses.replace(samples[2],
-                                     behaviour_logprobs=samples[2].behaviour_logprobs[:-1])
+    samples[2] = dataclasses.replace(samples[2], behaviour_logprobs=samples[2].behaviour_logprobs[:-1])
     with pytest.raises(SchemaError, match=samples[2].sample_id):
         check_rows(samples)
 

@@ -1,4 +1,5 @@
 """launch.export: tandem and verl FSDP checkpoints to HF folders that transformers loads."""
+
 import json
 import os
 import subprocess
@@ -37,8 +38,12 @@ dist.destroy_process_group()
 
 
 def _export(ckpt, out):
-    return subprocess.run([sys.executable, "-m", "launch.export", "--checkpoint", str(ckpt),
-                           "--out", str(out)], capture_output=True, text=True, timeout=300)
+    return subprocess.run(
+        [sys.executable, "-m", "launch.export", "--checkpoint", str(ckpt), "--out", str(out)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
 
 
 def test_verl_fsdp_checkpoint_exports_to_the_same_weights(tmp_path):
@@ -46,10 +51,22 @@ def test_verl_fsdp_checkpoint_exports_to_the_same_weights(tmp_path):
     actor = tmp_path / "global_step_7" / "actor"
     actor.mkdir(parents=True)
     (tmp_path / "saver.py").write_text(VERL_SAVER)
-    r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
-                        "--nproc_per_node=2", str(tmp_path / "saver.py"), str(tmp_path / "src"),
-                        str(actor)], capture_output=True, text=True, timeout=300,
-                       env=dict(os.environ, OMP_NUM_THREADS="1"))
+    r = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc_per_node=2",
+            str(tmp_path / "saver.py"),
+            str(tmp_path / "src"),
+            str(actor),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=dict(os.environ, OMP_NUM_THREADS="1"),
+    )
     assert r.returncode == 0, r.stderr[-3000:]
     proc = _export(actor, tmp_path / "hf")
     assert proc.returncode == 0, proc.stderr
@@ -68,9 +85,24 @@ def test_tandem_checkpoint_exports_the_trainers_weights(tmp_path):
     """Train a few steps through the whole pipeline with checkpoints, export the last one, and
     compare with the weights the trainer published at that step."""
     root = tmp_path / "run"
-    proc = subprocess.run([sys.executable, "-m", "launch.local", "--root", str(root), "--steps", "4",
-                           "--timeout", "400", "--trainer", "trainer.save_freq=4"],
-                          capture_output=True, text=True, timeout=500)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "launch.local",
+            "--root",
+            str(root),
+            "--steps",
+            "4",
+            "--timeout",
+            "400",
+            "--trainer",
+            "trainer.save_freq=4",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=500,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     ckpt = root / "checkpoints" / "step_00000004"
     assert json.loads((ckpt / "trainer_state.json").read_text())["step"] == 4

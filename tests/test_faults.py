@@ -1,5 +1,6 @@
 """Faults users meet on a bad day (issue 15): restarts, races, a second trainer, a full disk.
 Real files, processes and gRPC servers; every wait has a timeout."""
+
 from __future__ import annotations
 
 import contextlib
@@ -7,14 +8,14 @@ import os
 import time
 
 import pytest
+from conftest import descendants, free_port, make_group, small_filesystem
 
 from buffer.config import BufferConfig
-from buffer.layout import RunLayout
-from buffer.run import setup_trainer_run
 from buffer.experience.reader import ExperienceReader
 from buffer.experience.retention import prune_consumed
+from buffer.layout import RunLayout
+from buffer.run import setup_trainer_run
 from buffer.writer import ShardWriter
-from conftest import descendants, free_port, make_group, small_filesystem
 from launch.status import split_metrics
 from protocol.experience import decode, from_table
 
@@ -47,6 +48,7 @@ def _beat(writer: ShardWriter) -> dict:
 
 # --- 1. a worker restarted under the same id never reuses a shard number ----------------------
 
+
 def _restart_after_pruning(make_writer, spool: str, settle, on_reader=lambda r: None) -> None:
     """Publish 2 shards, heartbeat, publish 2 more; the trainer consumes all 4 and a checkpoint
     lets retention delete them; the worker is killed (the writer is dropped without a flush)
@@ -78,8 +80,7 @@ def _restart_after_pruning(make_writer, spool: str, settle, on_reader=lambda r: 
 
 def test_restarted_worker_never_reuses_a_consumed_and_pruned_shard_number(tmp_path):
     root = str(tmp_path / "run")
-    _restart_after_pruning(lambda beat: ShardWriter.at(root, "w0", _cfg(), resume=beat), root,
-                           settle=lambda w: None)
+    _restart_after_pruning(lambda beat: ShardWriter.at(root, "w0", _cfg(), resume=beat), root, settle=lambda w: None)
 
 
 def test_restarted_grpc_worker_is_not_acknowledged_as_a_duplicate(tmp_path, monkeypatch):
@@ -87,8 +88,13 @@ def test_restarted_grpc_worker_is_not_acknowledged_as_a_duplicate(tmp_path, monk
     monkeypatch.setenv("TANDEM_GRPC_TOKEN", "t0ken")
     # The restarted writer takes worker id w0 over grpc_claim_ttl_s after the killed one's last
     # push (refused and retried until then: test_grpc_security); 1 s instead of 60 keeps it short.
-    cfg = _cfg(transport="grpc", grpc_bind=f"127.0.0.1:{port}", grpc_address=f"127.0.0.1:{port}",
-               grpc_timeout_s=10, grpc_claim_ttl_s=1.0)
+    cfg = _cfg(
+        transport="grpc",
+        grpc_bind=f"127.0.0.1:{port}",
+        grpc_address=f"127.0.0.1:{port}",
+        grpc_timeout_s=10,
+        grpc_claim_ttl_s=1.0,
+    )
     spool, worker_root = str(tmp_path / "trainer"), str(tmp_path / "worker")
     readers = []  # the server asks the trainer's ledger, as trainer.main wires it
     server = setup_trainer_run(spool).serve(cfg, consumed=lambda: readers[0].consumed if readers else ())
@@ -121,8 +127,14 @@ def test_a_restarted_grpc_worker_counts_each_written_sample_once(tmp_path, monke
     takes them all; a restart must count 6 shards' samples, not more."""
     port = free_port()
     monkeypatch.setenv("TANDEM_GRPC_TOKEN", "t0ken")
-    cfg = _cfg(transport="grpc", grpc_bind=f"127.0.0.1:{port}", grpc_address=f"127.0.0.1:{port}",
-               grpc_timeout_s=10, grpc_claim_ttl_s=1.0, max_backlog_samples=N)
+    cfg = _cfg(
+        transport="grpc",
+        grpc_bind=f"127.0.0.1:{port}",
+        grpc_address=f"127.0.0.1:{port}",
+        grpc_timeout_s=10,
+        grpc_claim_ttl_s=1.0,
+        max_backlog_samples=N,
+    )
     root = str(tmp_path / "run")
     retired = [0]  # what the trainer has retired: nothing, then everything
     server = setup_trainer_run(root).serve(cfg, retired=lambda: retired[0])
@@ -133,7 +145,7 @@ def test_a_restarted_grpc_worker_counts_each_written_sample_once(tmp_path, monke
         for g in range(6):
             w.add_group(make_group("w0", 0, g, 0, N))  # one shard each
         _wait(lambda: server.servicer.stats["backpressure"] > 0, "the trainer to push back")
-        retired[0] = 10 ** 6
+        retired[0] = 10**6
         _wait(lambda: not w.sink.unacked, "every shard to be acknowledged")
         beat = _beat(w)
         w.sink.stopping = True  # killed: no close
@@ -145,13 +157,15 @@ def test_a_restarted_grpc_worker_counts_each_written_sample_once(tmp_path, monke
             w.sink.stopping = True
             w.sink.senders.shutdown(wait=True)
         server.stop()
-    on_disk = sum(len(from_table(decode(f.read_bytes())))
-                  for f in (tmp_path / "run" / "experience" / "w0").glob("*.arrow"))
+    on_disk = sum(
+        len(from_table(decode(f.read_bytes()))) for f in (tmp_path / "run" / "experience" / "w0").glob("*.arrow")
+    )
     assert on_disk == 6 * N
     assert again.samples_written == on_disk, "samples counted twice across the restart"
 
 
 # --- 7. a version pruned while a worker loads it ----------------------------------------------
+
 
 def test_worker_survives_a_version_pruned_while_it_loads(tmp_path):
     from buffer.weights.fs import WeightStore
@@ -159,19 +173,22 @@ def test_worker_survives_a_version_pruned_while_it_loads(tmp_path):
     from rollout import builtin_task
     from rollout.config import WorkerConfig
     from rollout.worker import RolloutWorker
+
     builtin_task.write_model(tmp_path / "m")
     builtin_task.write_parquet(tmp_path / "t.parquet", builtin_task.make_rows(10, 3))
     root = tmp_path / "run"
     store = WeightStore(str(root))
     store.publish_hf_folder(tmp_path / "m", 0, 0, keep=3)
-    worker = RolloutWorker(build(WorkerConfig, {"root": str(root), "worker.id": "w",
-                                                "train_files": f"[{tmp_path / 't.parquet'}]"}))
+    worker = RolloutWorker(
+        build(WorkerConfig, {"root": str(root), "worker.id": "w", "train_files": f"[{tmp_path / 't.parquet'}]"})
+    )
     worker.start()
     try:
         store.publish_hf_folder(tmp_path / "m", 1, 1, keep=3)
         # What a worker sees when it read LATEST just before the trainer published three more
         # versions and pruned v1 (keep=3): the pointer names v1, v1 is gone.
         import shutil
+
         shutil.rmtree(store.layout.version_dir(1))
         assert worker.maybe_reload() is False and worker.version == 0
         store.publish_hf_folder(tmp_path / "m", 2, 2, keep=3)
@@ -182,12 +199,15 @@ def test_worker_survives_a_version_pruned_while_it_loads(tmp_path):
 
 # --- 8. concurrent pushes of one shard never publish damaged bytes ----------------------------
 
+
 def _waiting_for_the_shard_lock(servicer) -> int:
     """Push handlers that read their header and now wait for another push of the same shard:
     their innermost frames are Push itself (or the lock helpers it calls), not gRPC's reading."""
     import sys
     import threading
+
     from buffer.experience import net_server as grpc_transport
+
     count = 0
     for ident, frame in sys._current_frames().items():
         if ident == threading.get_ident():
@@ -196,14 +216,16 @@ def _waiting_for_the_shard_lock(servicer) -> int:
         while frame is not None and frame.f_code is not type(servicer).Push.__code__:
             inner.append(frame.f_code)
             frame = frame.f_back
-        if frame is not None and all(c.co_filename in (grpc_transport.__file__, contextlib_file())
-                                     and c.co_name != "_spool" for c in inner):
+        if frame is not None and all(
+            c.co_filename in (grpc_transport.__file__, contextlib_file()) and c.co_name != "_spool" for c in inner
+        ):
             count += 1
     return count
 
 
 def contextlib_file() -> str:
     import contextlib
+
     return contextlib.__file__
 
 
@@ -227,6 +249,7 @@ def test_concurrent_pushes_of_one_shard_never_publish_damaged_bytes(tmp_path, mo
     from protocol import experience_pb2 as pb
     from protocol import experience_pb2_grpc as pb_grpc
     from protocol.experience import SCHEMA_VERSION, encode, load_shard, to_table
+
     port = free_port()
     monkeypatch.setenv("TANDEM_GRPC_TOKEN", "t0ken")
     server = ShardServer(str(tmp_path / "trainer"), _cfg(grpc_bind=f"127.0.0.1:{port}"))
@@ -243,8 +266,7 @@ def test_concurrent_pushes_of_one_shard_never_publish_damaged_bytes(tmp_path, mo
         return max((p.stat().st_size for p in temporaries()), default=0)
 
     def stream(data: bytes, parts: list, gate: threading.Event | None = None):
-        yield pb.ShardChunk(header=pb.ShardHeader(worker_id="w0", seq=0, size=len(data),
-                                                  schema_version=SCHEMA_VERSION))
+        yield pb.ShardChunk(header=pb.ShardHeader(worker_id="w0", seq=0, size=len(data), schema_version=SCHEMA_VERSION))
         for i, part in enumerate(parts):
             if i == 1 and gate is not None:
                 assert gate.wait(timeout=120)
@@ -265,8 +287,7 @@ def test_concurrent_pushes_of_one_shard_never_publish_damaged_bytes(tmp_path, mo
         assert refused.value.code() == grpc.StatusCode.DATA_LOSS
         _wait(lambda: tmp_size() >= half, "B to spool half the shard")
         c = push.future(stream(y, [y]), metadata=meta, timeout=120)
-        _wait(lambda: c.done() or _waiting_for_the_shard_lock(server.servicer) == 1,
-              "C to finish or to wait for B")
+        _wait(lambda: c.done() or _waiting_for_the_shard_lock(server.servicer) == 1, "C to finish or to wait for B")
         go_b.set()
         acks = {}
         for name, call in (("B", b), ("C", c)):
@@ -289,12 +310,12 @@ def test_concurrent_pushes_of_one_shard_never_publish_damaged_bytes(tmp_path, mo
 
 # --- 3. one trainer per run folder --------------------------------------------------------------
 
+
 def _wait_file(path, proc, what: str, timeout_s: float = 300) -> None:
     deadline = time.monotonic() + timeout_s
     while not os.path.exists(path):
         if proc.poll() is not None:
-            raise AssertionError(f"exited with {proc.returncode} before {what}:\n"
-                                 + proc.stdout.read()[-3000:])
+            raise AssertionError(f"exited with {proc.returncode} before {what}:\n" + proc.stdout.read()[-3000:])
         assert time.monotonic() < deadline, f"timed out after {timeout_s} s waiting for {what}"
         time.sleep(0.1)
 
@@ -305,8 +326,7 @@ def _wait_steps(root, proc, steps: int, timeout_s: float = 300) -> None:
     deadline = time.monotonic() + timeout_s
     while not path.exists() or path.read_text().count("\n") < steps:
         if proc.poll() is not None:
-            raise AssertionError(f"exited with {proc.returncode} before step {steps}:\n"
-                                 + proc.stdout.read()[-3000:])
+            raise AssertionError(f"exited with {proc.returncode} before step {steps}:\n" + proc.stdout.read()[-3000:])
         assert time.monotonic() < deadline, f"no step {steps} within {timeout_s} s"
         time.sleep(0.1)
 
@@ -314,6 +334,7 @@ def _wait_steps(root, proc, steps: int, timeout_s: float = 300) -> None:
 def _stop_group(proc) -> str:
     """SIGKILL a process started with start_new_session and everything it started."""
     import signal
+
     if proc.poll() is None:
         for pid in descendants(proc.pid):
             try:
@@ -330,10 +351,12 @@ def test_a_second_trainer_on_the_run_folder_is_refused_naming_the_first(experien
     import socket
 
     from conftest import STEPS, run_folder, trainer_proc
+
     root = run_folder(experience, "two_trainers")
     # more steps than the experience holds: the first trainer stays, waiting for more
-    first = trainer_proc(root, experience / "model", 1, "trainer.save_freq=1",
-                         "trainer.data_timeout_s=600", steps=STEPS + 4)
+    first = trainer_proc(
+        root, experience / "model", 1, "trainer.save_freq=1", "trainer.data_timeout_s=600", steps=STEPS + 4
+    )
     try:
         _wait_file(RunLayout(str(root)).checkpoint(1), first, "the first trainer's checkpoint")
         second = trainer_proc(root, experience / "model", 1, "trainer.data_timeout_s=20")
@@ -354,6 +377,7 @@ def test_a_second_trainer_on_the_run_folder_is_refused_naming_the_first(experien
 
 # --- 2. trainer ranks die with their torchrun agent ----------------------------------------------
 
+
 def _alive(pid: int) -> bool:
     try:
         with open(f"/proc/{pid}/stat") as f:
@@ -366,6 +390,7 @@ def test_killing_torchrun_kills_its_ranks(experience):
     import signal
 
     from conftest import STEPS, run_folder, trainer_proc
+
     root = run_folder(experience, "agent_killed")
     # more steps than the experience holds: the ranks stay, waiting for more
     p = trainer_proc(root, experience / "model", 2, "trainer.data_timeout_s=600", steps=STEPS + 4)
@@ -391,20 +416,34 @@ def test_killing_torchrun_kills_its_ranks(experience):
 
 # --- 4. experience of another run, or from the future, is refused ------------------------------
 
+
 def test_leftover_experience_of_another_run_is_not_trained_on(experience, tmp_path):
     import shutil
     import subprocess
     import sys
 
     from conftest import STEPS
+
     root = tmp_path / "fresh"
     shutil.copytree(experience / "data" / "experience", root / "experience")  # only experience/
     p = subprocess.run(
-        [sys.executable, "-m", "trainer.main", f"root={root}",
-         f"actor_rollout_ref.model.path={experience / 'model'}",
-         f"trainer.total_training_steps={STEPS}", "data.train_batch_size=4",
-         "trainer.max_staleness=1000", "trainer.data_timeout_s=15", "buffer.poll_interval=0.1"],
-        capture_output=True, text=True, timeout=600, env=dict(os.environ, OMP_NUM_THREADS="1"))
+        [
+            sys.executable,
+            "-m",
+            "trainer.main",
+            f"root={root}",
+            f"actor_rollout_ref.model.path={experience / 'model'}",
+            f"trainer.total_training_steps={STEPS}",
+            "data.train_batch_size=4",
+            "trainer.max_staleness=1000",
+            "trainer.data_timeout_s=15",
+            "buffer.poll_interval=0.1",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env=dict(os.environ, OMP_NUM_THREADS="1"),
+    )
     assert p.returncode != 0, "the trainer trained on another run's experience"
     assert not (root / "metrics.jsonl").exists() or not (root / "metrics.jsonl").read_text()
     reasons = [r.read_text() for r in (root / "quarantine").rglob("*.reason.txt")]
@@ -413,6 +452,7 @@ def test_leftover_experience_of_another_run_is_not_trained_on(experience, tmp_pa
 
 def test_reader_refuses_shards_of_another_run_without_a_run_id_or_from_the_future(tmp_path):
     from buffer.storage import atomic_write_json, filesystem
+
     root = str(tmp_path / "run")
     layout = RunLayout(root)
     fs, _ = filesystem(root)
@@ -437,8 +477,10 @@ def test_reader_refuses_shards_of_another_run_without_a_run_id_or_from_the_futur
     finally:
         reader.close()
     assert group.samples[0].worker_id == "ok"
-    reasons = {w: (tmp_path / "run" / "quarantine" / w / "000000000.arrow.reason.txt").read_text()
-               for w in ("other", "nobody", "future")}
+    reasons = {
+        w: (tmp_path / "run" / "quarantine" / w / "000000000.arrow.reason.txt").read_text()
+        for w in ("other", "nobody", "future")
+    }
     assert "another run" in reasons["other"] and "r-old" in reasons["other"]
     assert "no run id" in reasons["nobody"]
     assert "weight version 7" in reasons["future"] and "v2" in reasons["future"]
@@ -448,10 +490,10 @@ def test_shards_of_schema_version_2_are_still_read():
     """Version 3 only adds the run id to the metadata: version-2 shards (and checkpoint pools)
     still decode."""
     from protocol.experience import SCHEMA_VERSION_KEY, decode, encode, from_table, to_table
+
     table = to_table(make_group("w0", 0, 0, 0, N))
     old = table.replace_schema_metadata({**table.schema.metadata, SCHEMA_VERSION_KEY: b"2"})
-    assert [s.sample_id for s in from_table(decode(encode(old)))] == [
-        s.sample_id for s in make_group("w0", 0, 0, 0, N)]
+    assert [s.sample_id for s in from_table(decode(encode(old)))] == [s.sample_id for s in make_group("w0", 0, 0, 0, N)]
 
 
 # --- 9. concurrent control commands are all kept, each under its own id -------------------------
@@ -476,15 +518,24 @@ def test_concurrent_control_commands_are_all_kept_with_distinct_ids(tmp_path):
     import sys
 
     from conftest import REPO_ROOT, subprocess_env
-    from protocol.config import build
+
     from launch.pool import Pool, PoolConfig
+    from protocol.config import build
+
     root, go, k = tmp_path / "run", tmp_path / "go", 8
     root.mkdir()
     script = tmp_path / "add.py"
     script.write_text(CONTROL_AT_ONCE)
-    procs = [subprocess.Popen([sys.executable, str(script), str(REPO_ROOT), str(root), str(i), str(go)],
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                              env=subprocess_env()) for i in range(k)]
+    procs = [
+        subprocess.Popen(
+            [sys.executable, str(script), str(REPO_ROOT), str(root), str(i), str(go)],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            env=subprocess_env(),
+        )
+        for i in range(k)
+    ]
     try:
         _wait(lambda: len(list(tmp_path.glob("go.ready-*"))) == k, "the processes to start", 300)
         go.touch()
@@ -504,8 +555,10 @@ def test_concurrent_control_commands_are_all_kept_with_distinct_ids(tmp_path):
 
 # --- 5. the backlog drains: quarantined and stale samples retire, big steps fit, idle flushes --
 
+
 def _progress(root) -> dict:
     import json
+
     try:
         return json.loads((root / "progress.json").read_text())
     except (FileNotFoundError, ValueError):
@@ -517,15 +570,18 @@ def test_quarantined_and_stale_samples_are_retired_while_the_trainer_waits(exper
     While the trainer waits for more, progress.json must count every written sample as retired
     (trained, dropped as stale, or quarantined), or the workers' backpressure never lets them
     write what the trainer waits for."""
-    from conftest import GROUPS, N as SAMPLES, STEPS, run_folder, trainer_proc
+    from conftest import GROUPS, STEPS, run_folder, trainer_proc
+    from conftest import N as SAMPLES
+
     root = run_folder(experience, "retire")
     for seq in (2, 3):
         shard = root / "experience" / "w0" / f"{seq:09d}.arrow"
         data = bytearray(shard.read_bytes())
         data[len(data) // 2] ^= 0xFF
         shard.write_bytes(bytes(data))
-    p = trainer_proc(root, experience / "model", 1, "trainer.max_staleness=1",
-                     "trainer.data_timeout_s=600", steps=STEPS)
+    p = trainer_proc(
+        root, experience / "model", 1, "trainer.max_staleness=1", "trainer.data_timeout_s=600", steps=STEPS
+    )
     written = STEPS * GROUPS * SAMPLES
     try:
         _wait_steps(root, p, 1)
@@ -544,11 +600,32 @@ def test_a_step_larger_than_the_backlog_cap_completes(tmp_path):
     import json
     import subprocess
     import sys
+
     root = tmp_path / "run"
-    p = subprocess.run([sys.executable, "-m", "launch.local", "--root", str(root), "--steps", "2",
-                        "--workers", "1", "--nproc", "1", "--timeout", "600", "--test-freq", "0",
-                        "--trainer", "data.train_batch_size=64"],
-                       capture_output=True, text=True, timeout=1200)
+    p = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "launch.local",
+            "--root",
+            str(root),
+            "--steps",
+            "2",
+            "--workers",
+            "1",
+            "--nproc",
+            "1",
+            "--timeout",
+            "600",
+            "--test-freq",
+            "0",
+            "--trainer",
+            "data.train_batch_size=64",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=1200,
+    )
     assert p.returncode == 0, p.stderr[-3000:]
     rows = [json.loads(line) for line in (root / "metrics.jsonl").read_text().splitlines()]
     assert len(split_metrics(rows)[0]) == 2
@@ -566,6 +643,7 @@ def test_a_worker_blocked_by_backpressure_still_flushes_by_age(tmp_path):
     from buffer.storage import atomic_write_json, filesystem
     from buffer.weights.fs import WeightStore
     from rollout import builtin_task
+
     builtin_task.write_model(tmp_path / "m")
     builtin_task.write_parquet(tmp_path / "t.parquet", builtin_task.make_rows(50, 3))
     root = tmp_path / "run"
@@ -574,12 +652,25 @@ def test_a_worker_blocked_by_backpressure_still_flushes_by_age(tmp_path):
     layout = RunLayout(str(root))
     log_path = tmp_path / "worker.log"
     log = open(log_path, "w")
-    p = subprocess.Popen([sys.executable, "-m", "rollout.worker", f"root={root}", "worker.id=w",
-                          f"data.train_files=[{tmp_path / 't.parquet'}]", "data.max_response_length=3",
-                          "actor_rollout_ref.rollout.n=4", "actor_rollout_ref.rollout.prompts_per_batch=2",
-                          "buffer.flush_samples=1000", "buffer.flush_interval=2",
-                          "buffer.max_backlog_samples=64"],
-                         stdout=log, stderr=subprocess.STDOUT, env=dict(os.environ, OMP_NUM_THREADS="1"))
+    p = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "rollout.worker",
+            f"root={root}",
+            "worker.id=w",
+            f"data.train_files=[{tmp_path / 't.parquet'}]",
+            "data.max_response_length=3",
+            "actor_rollout_ref.rollout.n=4",
+            "actor_rollout_ref.rollout.prompts_per_batch=2",
+            "buffer.flush_samples=1000",
+            "buffer.flush_interval=2",
+            "buffer.max_backlog_samples=64",
+        ],
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        env=dict(os.environ, OMP_NUM_THREADS="1"),
+    )
 
     def beat() -> dict:
         try:
@@ -588,18 +679,24 @@ def test_a_worker_blocked_by_backpressure_still_flushes_by_age(tmp_path):
             return {}
 
     def published() -> int:
-        return sum(len(from_table(decode(f.read_bytes())))
-                   for f in (root / "experience" / "w").glob("*.arrow"))
+        return sum(len(from_table(decode(f.read_bytes()))) for f in (root / "experience" / "w").glob("*.arrow"))
+
     try:
         _wait(lambda: published() > 0 or p.poll() is not None, "a first shard (by age)", 300)
-        atomic_write_json(fs, layout.heartbeat("other"), {"worker_id": "other",
-                                                          "samples_written": 10_000})
-        _wait(lambda: "waiting for the trainer" in log_path.read_text() or p.poll() is not None,
-              "the worker to block", 300)
+        atomic_write_json(fs, layout.heartbeat("other"), {"worker_id": "other", "samples_written": 10_000})
+        _wait(
+            lambda: "waiting for the trainer" in log_path.read_text() or p.poll() is not None,
+            "the worker to block",
+            300,
+        )
         # every batch it generated (8 samples each) published, and its heartbeat says so
-        _wait(lambda: p.poll() is not None or (
-            beat().get("samples_written") == 8 * beat().get("batches", -1) == published()),
-            "the buffered batch to be published while blocked", 120)
+        _wait(
+            lambda: (
+                p.poll() is not None or (beat().get("samples_written") == 8 * beat().get("batches", -1) == published())
+            ),
+            "the buffered batch to be published while blocked",
+            120,
+        )
         assert p.poll() is None, log_path.read_text()[-3000:]
     finally:
         atomic_write_json(fs, layout.done_marker, {})
@@ -612,6 +709,7 @@ def test_a_worker_blocked_by_backpressure_still_flushes_by_age(tmp_path):
 
 
 # --- 6. backpressure over gRPC: a trainer that stops consuming stops the spool growing ---------
+
 
 def test_reader_reads_no_further_than_a_step_needs(tmp_path):
     root = str(tmp_path / "run")
@@ -630,20 +728,30 @@ def test_reader_reads_no_further_than_a_step_needs(tmp_path):
 
 def test_grpc_spool_stops_growing_while_the_trainer_does_not_consume(tmp_path, monkeypatch):
     from buffer.control.backpressure import retired
+
     port = free_port()
     monkeypatch.setenv("TANDEM_GRPC_TOKEN", "t0ken")
     cap, inflight, shards = 4 * N, 2, 20
-    cfg = _cfg(transport="grpc", grpc_bind=f"127.0.0.1:{port}", grpc_address=f"127.0.0.1:{port}",
-               grpc_timeout_s=10, grpc_max_inflight=inflight, max_backlog_samples=cap,
-               backlog_timeout_s=300)
+    cfg = _cfg(
+        transport="grpc",
+        grpc_bind=f"127.0.0.1:{port}",
+        grpc_address=f"127.0.0.1:{port}",
+        grpc_timeout_s=10,
+        grpc_max_inflight=inflight,
+        max_backlog_samples=cap,
+        backlog_timeout_s=300,
+    )
     spool = tmp_path / "trainer"
     reader = ExperienceReader(str(spool), _cfg(), max_staleness=10)
-    server = setup_trainer_run(str(spool)).serve(cfg, consumed=lambda: reader.consumed,
-                                         retired=lambda: retired(reader.stats))
+    server = setup_trainer_run(str(spool)).serve(
+        cfg, consumed=lambda: reader.consumed, retired=lambda: retired(reader.stats)
+    )
     writer = ShardWriter.at(str(tmp_path / "worker"), "w0", cfg)
     import threading
-    produced = threading.Thread(target=lambda: [writer.add_group(make_group("w0", 0, g, 0, N))
-                                                for g in range(shards)], daemon=True)
+
+    produced = threading.Thread(
+        target=lambda: [writer.add_group(make_group("w0", 0, g, 0, N)) for g in range(shards)], daemon=True
+    )
     try:
         produced.start()
         _wait(lambda: server.servicer.stats["backpressure"] > 0, "the server to push back")
@@ -732,22 +840,30 @@ def test_every_role_outlives_a_full_disk(tmp_path):
     import sys
 
     from conftest import subprocess_env
+
     small, out, steps = tmp_path / "small", tmp_path / "out", 10
     small.mkdir()
     out.mkdir()
     script = tmp_path / "fill_disk.py"
     script.write_text(f"import sys; sys.path.insert(0, {os.path.dirname(__file__)!r})\n" + FILL_DISK)
-    p = subprocess.run(small_filesystem(small, 48, [sys.executable, str(script), str(small),
-                                                    str(out), str(steps)]),
-                       capture_output=True, text=True, timeout=2400, env=subprocess_env())
-    logs = "".join(f"\n--- {f.name}:\n" + f.read_text()[-1500:]
-                   for f in sorted((out / "logs").glob("*.log"))) if (out / "logs").is_dir() else ""
+    p = subprocess.run(
+        small_filesystem(small, 48, [sys.executable, str(script), str(small), str(out), str(steps)]),
+        capture_output=True,
+        text=True,
+        timeout=2400,
+        env=subprocess_env(),
+    )
+    logs = (
+        "".join(f"\n--- {f.name}:\n" + f.read_text()[-1500:] for f in sorted((out / "logs").glob("*.log")))
+        if (out / "logs").is_dir()
+        else ""
+    )
     assert p.returncode == 0 and (out / "result.json").exists(), (
-        p.stdout[-2000:] + p.stderr[-2000:] + (out / "launch.log").read_text()[-1500:] + logs)
+        p.stdout[-2000:] + p.stderr[-2000:] + (out / "launch.log").read_text()[-1500:] + logs
+    )
     result = json.loads((out / "result.json").read_text())
     assert result["code"] == 0, (out / "launch.log").read_text()[-3000:]
-    rows, _ = split_metrics([json.loads(line) for line in
-                             (out / "run" / "metrics.jsonl").read_text().splitlines()])
+    rows, _ = split_metrics([json.loads(line) for line in (out / "run" / "metrics.jsonl").read_text().splitlines()])
     assert sorted({r["step"] for r in rows}) == list(range(1, steps + 1))
     trained = [i for r in rows for i in r["samples/ids"]]
     assert len(trained) == len(set(trained))  # nothing trained twice on the way
@@ -762,12 +878,13 @@ def test_a_trainer_killed_before_its_first_checkpoint_starts_again(experience):
     import signal
 
     from conftest import STEPS, run_folder, trainer_proc
+
     from trainer.config import TrainerConfig
+
     save_freq = TrainerConfig.__dataclass_fields__["trainer"].default_factory().save_freq
     assert save_freq > 0, f"trainer.save_freq defaults to {save_freq}: a killed run cannot resume"
     root = run_folder(experience, "early_kill")
-    p = trainer_proc(root, experience / "model", 2, "trainer.log_sample_ids=true",
-                     "trainer.save_freq=100")
+    p = trainer_proc(root, experience / "model", 2, "trainer.log_sample_ids=true", "trainer.save_freq=100")
     try:
         _wait_steps(root, p, 1)
         os.killpg(p.pid, signal.SIGKILL)
@@ -789,12 +906,16 @@ def test_a_trainer_killed_before_its_first_checkpoint_starts_again(experience):
     assert sorted(final) == list(range(1, STEPS + 1))
     assert final[1]["weights/version"] > versions_before
     trained = [i for r in final.values() for i in r["samples/ids"]]
-    committed = {s.sample_id for f in (experience / "data" / "experience").rglob("*.arrow")
-                 for s in from_table(decode(f.read_bytes()))}
+    committed = {
+        s.sample_id
+        for f in (experience / "data" / "experience").rglob("*.arrow")
+        for s in from_table(decode(f.read_bytes()))
+    }
     assert len(trained) == len(set(trained)) and set(trained) == committed
 
 
 # --- 11. the trainer checkpoints and exits when asked (SLURM's time-limit signal) ---------------
+
 
 def test_a_stop_request_checkpoints_and_a_restart_resumes(experience):
     """What the trainer job's USR1 trap does (launch/slurm/trainer.sbatch): ROOT/trainer.stop.
@@ -803,10 +924,10 @@ def test_a_stop_request_checkpoints_and_a_restart_resumes(experience):
     import json
 
     from conftest import STEPS, run_folder, trainer_proc
+
     root = run_folder(experience, "stopped")
     layout = RunLayout(str(root))
-    p = trainer_proc(root, experience / "model", 2, "trainer.log_sample_ids=true",
-                     "trainer.save_freq=100")
+    p = trainer_proc(root, experience / "model", 2, "trainer.log_sample_ids=true", "trainer.save_freq=100")
     try:
         _wait_steps(root, p, 2)
         (root / "trainer.stop").write_text("job 42: time limit near\n")
@@ -817,6 +938,7 @@ def test_a_stop_request_checkpoints_and_a_restart_resumes(experience):
     assert not (root / "DONE").exists(), "the trainer ran on to DONE: the stop request was ignored"
     assert not (root / "trainer.stop").exists()
     from buffer.checkpoints import FsCheckpoints
+
     assert FsCheckpoints(layout).latest_complete() is not None, "no checkpoint on the way out"
     p = trainer_proc(root, experience / "model", 2, "trainer.log_sample_ids=true")
     out, _ = p.communicate(timeout=600)
@@ -828,6 +950,9 @@ def test_a_stop_request_checkpoints_and_a_restart_resumes(experience):
         final[row["step"]] = row["samples/ids"]
     assert sorted(final) == list(range(1, STEPS + 1))
     trained = [i for ids in final.values() for i in ids]
-    committed = {s.sample_id for f in (experience / "data" / "experience").rglob("*.arrow")
-                 for s in from_table(decode(f.read_bytes()))}
+    committed = {
+        s.sample_id
+        for f in (experience / "data" / "experience").rglob("*.arrow")
+        for s in from_table(decode(f.read_bytes()))
+    }
     assert len(trained) == len(set(trained)) and set(trained) == committed

@@ -1,4 +1,5 @@
 """gRPC experience transport with real servers and processes: auth, idempotence, restarts."""
+
 import collections
 import os
 import signal
@@ -8,15 +9,15 @@ import time
 
 import grpc
 import pytest
+from conftest import TESTS_DIR, free_port, make_group, subprocess_env
 
-from buffer.run import setup_trainer_run
 from buffer.config import BufferConfig
 from buffer.experience.net_client import DAMAGED_RESENDS
 from buffer.experience.net_server import ShardServer
-from buffer.writer import ShardWriter
-from buffer.layout import RunLayout
 from buffer.experience.reader import ExperienceReader
-from conftest import TESTS_DIR, free_port, make_group, subprocess_env
+from buffer.layout import RunLayout
+from buffer.run import setup_trainer_run
+from buffer.writer import ShardWriter
 from launch.local import rl_metrics
 from protocol import experience_pb2 as pb
 from protocol import experience_pb2_grpc as pb_grpc
@@ -28,16 +29,19 @@ TOKEN = "s3cret-token"
 
 def _cfg(tmp_path, port, **kw):
     (tmp_path / "token").write_text(TOKEN + "\n")
-    return BufferConfig(grpc_bind=f"127.0.0.1:{port}", grpc_address=f"127.0.0.1:{port}",
-                        grpc_token_file=str(tmp_path / "token"), transport="grpc", **kw)
+    return BufferConfig(
+        grpc_bind=f"127.0.0.1:{port}",
+        grpc_address=f"127.0.0.1:{port}",
+        grpc_token_file=str(tmp_path / "token"),
+        transport="grpc",
+        **kw,
+    )
 
 
 def _push(port, data, seq=0, token=TOKEN, schema=SCHEMA_VERSION, size=None, chunk=1000):
     """A hand-made push: header, then `data` in `chunk`-byte pieces."""
-    head = pb.ShardHeader(worker_id="w0", seq=seq, schema_version=schema,
-                          size=len(data) if size is None else size)
-    msgs = [pb.ShardChunk(header=head)] + [pb.ShardChunk(data=data[i:i + chunk])
-                                           for i in range(0, len(data), chunk)]
+    head = pb.ShardHeader(worker_id="w0", seq=seq, schema_version=schema, size=len(data) if size is None else size)
+    msgs = [pb.ShardChunk(header=head)] + [pb.ShardChunk(data=data[i : i + chunk]) for i in range(0, len(data), chunk)]
     with grpc.insecure_channel(f"127.0.0.1:{port}") as ch:
         meta = [("authorization", f"Bearer {token}")] if token is not None else []
         return pb_grpc.ExperienceStub(ch).Push(iter(msgs), timeout=10, metadata=meta)
@@ -82,8 +86,7 @@ def test_token_schema_integrity_and_idempotence(tmp_path):
         for sent in (data[:-100], data + b"x"):  # the stream ends early, or runs on
             details = _refused(grpc.StatusCode.DATA_LOSS, port, sent, size=len(data))
             assert f"header says {len(data)} bytes" in details
-        assert "grpc_max_shard_mb" in _refused(grpc.StatusCode.INVALID_ARGUMENT, port, data,
-                                               size=2 << 20)
+        assert "grpc_max_shard_mb" in _refused(grpc.StatusCode.INVALID_ARGUMENT, port, data, size=2 << 20)
         assert not spool.exists() or not os.listdir(spool)  # refused pushes leave no file
         for chunk in (1, 47, 48, 49, 1 << 20):  # chunking never matters to the trailer check
             assert _push(port, data, seq=chunk, chunk=chunk).duplicate is False
@@ -125,8 +128,7 @@ def test_bad_columns_are_quarantined_by_the_one_reader(tmp_path):
         assert _push(port, encode(to_table(make_group("w0", 0, 1, 0, 4))), seq=1).duplicate is False
     finally:
         server.stop()
-    reader = ExperienceReader(str(tmp_path / "trainer"), BufferConfig(), max_staleness=10,
-                              vocab_size=60_000)
+    reader = ExperienceReader(str(tmp_path / "trainer"), BufferConfig(), max_staleness=10, vocab_size=60_000)
     try:
         groups = reader.next_batch(1, current_version=0, timeout_s=10)
     finally:
@@ -159,17 +161,26 @@ def _wait(cond, timeout_s: float, what: str) -> None:
 def _start_server(tmp_path, port):
     script = tmp_path / "server.py"
     script.write_text(SERVER)
-    p = subprocess.Popen([sys.executable, str(script), str(tmp_path / "trainer"), f"127.0.0.1:{port}",
-                          str(TESTS_DIR.parent), str(tmp_path / "token")],
-                         stdout=subprocess.PIPE, text=True, env=subprocess_env())
+    p = subprocess.Popen(
+        [
+            sys.executable,
+            str(script),
+            str(tmp_path / "trainer"),
+            f"127.0.0.1:{port}",
+            str(TESTS_DIR.parent),
+            str(tmp_path / "token"),
+        ],
+        stdout=subprocess.PIPE,
+        text=True,
+        env=subprocess_env(),
+    )
     assert p.stdout.readline().strip() == "ready"
     return p
 
 
 def test_server_restart_mid_stream_loses_and_doubles_nothing(tmp_path):
     port = free_port()
-    cfg = _cfg(tmp_path, port, flush_samples=4, grpc_max_inflight=4, grpc_timeout_s=5,
-               backlog_timeout_s=90)
+    cfg = _cfg(tmp_path, port, flush_samples=4, grpc_max_inflight=4, grpc_timeout_s=5, backlog_timeout_s=90)
     server = _start_server(tmp_path, port)
     writer = ShardWriter.at(str(tmp_path / "worker"), "w0", cfg)
     try:
@@ -203,12 +214,31 @@ def test_pipeline_over_grpc(tmp_path):
     port = free_port()
     env = dict(os.environ, TANDEM_GRPC_TOKEN=TOKEN)
     root = tmp_path / "run"
-    proc = subprocess.run([sys.executable, "-m", "launch.local", "--root", str(root), "--steps", "4",
-                           "--timeout", "400", "--trainer", "buffer.transport=grpc",
-                           "--trainer", f"buffer.grpc_bind=127.0.0.1:{port}",
-                           "--worker", "buffer.transport=grpc",
-                           "--worker", f"buffer.grpc_address=127.0.0.1:{port}"],
-                          capture_output=True, text=True, timeout=500, env=env)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "launch.local",
+            "--root",
+            str(root),
+            "--steps",
+            "4",
+            "--timeout",
+            "400",
+            "--trainer",
+            "buffer.transport=grpc",
+            "--trainer",
+            f"buffer.grpc_bind=127.0.0.1:{port}",
+            "--worker",
+            "buffer.transport=grpc",
+            "--worker",
+            f"buffer.grpc_address=127.0.0.1:{port}",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=500,
+        env=env,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows, vals = rl_metrics(setup_trainer_run(str(root)))
     # the validator (weights and validation still go through the run folder) measured v0 and v4

@@ -1,6 +1,7 @@
 """Security and hostile clients, with real gRPC servers and clients: constant-time token check,
 bind address, TLS, one live writer per worker id, idle and per-worker caps, no folder for a
 refused push; and the files a run shares (exports, weights) readable as the umask says."""
+
 import hmac
 import logging
 import os
@@ -12,13 +13,13 @@ import time
 
 import grpc
 import pytest
+from conftest import free_port, make_group
 
-from buffer.config import BufferConfig
 from buffer.channel import WRITER_KEY
+from buffer.config import BufferConfig
 from buffer.experience.net_server import ShardServer
 from buffer.run import setup_trainer_run
 from buffer.writer import ShardWriter
-from conftest import free_port, make_group
 from protocol import experience_pb2 as pb
 from protocol import experience_pb2_grpc as pb_grpc
 from protocol.config import ConfigError, build
@@ -29,23 +30,24 @@ TOKEN = "s3cret-token"
 
 def _cfg(tmp_path, bind, address=None, **kw):
     (tmp_path / "token").write_text(TOKEN)
-    return BufferConfig(grpc_bind=bind, grpc_address=address or bind, transport="grpc",
-                        grpc_token_file=str(tmp_path / "token"), **kw)
+    return BufferConfig(
+        grpc_bind=bind, grpc_address=address or bind, transport="grpc", grpc_token_file=str(tmp_path / "token"), **kw
+    )
 
 
 def _shard(worker="w0", seq=0):
     return encode(to_table(make_group(worker, 0, seq, 0, 4)))
 
 
-def _push(port, data, worker="w0", seq=0, writer="A", token=TOKEN, timeout=30, host="127.0.0.1",
-          size=None):
-    head = pb.ShardHeader(worker_id=worker, seq=seq, schema_version=SCHEMA_VERSION,
-                          size=len(data) if size is None else size)
+def _push(port, data, worker="w0", seq=0, writer="A", token=TOKEN, timeout=30, host="127.0.0.1", size=None):
+    head = pb.ShardHeader(
+        worker_id=worker, seq=seq, schema_version=SCHEMA_VERSION, size=len(data) if size is None else size
+    )
     msgs = [pb.ShardChunk(header=head), pb.ShardChunk(data=data)]
     with grpc.insecure_channel(f"{host}:{port}") as ch:
         return pb_grpc.ExperienceStub(ch).Push(
-            iter(msgs), timeout=timeout,
-            metadata=[("authorization", f"Bearer {token}"), (WRITER_KEY, writer)])
+            iter(msgs), timeout=timeout, metadata=[("authorization", f"Bearer {token}"), (WRITER_KEY, writer)]
+        )
 
 
 def _code(fn, *args, **kw):
@@ -104,10 +106,29 @@ def test_default_bind_is_this_node_not_every_interface(tmp_path, caplog):
 
 def _self_signed(tmp_path):
     cert, key = tmp_path / "cert.pem", tmp_path / "key.pem"
-    subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1",
-                    "-subj", "/CN=localhost", "-addext", "subjectAltName=DNS:localhost,IP:127.0.0.1",
-                    "-keyout", str(key), "-out", str(cert)], check=True, capture_output=True,
-                   timeout=120)
+    subprocess.run(
+        [
+            "openssl",
+            "req",
+            "-x509",
+            "-newkey",
+            "rsa:2048",
+            "-nodes",
+            "-days",
+            "1",
+            "-subj",
+            "/CN=localhost",
+            "-addext",
+            "subjectAltName=DNS:localhost,IP:127.0.0.1",
+            "-keyout",
+            str(key),
+            "-out",
+            str(cert),
+        ],
+        check=True,
+        capture_output=True,
+        timeout=120,
+    )
     return str(cert), str(key)
 
 
@@ -117,8 +138,15 @@ def test_tls_carries_pushes_and_cert_and_key_come_together(tmp_path):
         with pytest.raises(ConfigError, match="grpc_tls_cert and buffer.grpc_tls_key go together"):
             build(BufferConfig, one)
     port = free_port()
-    cfg = _cfg(tmp_path, f"127.0.0.1:{port}", f"localhost:{port}", grpc_tls_cert=cert,
-               grpc_tls_key=key, grpc_tls_ca=cert, grpc_timeout_s=20)
+    cfg = _cfg(
+        tmp_path,
+        f"127.0.0.1:{port}",
+        f"localhost:{port}",
+        grpc_tls_cert=cert,
+        grpc_tls_key=key,
+        grpc_tls_ca=cert,
+        grpc_timeout_s=20,
+    )
     server = setup_trainer_run(str(tmp_path / "t")).serve(cfg)  # a grpc writer asks the run service too
     try:
         writer = ShardWriter.at(str(tmp_path / "w"), "w0", cfg)
@@ -134,8 +162,7 @@ def test_tls_carries_pushes_and_cert_and_key_come_together(tmp_path):
 
 def test_a_second_live_writer_of_a_worker_id_is_refused(tmp_path):
     port = free_port()
-    server = ShardServer(str(tmp_path / "t"), _cfg(tmp_path, f"127.0.0.1:{port}",
-                                                  grpc_claim_ttl_s=2))
+    server = ShardServer(str(tmp_path / "t"), _cfg(tmp_path, f"127.0.0.1:{port}", grpc_claim_ttl_s=2))
     try:
         assert _push(port, _shard(), writer="A").duplicate is False
         code, details = _code(_push, port, _shard(seq=1), seq=1, writer="B")
@@ -150,7 +177,10 @@ def test_a_second_live_writer_of_a_worker_id_is_refused(tmp_path):
     finally:
         server.stop()
     assert sorted(os.listdir(tmp_path / "t" / "experience" / "w0")) == [
-        "000000000.arrow", "000000001.arrow", "000000002.arrow"]
+        "000000000.arrow",
+        "000000001.arrow",
+        "000000002.arrow",
+    ]
 
 
 class _Staller:
@@ -159,19 +189,21 @@ class _Staller:
     def __init__(self, port, workers):
         self.release = threading.Event()
         self.codes = []
-        self.threads = [threading.Thread(target=self._one, args=(port, w), daemon=True)
-                        for w in workers]
+        self.threads = [threading.Thread(target=self._one, args=(port, w), daemon=True) for w in workers]
         for t in self.threads:
             t.start()
 
     def _one(self, port, worker):
         def msgs():
-            yield pb.ShardChunk(header=pb.ShardHeader(worker_id=worker, seq=0, size=1000,
-                                                      schema_version=SCHEMA_VERSION))
+            yield pb.ShardChunk(
+                header=pb.ShardHeader(worker_id=worker, seq=0, size=1000, schema_version=SCHEMA_VERSION)
+            )
             self.release.wait()
+
         with grpc.insecure_channel(f"127.0.0.1:{port}") as ch:
-            self.codes.append(_code(pb_grpc.ExperienceStub(ch).Push, msgs(),
-                                    metadata=[("authorization", f"Bearer {TOKEN}")])[0])
+            self.codes.append(
+                _code(pb_grpc.ExperienceStub(ch).Push, msgs(), metadata=[("authorization", f"Bearer {TOKEN}")])[0]
+            )
 
     def stop(self):
         self.release.set()
@@ -183,8 +215,9 @@ def test_stalled_clients_cannot_starve_an_honest_push(tmp_path):
     """Before: every server thread waited on a stalled stream and the honest push hit its
     deadline. Now each stalled stream is cancelled after grpc_idle_timeout_s."""
     port = free_port()
-    server = ShardServer(str(tmp_path / "t"), _cfg(tmp_path, f"127.0.0.1:{port}",
-                                                  grpc_server_threads=4, grpc_idle_timeout_s=2))
+    server = ShardServer(
+        str(tmp_path / "t"), _cfg(tmp_path, f"127.0.0.1:{port}", grpc_server_threads=4, grpc_idle_timeout_s=2)
+    )
     staller = _Staller(port, [f"s{i}" for i in range(6)])
     try:
         deadline = time.monotonic() + 30
@@ -207,9 +240,9 @@ def test_stalled_clients_cannot_starve_an_honest_push(tmp_path):
 
 def test_concurrent_pushes_of_one_worker_are_capped(tmp_path):
     port = free_port()
-    server = ShardServer(str(tmp_path / "t"), _cfg(tmp_path, f"127.0.0.1:{port}",
-                                                  grpc_max_pushes_per_worker=2,
-                                                  grpc_idle_timeout_s=60))
+    server = ShardServer(
+        str(tmp_path / "t"), _cfg(tmp_path, f"127.0.0.1:{port}", grpc_max_pushes_per_worker=2, grpc_idle_timeout_s=60)
+    )
     staller = _Staller(port, ["w0"] * 5)
     try:
         deadline = time.monotonic() + 30
@@ -256,10 +289,13 @@ def test_export_never_runs_code_from_a_checkpoint(tmp_path):
     (actor / "fsdp_config.json").write_text("{}")
     marker = tmp_path / "pwned"
     shard = actor / "model_world_size_1_rank_0.pt"
-    subprocess.run([sys.executable, "-c", EVIL.format(marker=str(marker), path=str(shard))],
-                   check=True, timeout=120)
-    p = subprocess.run([sys.executable, "-m", "launch.export", "--checkpoint", str(actor),
-                        "--out", str(tmp_path / "hf")], capture_output=True, text=True, timeout=300)
+    subprocess.run([sys.executable, "-c", EVIL.format(marker=str(marker), path=str(shard))], check=True, timeout=120)
+    p = subprocess.run(
+        [sys.executable, "-m", "launch.export", "--checkpoint", str(actor), "--out", str(tmp_path / "hf")],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert not marker.exists(), "launch.export executed code from the checkpoint"
     assert p.returncode == 1 and f"{shard}: refused to load" in p.stderr, p.stderr[-2000:]
     assert not (tmp_path / "hf").exists()
@@ -268,6 +304,7 @@ def test_export_never_runs_code_from_a_checkpoint(tmp_path):
 def test_written_models_follow_the_umask(tmp_path):
     """safetensors writes 0600; a shared cluster's readers need what the umask allows."""
     from rollout import builtin_task
+
     old = os.umask(0o002)
     try:
         builtin_task.write_model(tmp_path / "m")

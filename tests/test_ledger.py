@@ -1,4 +1,5 @@
 """buffer.ledger.Ledger: the trainer's compact consumed-shard ledger."""
+
 import json
 import random
 import threading
@@ -7,9 +8,9 @@ import pytest
 from conftest import make_group
 
 from buffer.config import BufferConfig
-from buffer.ledger import Ledger, as_ledger
 from buffer.experience.reader import ExperienceReader
 from buffer.experience.retention import prune_consumed
+from buffer.ledger import Ledger, as_ledger
 from buffer.writer import ShardWriter
 
 
@@ -55,12 +56,23 @@ def test_random_order_matches_a_set():
 
 
 def test_membership():
-    ledger = Ledger.from_json({"w0": {"below": 10, "above": [12]}, "a.b-c_1": {"below": 0,
-                                                                               "above": [3]}})
+    ledger = Ledger.from_json({"w0": {"below": 10, "above": [12]}, "a.b-c_1": {"below": 0, "above": [3]}})
     assert "w0/0" in ledger and "w0/9" in ledger  # below the mark
     assert "w0/12" in ledger and "a.b-c_1/3" in ledger  # above it
-    for key in ["w0/10", "w0/11", "w0/13", "w1/0", "a.b-c_1/0",  # never seen
-                "w0/007", "w0/-1", "w0", "/3", "", None, 5]:  # not keys at all
+    for key in [
+        "w0/10",
+        "w0/11",
+        "w0/13",
+        "w1/0",
+        "a.b-c_1/0",  # never seen
+        "w0/007",
+        "w0/-1",
+        "w0",
+        "/3",
+        "",
+        None,
+        5,
+    ]:  # not keys at all
         assert key not in ledger, key
     assert len(ledger) == 12
     assert ledger.has("w0", 9) and ledger.has("w0", 12) and not ledger.has("w0", 11)
@@ -70,16 +82,14 @@ def test_membership():
 def test_old_list_format_round_trip():
     old = sorted(["w0/0", "w0/1", "w0/2", "w0/5", "w-b/0", "w-b/1"])  # as checkpoints held it
     ledger = Ledger.from_json(old)
-    assert ledger.to_json() == {"w-b": {"below": 2, "above": []},
-                                "w0": {"below": 3, "above": [5]}}
+    assert ledger.to_json() == {"w-b": {"below": 2, "above": []}, "w0": {"below": 3, "above": [5]}}
     assert sorted(ledger) == old and len(ledger) == len(old)
     again = Ledger.from_json(json.loads(json.dumps(ledger.to_json())))
     assert again.to_json() == ledger.to_json() and sorted(again) == old
     assert Ledger.from_json([]).to_json() == {}
 
 
-@pytest.mark.parametrize("key", ["w0", "w0/", "/3", "w0/x", "w0/-1", "w0/007", "w 0/1",
-                                 "a/b/1", "w0/1.0", "w0/³"])
+@pytest.mark.parametrize("key", ["w0", "w0/", "/3", "w0/x", "w0/-1", "w0/007", "w 0/1", "a/b/1", "w0/1.0", "w0/³"])
 def test_malformed_keys_are_named(key):
     with pytest.raises(ValueError, match="ledger key " + repr(key).replace(".", r"\.")):
         Ledger().add(key)
@@ -87,18 +97,21 @@ def test_malformed_keys_are_named(key):
         Ledger.from_json(["w0/0", key])
 
 
-@pytest.mark.parametrize("obj, names", [
-    ("w0/1", "got str"),
-    (7, "got int"),
-    ({"w0": {"below": -1, "above": []}}, "'w0'"),
-    ({"w0": {"below": 1}}, "'w0'"),
-    ({"w0": {"below": 1, "above": [2], "x": 1}}, "'w0'"),
-    ({"w0": {"below": True, "above": []}}, "'w0'"),
-    ({"w0": {"below": 1, "above": ["2"]}}, "'w0'"),
-    ({"w0": [1, 2]}, "'w0'"),
-    ({"bad/id": {"below": 1, "above": []}}, "'bad/id'"),
-    ({3: {"below": 1, "above": []}}, "worker 3"),
-])
+@pytest.mark.parametrize(
+    "obj, names",
+    [
+        ("w0/1", "got str"),
+        (7, "got int"),
+        ({"w0": {"below": -1, "above": []}}, "'w0'"),
+        ({"w0": {"below": 1}}, "'w0'"),
+        ({"w0": {"below": 1, "above": [2], "x": 1}}, "'w0'"),
+        ({"w0": {"below": True, "above": []}}, "'w0'"),
+        ({"w0": {"below": 1, "above": ["2"]}}, "'w0'"),
+        ({"w0": [1, 2]}, "'w0'"),
+        ({"bad/id": {"below": 1, "above": []}}, "'bad/id'"),
+        ({3: {"below": 1, "above": []}}, "worker 3"),
+    ],
+)
 def test_malformed_json_is_named(obj, names):
     with pytest.raises(ValueError, match=names):
         Ledger.from_json(obj)
@@ -116,8 +129,7 @@ def test_to_json_is_a_snapshot_and_as_ledger_copies():
     ledger.add("w0/2")
     assert saved == {"w0": {"below": 1, "above": []}} and "w0/2" not in copy
     assert len(as_ledger(None)) == 0
-    assert as_ledger({"w0": {"below": 2, "above": []}}).to_json() == {"w0": {"below": 2,
-                                                                              "above": []}}
+    assert as_ledger({"w0": {"below": 2, "above": []}}).to_json() == {"w0": {"below": 2, "above": []}}
     assert "w0/1" in as_ledger({"w0/1"})
 
 
@@ -156,7 +168,10 @@ def test_prune_consumed_takes_a_ledger_or_keys(tmp_path):
     for seq in range(4):
         (wdir / f"{seq:09d}.arrow").write_bytes(b"x")
     assert prune_consumed(str(root), Ledger.from_json({"w0": {"below": 1, "above": [2]}})) == {
-        "pruned": 2, "bytes": 2, "kept": 2}
+        "pruned": 2,
+        "bytes": 2,
+        "kept": 2,
+    }
     assert prune_consumed(str(root), ["w0/3"])["pruned"] == 1
     assert sorted(p.name for p in wdir.iterdir()) == ["000000001.arrow"]
 
@@ -165,8 +180,7 @@ def test_reader_resumes_from_either_checkpoint_format(tmp_path):
     """What trainer.main saves (to_json, through JSON) and old checkpoints' key lists both
     resume a reader that reads only the shards not consumed, and probes from the ledger."""
     root = str(tmp_path / "run")
-    cfg = BufferConfig(discovery="poll", poll_interval=0.02, flush_interval=3600.0,
-                       flush_samples=1)
+    cfg = BufferConfig(discovery="poll", poll_interval=0.02, flush_interval=3600.0, flush_samples=1)
     writer = ShardWriter.at(root, "w0", cfg)
     for g in range(5):
         writer.add_group(make_group("w0", "t", g, 0, 2))

@@ -1,5 +1,6 @@
 """Clear refusals: a bad input stops the role at start with one line naming the setting, the
 file or the row, before anything heavy loads; tools report missing folders as failures."""
+
 import logging
 import subprocess
 import sys
@@ -7,11 +8,11 @@ import threading
 import time
 
 import pytest
+from conftest import subprocess_env
 
 from buffer.config import BufferConfig
 from buffer.experience.reader import ExperienceReader
 from buffer.storage import atomic_write_json, stop_watch, watch
-from conftest import subprocess_env
 from protocol.config import ConfigError, build
 from rollout import builtin_task
 from rollout.config import WorkerConfig
@@ -20,14 +21,12 @@ from rollout.dataset import DatasetError, load_prompts
 
 def _run(*args, timeout=120):
     t0 = time.monotonic()
-    p = subprocess.run([sys.executable, *args], capture_output=True, text=True, timeout=timeout,
-                       env=subprocess_env())
+    p = subprocess.run([sys.executable, *args], capture_output=True, text=True, timeout=timeout, env=subprocess_env())
     return p, time.monotonic() - t0
 
 
 def test_missing_model_path_is_named_before_loading(tmp_path):
-    p, _ = _run("-m", "trainer.main", f"root={tmp_path / 'run'}",
-                "actor_rollout_ref.model.path=/nonexistent/model")
+    p, _ = _run("-m", "trainer.main", f"root={tmp_path / 'run'}", "actor_rollout_ref.model.path=/nonexistent/model")
     assert p.returncode == 2, p.stdout + p.stderr
     assert "actor_rollout_ref.model.path: /nonexistent/model not found" in p.stderr
     assert "Repo id" not in p.stderr and "Traceback" not in p.stderr
@@ -45,6 +44,7 @@ def tokenizer():
 def _parquet(path, **row):
     import pyarrow as pa
     import pyarrow.parquet as pq
+
     base = builtin_task.make_rows(2, 3)
     base[1].update(row)
     pq.write_table(pa.Table.from_pylist(base), path)
@@ -55,20 +55,28 @@ def _parquet(path, **row):
 def test_bad_prompt_rows_name_the_file_and_row(tmp_path, tokenizer, prompt):
     import pyarrow as pa
     import pyarrow.parquet as pq
+
     rows = builtin_task.make_rows(2, 3)
     path = tmp_path / "t.parquet"
     pq.write_table(pa.Table.from_pylist(rows[:1]), tmp_path / "good.parquet")
     # one column per case: a list of structs cannot hold a string row, and vice versa
-    table = pa.table({"data_source": ["tandem/copy"], "prompt": [prompt],
-                      "reward_model": [rows[0]["reward_model"]]})
+    table = pa.table({"data_source": ["tandem/copy"], "prompt": [prompt], "reward_model": [rows[0]["reward_model"]]})
     pq.write_table(table, path)
     with pytest.raises(DatasetError, match=rf"{path} row 0: field 'prompt' must be a non-empty list"):
         load_prompts([str(tmp_path / "good.parquet"), str(path)], tokenizer, "prompt", 64)
 
 
 def _worker(tmp_path, data, *extra, timeout=120):
-    return _run("-m", "rollout.worker", f"root={tmp_path / 'run'}", f"data.train_files=[{data}]",
-                "worker.id=w0", "worker.weights_timeout_s=60", *extra, timeout=timeout)
+    return _run(
+        "-m",
+        "rollout.worker",
+        f"root={tmp_path / 'run'}",
+        f"data.train_files=[{data}]",
+        "worker.id=w0",
+        "worker.weights_timeout_s=60",
+        *extra,
+        timeout=timeout,
+    )
 
 
 def test_unknown_data_source_is_refused_at_start(tmp_path):
@@ -81,18 +89,26 @@ def test_unknown_data_source_is_refused_at_start(tmp_path):
     assert took < 50, took  # well under weights_timeout_s: nothing waited for weights
     assert not (tmp_path / "run" / "experience").exists()
     # The validator scores data.val_files the same way: refused before it waits for weights.
-    p, took = _run("-m", "rollout.validate", f"root={tmp_path / 'run'}", f"data.val_files=[{data}]",
-                   "validator.weights_timeout_s=60")
+    p, took = _run(
+        "-m",
+        "rollout.validate",
+        f"root={tmp_path / 'run'}",
+        f"data.val_files=[{data}]",
+        "validator.weights_timeout_s=60",
+    )
     assert p.returncode == 2, p.stdout[-2000:] + p.stderr[-2000:]
     assert f"data_source 'nobody/knows' (in {data}) has no reward function" in p.stderr
     assert took < 50, took
 
 
-@pytest.mark.parametrize("key,value,words", [
-    ("worker.id", "../evil", "worker.id: worker id '../evil'"),
-    ("worker.id", "w0\n", "worker.id: worker id 'w0\\n'"),
-    ("worker.device", "tpu", "worker.device: 'tpu' is not one of"),
-])
+@pytest.mark.parametrize(
+    "key,value,words",
+    [
+        ("worker.id", "../evil", "worker.id: worker id '../evil'"),
+        ("worker.id", "w0\n", "worker.id: worker id 'w0\\n'"),
+        ("worker.device", "tpu", "worker.device: 'tpu' is not one of"),
+    ],
+)
 def test_worker_settings_are_refused_at_config_time(key, value, words):
     with pytest.raises(ConfigError) as e:
         build(WorkerConfig, {"root": "/r", "data.train_files": "[x.parquet]", key: value})
@@ -114,11 +130,12 @@ def test_stopping_a_watch_under_a_stream_of_events_logs_no_error(tmp_path, caplo
         observer = watch(str(tmp_path), lambda event: None, recursive=False)
         stop = threading.Event()
 
-        def churn():
+        def churn(stop=stop):
             k = 0
             while not stop.is_set():
                 (tmp_path / f"f{k % 5}").write_bytes(b"")
                 k += 1
+
         t = threading.Thread(target=churn)
         t.start()
         time.sleep(0.02)  # let events flow; the stop below lands in the middle of them
@@ -132,10 +149,12 @@ def test_trainer_wait_says_what_it_has_needs_and_who_is_alive(tmp_path, caplog):
     root = tmp_path / "run"
     from buffer.layout import RunLayout
     from buffer.storage import filesystem
+
     lay = RunLayout(str(root))
     fs, _ = filesystem(str(root))
-    atomic_write_json(fs, lay.heartbeat("w7"), {"worker_id": "w7", "state": "running",
-                                                "last_beat": time.time(), "samples_written": 0})
+    atomic_write_json(
+        fs, lay.heartbeat("w7"), {"worker_id": "w7", "state": "running", "last_beat": time.time(), "samples_written": 0}
+    )
     reader = ExperienceReader(str(root), BufferConfig(poll_interval=0.05), max_staleness=1)
     caplog.set_level(logging.INFO, logger="buffer.experience.reader")
     try:

@@ -2,15 +2,27 @@
 launch/slurm/trainer.sbatch runs on each node. Global rank and local rank differ on the second
 agent (RANK=1, LOCAL_RANK=0), which a single-node run never shows."""
 
-from conftest import (REORDER_REL_BOUND, STEPS, final_weights, free_port, run_folder, trainer_proc,
-                      uninterrupted_run, weight_distances)
+from conftest import (
+    REORDER_REL_BOUND,
+    STEPS,
+    final_weights,
+    free_port,
+    run_folder,
+    trainer_proc,
+    uninterrupted_run,
+    weight_distances,
+)
 
 
 def test_two_nodes_by_rendezvous_train_like_two_ranks_on_one(experience):
     ref = uninterrupted_run(experience, "one_node_two_ranks")
     run = run_folder(experience, "two_nodes")
-    rendezvous = ("--nnodes=2", "--rdzv_backend=c10d", f"--rdzv_endpoint=127.0.0.1:{free_port()}",
-                  "--rdzv_id=tandem-test")
+    rendezvous = (
+        "--nnodes=2",
+        "--rdzv_backend=c10d",
+        f"--rdzv_endpoint=127.0.0.1:{free_port()}",
+        "--rdzv_id=tandem-test",
+    )
     agents = [trainer_proc(run, experience / "model", 1, rendezvous=rendezvous) for _ in range(2)]
     outs = [a.communicate(timeout=300)[0] for a in agents]
     for a, out in zip(agents, outs):

@@ -1,12 +1,12 @@
 """The whole loop as real processes: launch.local with a 2-rank trainer, 2 workers and the
 validator."""
+
 import json
 import os
 import signal
 import subprocess
 import sys
 import time
-
 
 from buffer.run import setup_trainer_run
 from launch.local import rl_metrics
@@ -18,9 +18,12 @@ REQUIRED = {"step", "weights/version", "reward/mean", "staleness/mean", "samples
 def test_local_pipeline_runs_steps_and_reloads_weights(tmp_path):
     root = tmp_path / "run"
     steps = 6
-    proc = subprocess.run([sys.executable, "-m", "launch.local", "--root", str(root),
-                           "--steps", str(steps), "--timeout", "400"],
-                          capture_output=True, text=True, timeout=500)
+    proc = subprocess.run(
+        [sys.executable, "-m", "launch.local", "--root", str(root), "--steps", str(steps), "--timeout", "400"],
+        capture_output=True,
+        text=True,
+        timeout=500,
+    )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     rows, vals = rl_metrics(setup_trainer_run(str(root)))
     assert [r["step"] for r in rows] == list(range(1, steps + 1))
@@ -60,10 +63,13 @@ def test_ctrl_c_stops_every_process(tmp_path):
     # A shell starts background jobs with SIGINT ignored, and Python keeps an ignored SIGINT: a
     # suite run as `... &` would then send a Ctrl-C the launcher never sees. A terminal's Ctrl-C
     # reaches a process whose SIGINT is at its default, so start it that way.
-    proc = subprocess.Popen([sys.executable, "-m", "launch.local", "--root", str(root),
-                             "--steps", "500", "--timeout", "300"],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "launch.local", "--root", str(root), "--steps", "500", "--timeout", "300"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
+    )
     try:
         deadline = time.monotonic() + 240
         while not (root / "metrics.jsonl").exists() or not (root / "metrics.jsonl").read_text():
@@ -86,10 +92,24 @@ def test_ctrl_c_stops_every_process(tmp_path):
 
 
 def test_a_failing_worker_stops_the_run_and_is_named(tmp_path):
-    proc = subprocess.run([sys.executable, "-m", "launch.local", "--root", str(tmp_path / "run"),
-                           "--steps", "50", "--timeout", "300",
-                           "--worker", "custom_reward_function.path=/nonexistent/reward.py"],
-                          capture_output=True, text=True, timeout=400)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "launch.local",
+            "--root",
+            str(tmp_path / "run"),
+            "--steps",
+            "50",
+            "--timeout",
+            "300",
+            "--worker",
+            "custom_reward_function.path=/nonexistent/reward.py",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=400,
+    )
     assert proc.returncode == 1
     assert "worker w" in proc.stderr and "exited with code" in proc.stderr
     assert "/nonexistent/reward.py" in proc.stderr  # the log tail names the bad setting

@@ -1,4 +1,5 @@
 """The elastic pool and worker draining, with real worker processes on the tiny model."""
+
 import json
 import os
 import signal
@@ -13,9 +14,14 @@ from buffer.weights.fs import WeightStore
 from protocol.experience import decode, from_table
 from rollout import builtin_task
 
-WORKER_KEYS = ["data.max_response_length=3", "actor_rollout_ref.rollout.n=4",
-               "actor_rollout_ref.rollout.prompts_per_batch=2", "buffer.flush_samples=8",
-               "buffer.max_backlog_samples=64", "buffer.flush_interval=1"]
+WORKER_KEYS = [
+    "data.max_response_length=3",
+    "actor_rollout_ref.rollout.n=4",
+    "actor_rollout_ref.rollout.prompts_per_batch=2",
+    "buffer.flush_samples=8",
+    "buffer.max_backlog_samples=64",
+    "buffer.flush_interval=1",
+]
 
 
 @pytest.fixture
@@ -57,28 +63,46 @@ def _pool_rounds(root: Path, saves: int = 3) -> None:
     command, so of three saves after this call the last is in a round that began after it."""
     for _ in range(saves):
         last = _pool_state(root).get("updated")
-        _wait(lambda: _pool_state(root).get("updated") != last, 60, "a supervisor round")
+        _wait(lambda last=last: _pool_state(root).get("updated") != last, 60, "a supervisor round")
 
 
 def _running(root: Path) -> set:
     """Workers the pool runs whose heartbeat says they are generating (or held back by
     backpressure: 'waiting', which a worker says only once it has started)."""
     beats = _beats(root)
-    return {w["worker_id"] for w in _pool_state(root).get("workers", [])
-            if w["state"] == "running"
-            and beats.get(w["worker_id"], {}).get("state") in ("running", "waiting")}
+    return {
+        w["worker_id"]
+        for w in _pool_state(root).get("workers", [])
+        if w["state"] == "running" and beats.get(w["worker_id"], {}).get("state") in ("running", "waiting")
+    }
 
 
 def _control(root: Path, *args):
-    subprocess.run([sys.executable, "-m", "launch.control", "--root", str(root), *args],
-                   check=True, timeout=60, capture_output=True)
+    subprocess.run(
+        [sys.executable, "-m", "launch.control", "--root", str(root), *args],
+        check=True,
+        timeout=60,
+        capture_output=True,
+    )
 
 
 def _start_pool(root, data, log):
-    return subprocess.Popen([sys.executable, "-m", "launch.pool", f"root={root}", "pool.id=p",
-                             "pool.initial_workers=1", "pool.poll_interval=0.2",
-                             f"data.train_files=[{data}]", *WORKER_KEYS],
-                            stdout=log, stderr=subprocess.STDOUT, env=dict(os.environ, OMP_NUM_THREADS="1"))
+    return subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "launch.pool",
+            f"root={root}",
+            "pool.id=p",
+            "pool.initial_workers=1",
+            "pool.poll_interval=0.2",
+            f"data.train_files=[{data}]",
+            *WORKER_KEYS,
+        ],
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        env=dict(os.environ, OMP_NUM_THREADS="1"),
+    )
 
 
 def _stop(proc, timeout=120):
@@ -134,10 +158,23 @@ def test_control_file_grows_and_shrinks_the_pool_exactly_once(run, tmp_path):
 
 def test_sigterm_drains_a_worker_with_no_partial_shard(run, tmp_path):
     root, data = run
-    proc = subprocess.Popen([sys.executable, "-m", "rollout.worker", f"root={root}", "worker.id=solo",
-                             f"data.train_files=[{data}]", *WORKER_KEYS, "buffer.flush_samples=1000",
-                             "buffer.flush_interval=1000", "buffer.max_backlog_samples=100000"],
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "rollout.worker",
+            f"root={root}",
+            "worker.id=solo",
+            f"data.train_files=[{data}]",
+            *WORKER_KEYS,
+            "buffer.flush_samples=1000",
+            "buffer.flush_interval=1000",
+            "buffer.max_backlog_samples=100000",
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     try:
         _wait(lambda: _beats(root).get("solo", {}).get("batches", 0) >= 3, 120, "3 batches")
         proc.send_signal(signal.SIGTERM)

@@ -1,5 +1,6 @@
 """Every wait is interruptible: a worker or validator waiting for its first weights stops on SIGTERM at
 once, and launch.local's cleanup survives a second signal (it kills instead of giving up)."""
+
 import json
 import os
 import signal
@@ -9,8 +10,8 @@ import time
 from pathlib import Path
 
 import pytest
-
 from conftest import subprocess_env
+
 from rollout import builtin_task
 
 
@@ -46,13 +47,22 @@ def test_waiting_for_first_weights_stops_on_sigterm(tmp_path, role):
     data = tmp_path / "t.parquet"
     builtin_task.write_parquet(data, builtin_task.make_rows(10, 3))
     args, beat = {
-        "worker": (["rollout.worker", f"data.train_files=[{data}]", "worker.id=w0",
-                    "worker.weights_timeout_s=300"], Path("workers", "w0.json")),
-        "validator": (["rollout.validate", f"data.val_files=[{data}]",
-                       "validator.weights_timeout_s=300"], Path("validation", "validator.json"))}[role]
-    proc = subprocess.Popen([sys.executable, "-m", *args, f"root={tmp_path / 'run'}"],
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            env=subprocess_env())
+        "worker": (
+            ["rollout.worker", f"data.train_files=[{data}]", "worker.id=w0", "worker.weights_timeout_s=300"],
+            Path("workers", "w0.json"),
+        ),
+        "validator": (
+            ["rollout.validate", f"data.val_files=[{data}]", "validator.weights_timeout_s=300"],
+            Path("validation", "validator.json"),
+        ),
+    }[role]
+    proc = subprocess.Popen(
+        [sys.executable, "-m", *args, f"root={tmp_path / 'run'}"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env=subprocess_env(),
+    )
     try:
         _read_until(proc.stdout, "waiting for the first weight version", 120)
         t0 = time.monotonic()
@@ -72,14 +82,25 @@ def test_waiting_for_first_weights_stops_on_sigterm(tmp_path, role):
 
 def test_launch_local_cleanup_survives_a_second_signal(tmp_path):
     root = tmp_path / "run"
-    proc = subprocess.Popen([sys.executable, "-m", "launch.local", "--root", str(root),
-                             "--steps", "500", "--timeout", "400"],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
-                            env=subprocess_env())
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "launch.local", "--root", str(root), "--steps", "500", "--timeout", "400"],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=subprocess_env(),
+    )
     try:
         deadline = time.monotonic() + 300
-        while len([b for b in (root / "workers").glob("*.json")
-                   if json.loads(b.read_text() or "{}").get("state") == "running"]) < 2:
+        while (
+            len(
+                [
+                    b
+                    for b in (root / "workers").glob("*.json")
+                    if json.loads(b.read_text() or "{}").get("state") == "running"
+                ]
+            )
+            < 2
+        ):
             assert proc.poll() is None and time.monotonic() < deadline, "workers never ran"
             time.sleep(0.5)
         proc.send_signal(signal.SIGTERM)

@@ -4,6 +4,7 @@ One run serves every test here: while it trains, the module fixture takes status
 snapshots, puts a damaged shard in the buffer (the trainer quarantines it) and stops one worker
 with SIGSTOP until the status flags it SILENT; then it lets the run finish.
 """
+
 from __future__ import annotations
 
 import base64
@@ -24,8 +25,7 @@ PLOTS = ("reward", "staleness", "throughput", "versions", "step_time", "sync_lat
 
 
 def _cli(module: str, *args: str) -> str:
-    out = subprocess.run([sys.executable, "-m", module, *args], capture_output=True, text=True,
-                         timeout=300)
+    out = subprocess.run([sys.executable, "-m", module, *args], capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
     return out.stdout
 
@@ -71,10 +71,13 @@ def _wait(what: str, cond, proc, timeout_s: float = 300):
 def run(tmp_path_factory):
     """(run folder, observations made while it ran)."""
     root = tmp_path_factory.mktemp("status") / "run"
-    proc = subprocess.Popen([sys.executable, "-m", "launch.local", "--root", str(root),
-                             "--steps", str(STEPS), "--timeout", "900"],
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            start_new_session=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "launch.local", "--root", str(root), "--steps", str(STEPS), "--timeout", "900"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
     live, stopped = {}, None
     try:
         _wait("3 trainer steps", lambda: (root / "metrics.jsonl").exists() and len(_rows(root)) >= 3, proc)
@@ -93,8 +96,11 @@ def run(tmp_path_factory):
 
         stopped = _beats(root)["w1"]["pid"]
         os.kill(stopped, signal.SIGSTOP)
-        _wait(f"w1 silent for {SILENT_AFTER} s",
-              lambda: time.time() - _beats(root)["w1"]["last_beat"] > SILENT_AFTER, proc)
+        _wait(
+            f"w1 silent for {SILENT_AFTER} s",
+            lambda: time.time() - _beats(root)["w1"]["last_beat"] > SILENT_AFTER,
+            proc,
+        )
         live["silent"] = _status(root, "--silent-after", str(SILENT_AFTER))
         live["silent_text"] = _cli("launch.status", str(root), "--once", "--silent-after", str(SILENT_AFTER))
         os.kill(stopped, signal.SIGCONT)
@@ -149,26 +155,39 @@ def test_finished_status_equals_files(run):
     t = s["trainer"]
     assert t["state"] == "done" and t["step"] == STEPS == t["total_steps"] and t["eta_s"] is None
     assert (t["version"], t["reward"], t["samples_consumed"], t["last_step"]) == (
-        last["weights/version"], last["reward/mean"], last["samples/consumed"], _split(last))
+        last["weights/version"],
+        last["reward/mean"],
+        last["samples/consumed"],
+        _split(last),
+    )
     assert t["latest_published"] == json.loads((root / "weights" / "LATEST").read_text())["version"]
     assert {w["worker_id"] for w in s["workers"]} == set(beats) == {"w0", "w1"}
     for w in s["workers"]:
         beat = beats[w["worker_id"]]
         assert (w["state"], w["version"], w["samples_written"], w["tokens_per_s"], w["batches"]) == (
-            "stopped", beat["weight_version"], beat["samples_written"], beat["tokens_per_s"], beat["batches"])
+            "stopped",
+            beat["weight_version"],
+            beat["samples_written"],
+            beat["tokens_per_s"],
+            beat["batches"],
+        )
         assert not w["silent"]  # stopped workers are never silent
     b = s["buffer"]
     progress = json.loads((root / "progress.json").read_text())
     assert b["backlog_samples"] == sum(x["samples_written"] for x in beats.values()) - progress["samples_retired"]
     assert (b["staleness_mean"], b["staleness_max"], b["dropped_stale_samples"]) == (
-        last["staleness/mean"], last["staleness/max"], last["buffer/dropped_stale_samples"])
+        last["staleness/mean"],
+        last["staleness/max"],
+        last["buffer/dropped_stale_samples"],
+    )
     assert b["run_staleness_max"] == max(r["staleness/max"] for r in rows)
     assert b["bad_shards"] == last["buffer/bad_shards"] == 1 and b["quarantined_shards"] == 1
     assert b["bytes"]["weights"] > 0 and b["disk_free_bytes"] > 0
     vals = _vals(root)
     assert [v["step"] for v in vals] == list(range(0, STEPS + 1, 10))
-    assert s["validation"] == {CORE: {"step": STEPS, "value": vals[-1][CORE], "first": vals[0][CORE],
-                                      "best": max(v[CORE] for v in vals)}}
+    assert s["validation"] == {
+        CORE: {"step": STEPS, "value": vals[-1][CORE], "first": vals[0][CORE], "best": max(v[CORE] for v in vals)}
+    }
     assert f"report: {root / 'report' / 'index.html'}" in live["local_out"]  # launch.local wrote it
 
 
@@ -211,8 +230,7 @@ def test_live_report_is_a_snapshot_of_the_run(run):
     n = len(data["steps"])
     assert len(live["rows_before"]) <= n <= len(live["report_rows"])
     # the trainer's plots; a worker's may have no data yet this early (e.g. no load of v1 yet)
-    _check_report(live["report_dir"], _rows(root)[:n], beats=None,
-                  plots=("reward", "staleness", "step_time"))
+    _check_report(live["report_dir"], _rows(root)[:n], beats=None, plots=("reward", "staleness", "step_time"))
 
 
 def _chromium() -> str | None:
@@ -226,14 +244,25 @@ def test_report_page_opens_in_chromium(run, tmp_path):
     sync_api = pytest.importorskip("playwright.sync_api", reason="playwright is in the [test] extra")
     browser_path = _chromium()
     if browser_path is None:
-        pytest.skip("no Chromium on PATH: install Debian's (apt-get install chromium); playwright's "
-                    "own browser download needs its CDN, which this test does not use")
+        pytest.skip(
+            "no Chromium on PATH: install Debian's (apt-get install chromium); playwright's "
+            "own browser download needs its CDN, which this test does not use"
+        )
     root, _ = run
     errors = []
     with sync_api.sync_playwright() as p:
-        browser = p.chromium.launch(executable_path=browser_path, headless=True, args=[
-            "--no-sandbox", "--disable-gpu", "--no-first-run", "--disable-background-networking",
-            "--disable-component-update", "--disable-sync"])
+        browser = p.chromium.launch(
+            executable_path=browser_path,
+            headless=True,
+            args=[
+                "--no-sandbox",
+                "--disable-gpu",
+                "--no-first-run",
+                "--disable-background-networking",
+                "--disable-component-update",
+                "--disable-sync",
+            ],
+        )
         try:
             page = browser.new_page(viewport={"width": 1040, "height": 900})
             page.on("console", lambda m: errors.append(m.text) if m.type == "error" else None)

@@ -21,6 +21,7 @@
 Each rule is a function of parsed sources, so the tests below also feed it a violation and see
 it caught.
 """
+
 from __future__ import annotations
 
 import ast
@@ -34,8 +35,15 @@ import pytest
 REPO = pathlib.Path(__file__).resolve().parent.parent
 PACKAGES = ("buffer", "rollout", "trainer", "launch", "protocol")
 ROLES = ("buffer", "rollout", "trainer")
-PATHS_ALLOWED = ("buffer/layout.py", "buffer/storage.py", "buffer/run.py", "buffer/checkpoints.py",
-                 "buffer/experience/", "buffer/weights/", "buffer/control/")
+PATHS_ALLOWED = (
+    "buffer/layout.py",
+    "buffer/storage.py",
+    "buffer/run.py",
+    "buffer/checkpoints.py",
+    "buffer/experience/",
+    "buffer/weights/",
+    "buffer/control/",
+)
 BUFFER_TOP = ("buffer.run", "buffer.writer", "buffer.inspect")
 BY_NAME = ("import_module", "__import__")  # loading a module by a string
 PATH_NAMES = ("RunLayout", "filesystem")
@@ -56,8 +64,9 @@ def imports(module: str, tree: ast.Module, known: set[str]) -> set[str]:
     """The project modules `module` imports, anywhere in it (`from a import b` counts a.b when
     that is a module, else a)."""
     out = set()
-    package = module if module in known and any(k.startswith(module + ".") for k in known) else \
-        module.rpartition(".")[0]
+    package = (
+        module if module in known and any(k.startswith(module + ".") for k in known) else module.rpartition(".")[0]
+    )
     for node in ast.walk(tree):
         if isinstance(node, ast.Import):
             names = [a.name for a in node.names]
@@ -89,8 +98,13 @@ def _loads_by_name(node: ast.AST) -> bool:
 
 def by_name_violations(trees: dict[str, ast.Module], known: tuple[str, ...] = ()) -> list[str]:
     """Modules loaded by name anywhere in the product, outside the `known` modules."""
-    return [f"{m}:{node.lineno} loads a module by name" for m, tree in sorted(trees.items()) if m not in known
-            for node in ast.walk(tree) if _loads_by_name(node)]
+    return [
+        f"{m}:{node.lineno} loads a module by name"
+        for m, tree in sorted(trees.items())
+        if m not in known
+        for node in ast.walk(tree)
+        if _loads_by_name(node)
+    ]
 
 
 def buffer_floor(module: str) -> int:
@@ -105,9 +119,13 @@ def buffer_floor(module: str) -> int:
 
 def floor_violations(graph: dict[str, set[str]]) -> list[str]:
     """Imports inside buffer/ from a lower floor to a higher one."""
-    return [f"{m} (floor {buffer_floor(m)}) imports {d} (floor {buffer_floor(d)})"
-            for m, deps in sorted(graph.items()) if m.split(".")[0] == "buffer"
-            for d in sorted(deps) if d.split(".")[0] == "buffer" and buffer_floor(d) > buffer_floor(m)]
+    return [
+        f"{m} (floor {buffer_floor(m)}) imports {d} (floor {buffer_floor(d)})"
+        for m, deps in sorted(graph.items())
+        if m.split(".")[0] == "buffer"
+        for d in sorted(deps)
+        if d.split(".")[0] == "buffer" and buffer_floor(d) > buffer_floor(m)
+    ]
 
 
 def path_violations(trees: dict[str, ast.Module]) -> list[str]:
@@ -118,8 +136,7 @@ def path_violations(trees: dict[str, ast.Module]) -> list[str]:
         if any((rel + ".py").startswith(a) or (rel + "/").startswith(a) for a in PATHS_ALLOWED):
             continue
         for node in ast.walk(tree):
-            name = node.id if isinstance(node, ast.Name) else node.attr if isinstance(node, ast.Attribute) \
-                else None
+            name = node.id if isinstance(node, ast.Name) else node.attr if isinstance(node, ast.Attribute) else None
             if isinstance(node, ast.alias):
                 name = node.name
             if name in PATH_NAMES:
@@ -129,8 +146,13 @@ def path_violations(trees: dict[str, ast.Module]) -> list[str]:
 
 def layering_violations(graph: dict[str, set[str]]) -> list[str]:
     """Imports of launch from the roles."""
-    return [f"{m} imports {d}" for m, deps in sorted(graph.items())
-            if m.split(".")[0] in ROLES for d in sorted(deps) if d.split(".")[0] == "launch"]
+    return [
+        f"{m} imports {d}"
+        for m, deps in sorted(graph.items())
+        if m.split(".")[0] in ROLES
+        for d in sorted(deps)
+        if d.split(".")[0] == "launch"
+    ]
 
 
 def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
@@ -172,8 +194,11 @@ def transport_violations(trees: dict[str, ast.Module]) -> list[str]:
             continue
         for node in ast.walk(tree):
             if isinstance(node, ast.Compare):
-                named = {n.attr if isinstance(n, ast.Attribute) else n.id
-                         for n in ast.walk(node) if isinstance(n, (ast.Attribute, ast.Name))}
+                named = {
+                    n.attr if isinstance(n, ast.Attribute) else n.id
+                    for n in ast.walk(node)
+                    if isinstance(n, (ast.Attribute, ast.Name))
+                }
                 if "transport" in named:
                     out.append(f"{module}:{node.lineno} compares transport")
     return out
@@ -221,8 +246,14 @@ def test_buffer_imports_never_go_back_up(trees):
 
 def mypy(*args: str) -> tuple[int, str]:
     """mypy with the project's settings (pyproject.toml), its exit status and report."""
-    out = subprocess.run([sys.executable, "-m", "mypy", *args], cwd=REPO, capture_output=True, text=True,
-                         timeout=600, env={**os.environ, "PYTHONPATH": str(REPO)})
+    out = subprocess.run(
+        [sys.executable, "-m", "mypy", *args],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env={**os.environ, "PYTHONPATH": str(REPO)},
+    )
     return out.returncode, out.stdout + out.stderr
 
 
@@ -258,6 +289,7 @@ def test_the_type_checker_refuses_trainer_only_members_in_a_worker(tmp_path):
 
 
 # --- each rule catches a violation ------------------------------------------------------------------
+
 
 def _with(trees: dict, module: str, code: str) -> dict:
     return {**trees, module: ast.parse(code)}

@@ -1,6 +1,7 @@
 """Synchronous rollouts (trainer.max_staleness=0), the engine/trainer mismatch metrics and the
 timing a run reports: the claims alone, the metrics on the real tiny model, and the whole
 pipeline through launch.local with 1 and 2 workers over both transports."""
+
 import collections
 import json
 import math
@@ -10,17 +11,16 @@ import sys
 
 import pytest
 import torch
+from conftest import free_port
 
-from buffer.run import setup_trainer_run
 from buffer.layout import RunLayout
+from buffer.run import setup_trainer_run
 from launch.local import rl_metrics
 from protocol.config import build
 from protocol.experience import decode, from_table
 from trainer import algo
 from trainer.config import TrainerConfig
 from trainer.main import sync_groups
-
-from conftest import free_port
 
 # fp32 CPU, the engine and the trainer holding the same weights: the only difference is the
 # order of fp32 operations (KV-cached decoding of a left-padded batch vs one right-padded full
@@ -42,16 +42,24 @@ def test_claims_hand_out_each_slot_once_and_stop_at_a_retired_version(tmp_path):
     assert not os.path.exists(layout.sync_version_dir(3))
 
 
-@pytest.mark.parametrize("overrides,expected", [
-    ({}, [16, 16, 16, 0]),  # one batch per step, nothing for the final version
-    ({"trainer.publish_freq": 2}, [32, 16, 0]),  # published after steps 2, 3 (the last), ...
-    ({"trainer.publish_freq": 2, "trainer.test_freq": 1}, [16, 16, 16, 0]),  # validation publishes
-])
+@pytest.mark.parametrize(
+    "overrides,expected",
+    [
+        ({}, [16, 16, 16, 0]),  # one batch per step, nothing for the final version
+        ({"trainer.publish_freq": 2}, [32, 16, 0]),  # published after steps 2, 3 (the last), ...
+        ({"trainer.publish_freq": 2, "trainer.test_freq": 1}, [16, 16, 16, 0]),  # validation publishes
+    ],
+)
 def test_sync_groups_cover_every_step_until_the_next_publish(overrides, expected):
-    cfg = build(TrainerConfig, {"root": "/r", "actor_rollout_ref.model.path": "/m",
-                                "trainer.total_training_steps": 3, **overrides})
-    publish_steps = [0] + [s for s in range(1, 4) if s % cfg.trainer.publish_freq == 0
-                           or s == 3 or (cfg.trainer.test_freq > 0 and s % cfg.trainer.test_freq == 0)]
+    cfg = build(
+        TrainerConfig,
+        {"root": "/r", "actor_rollout_ref.model.path": "/m", "trainer.total_training_steps": 3, **overrides},
+    )
+    publish_steps = [0] + [
+        s
+        for s in range(1, 4)
+        if s % cfg.trainer.publish_freq == 0 or s == 3 or (cfg.trainer.test_freq > 0 and s % cfg.trainer.test_freq == 0)
+    ]
     assert [sync_groups(cfg.trainer, 16, s) for s in publish_steps] == expected
     assert sum(expected) == 16 * 3  # every step's batch is announced exactly once
 
@@ -59,19 +67,24 @@ def test_sync_groups_cover_every_step_until_the_next_publish(overrides, expected
 def _samples(engine, prompts, seed):
     from protocol.experience import Sample
     from rollout.engine import SamplingSettings
-    groups = engine.generate(prompts, SamplingSettings(n=4, temperature=1.0, top_p=1.0,
-                                                       max_tokens=6, seed=seed))
-    return [Sample("", "", str(i), "w0", 0, p, c.token_ids, c.logprobs, 0.0, c.finish_reason,
-                   1.0, "tandem/copy", 0.0, 0.0) for i, (p, g) in enumerate(zip(prompts, groups)) for c in g]
+
+    groups = engine.generate(prompts, SamplingSettings(n=4, temperature=1.0, top_p=1.0, max_tokens=6, seed=seed))
+    return [
+        Sample("", "", str(i), "w0", 0, p, c.token_ids, c.logprobs, 0.0, c.finish_reason, 1.0, "tandem/copy", 0.0, 0.0)
+        for i, (p, g) in enumerate(zip(prompts, groups))
+        for c in g
+    ]
 
 
 def test_mismatch_kl_is_tiny_at_staleness_0_and_excludes_stale_samples(tmp_path):
     """The real tiny model: samples of the trainer's own weights (fresh) and of other weights,
     as one update earlier (stale), recomputed by the trainer's logprob function."""
     from transformers import AutoModelForCausalLM
+
     from rollout import builtin_task
     from rollout.engine import HFEngine
     from trainer.batch import collate
+
     builtin_task.write_model(tmp_path / "m")
     torch.manual_seed(0)
     trainer_model = AutoModelForCausalLM.from_pretrained(tmp_path / "m", dtype=torch.float32).eval()
@@ -88,8 +101,9 @@ def test_mismatch_kl_is_tiny_at_staleness_0_and_excludes_stale_samples(tmp_path)
         old = algo.response_logprobs(trainer_model, batch)[0]
 
     def metrics(rows, cap=2.0):
-        return algo.mismatch_metrics(algo.mismatch_sums(old, batch.behaviour_logprobs,
-                                                        batch.response_mask, rows, cap).tolist())
+        return algo.mismatch_metrics(
+            algo.mismatch_sums(old, batch.behaviour_logprobs, batch.response_mask, rows, cap).tolist()
+        )
 
     m = metrics(fresh)
     fresh_tokens = int(batch.response_mask[fresh].sum())
@@ -105,8 +119,10 @@ def test_mismatch_kl_is_tiny_at_staleness_0_and_excludes_stale_samples(tmp_path)
     capped = algo.truncated_is_weights(old, batch.behaviour_logprobs, batch.response_mask, cap)
     truncated = int(((capped < raw) & batch.response_mask.bool()).sum())
     assert truncated > 0  # the stale half has ratios above 1.01
-    assert metrics(fresh, cap)["rollout_corr/rollout_is_ratio_fraction_high"] == \
-        truncated / batch.response_mask.sum().item()
+    assert (
+        metrics(fresh, cap)["rollout_corr/rollout_is_ratio_fraction_high"]
+        == truncated / batch.response_mask.sum().item()
+    )
 
 
 STEPS, GROUPS, N = 4, 4, 4
@@ -116,19 +132,52 @@ STEPS, GROUPS, N = 4, 4, 4
 def test_synchronous_pipeline_trains_every_sample_at_staleness_0(tmp_path, workers, transport):
     root = tmp_path / "run"
     port = free_port()
-    grpc = {"fs": [], "grpc": ["--trainer", "buffer.transport=grpc",
-                               "--trainer", f"buffer.grpc_bind=127.0.0.1:{port}",
-                               "--worker", "buffer.transport=grpc",
-                               "--worker", f"buffer.grpc_address=127.0.0.1:{port}"]}[transport]
+    grpc = {
+        "fs": [],
+        "grpc": [
+            "--trainer",
+            "buffer.transport=grpc",
+            "--trainer",
+            f"buffer.grpc_bind=127.0.0.1:{port}",
+            "--worker",
+            "buffer.transport=grpc",
+            "--worker",
+            f"buffer.grpc_address=127.0.0.1:{port}",
+        ],
+    }[transport]
     proc = subprocess.run(
-        [sys.executable, "-m", "launch.local", "--root", str(root), "--steps", str(STEPS),
-         "--nproc", "1", "--workers", str(workers), "--test-freq", "0", "--timeout", "400",
-         "--trainer", "trainer.max_staleness=0", "--trainer", f"data.train_batch_size={GROUPS}",
-         "--worker", f"actor_rollout_ref.rollout.n={N}",
-         # two claims per version for one worker; for two, one each when balanced
-         "--worker", "actor_rollout_ref.rollout.prompts_per_batch=2", *grpc],
-        capture_output=True, text=True, timeout=500,
-        env=dict(os.environ, TANDEM_GRPC_TOKEN="sync-test-token"))
+        [
+            sys.executable,
+            "-m",
+            "launch.local",
+            "--root",
+            str(root),
+            "--steps",
+            str(STEPS),
+            "--nproc",
+            "1",
+            "--workers",
+            str(workers),
+            "--test-freq",
+            "0",
+            "--timeout",
+            "400",
+            "--trainer",
+            "trainer.max_staleness=0",
+            "--trainer",
+            f"data.train_batch_size={GROUPS}",
+            "--worker",
+            f"actor_rollout_ref.rollout.n={N}",
+            # two claims per version for one worker; for two, one each when balanced
+            "--worker",
+            "actor_rollout_ref.rollout.prompts_per_batch=2",
+            *grpc,
+        ],
+        capture_output=True,
+        text=True,
+        timeout=500,
+        env=dict(os.environ, TANDEM_GRPC_TOKEN="sync-test-token"),
+    )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     rows, _ = rl_metrics(setup_trainer_run(str(root)))
     assert [r["step"] for r in rows] == list(range(1, STEPS + 1))
@@ -165,11 +214,20 @@ def test_synchronous_pipeline_trains_every_sample_at_staleness_0(tmp_path, worke
 
 
 def test_trainer_without_workers_names_the_claims_when_it_gives_up(tmp_path):
-    from rollout import builtin_task
     from conftest import trainer_proc
+
+    from rollout import builtin_task
+
     builtin_task.write_model(tmp_path / "m")
-    p = trainer_proc(tmp_path / "run", tmp_path / "m", 1, "trainer.max_staleness=0",
-                     "trainer.data_timeout_s=3", steps=2, groups=GROUPS)
+    p = trainer_proc(
+        tmp_path / "run",
+        tmp_path / "m",
+        1,
+        "trainer.max_staleness=0",
+        "trainer.data_timeout_s=3",
+        steps=2,
+        groups=GROUPS,
+    )
     out, _ = p.communicate(timeout=300)
     assert p.returncode != 0
     assert "Synchronous mode: 0 of the groups of v0 were claimed, by no worker" in out, out[-3000:]

@@ -1,6 +1,7 @@
 """Validation: launch.local's held-out questions, rollout.validate answering the trainer's requests (a pruned
 version is skipped with a message, nothing waits on it), verl's metric names, and the whole
 pipeline logging held-out accuracy every test_freq steps while it rises."""
+
 import itertools
 import json
 import subprocess
@@ -9,11 +10,11 @@ import time
 
 import pyarrow.parquet as pq
 import pytest
+from conftest import run_folder, subprocess_env, trainer_proc
 
 from buffer.layout import RunLayout
 from buffer.run import setup_trainer_run
 from buffer.weights.fs import WeightStore
-from conftest import run_folder, subprocess_env, trainer_proc
 from launch import status
 from launch.local import parse_args, prepare
 from protocol.config import build
@@ -41,19 +42,33 @@ def test_launch_local_holds_out_questions_for_validation(tmp_path):
     assert (data, val) == (layout.prepared_parquet("rl", "train"), [layout.prepared_parquet("rl", "val")])
     train, held = set(_questions(data)), set(_questions(val[0]))
     assert len(held) == 25 and not train & held  # a fifth of the 125 strings, never trained on
-    assert prepare(setup_trainer_run(str(tmp_path / "b")), parse_args(
-        ["--root", str(tmp_path / "b"), "--model", model, "--test-freq", "0"]), {})[2] is None
-    assert prepare(setup_trainer_run(str(tmp_path / "c")), parse_args(
-        ["--root", str(tmp_path / "c"), "--model", model, "--data", data]), {})[2] is None
+    assert (
+        prepare(
+            setup_trainer_run(str(tmp_path / "b")),
+            parse_args(["--root", str(tmp_path / "b"), "--model", model, "--test-freq", "0"]),
+            {},
+        )[2]
+        is None
+    )
+    assert (
+        prepare(
+            setup_trainer_run(str(tmp_path / "c")),
+            parse_args(["--root", str(tmp_path / "c"), "--model", model, "--data", data]),
+            {},
+        )[2]
+        is None
+    )
 
 
 def test_launch_local_validates_as_a_verl_config_says(tmp_path):
     from launch import local
+
     model = tmp_path / "m"
     builtin_task.write_model(model)
     file = tmp_path / "grpo.yaml"
-    file.write_text("data:\n  train_files: [/d/train.parquet]\n  val_files: [/d/test.parquet]\n"
-                    "trainer:\n  test_freq: 5\n")
+    file.write_text(
+        "data:\n  train_files: [/d/train.parquet]\n  val_files: [/d/test.parquet]\ntrainer:\n  test_freq: 5\n"
+    )
 
     def plan(root, *flags):
         run = setup_trainer_run(str(tmp_path / root))
@@ -71,8 +86,9 @@ def test_launch_local_validates_as_a_verl_config_says(tmp_path):
 
 def test_val_metrics_use_verls_names_and_core_variable():
     # two responses per prompt; a reward function reporting acc makes acc the core variable
-    m = val_metrics(["a", "a", "b", "b"], ["0", "0", "1", "1"],
-                    {"reward": [1.0, 0.0, 0.5, 0.5], "acc": [1.0, 0.0, 1.0, 1.0]})
+    m = val_metrics(
+        ["a", "a", "b", "b"], ["0", "0", "1", "1"], {"reward": [1.0, 0.0, 0.5, 0.5], "acc": [1.0, 0.0, 1.0, 1.0]}
+    )
     assert m["val-core/a/acc/mean@2"] == 0.5 and m["val-core/b/acc/mean@2"] == 1.0
     assert m["val-aux/a/reward/mean@2"] == 0.5 and "val-aux/a/acc/std@2" in m
     assert "val-core/a/acc/best@2/mean" in m
@@ -101,8 +117,9 @@ def test_pruned_version_is_skipped_with_a_message_and_nothing_waits(tmp_path, ca
     assert store.versions() == [10, 15]  # v10 held for validation beyond the newest one
     assert "pruning weight version 5 before its validation" in caplog.text
 
-    validator = Validator(build(ValidatorConfig, {
-        "root": str(root), "data.val_files": f"[{val}]", "data.max_response_length": "3"}))
+    validator = Validator(
+        build(ValidatorConfig, {"root": str(root), "data.val_files": f"[{val}]", "data.max_response_length": "3"})
+    )
     validator.start()
     assert validator.answer_next() and validator.answer_next()
     assert not validator.answer_next()  # nothing open: False at once, it never waits for a version
@@ -146,14 +163,31 @@ def test_trainer_logs_results_to_every_logger_with_their_step(experience, tmp_pa
     val = tmp_path / "val.parquet"
     builtin_task.write_parquet(val, builtin_task.make_rows(20, 3))
     validator = subprocess.Popen(
-        [sys.executable, "-m", "rollout.validate", f"root={root}", f"data.val_files=[{val}]",
-         "data.max_response_length=3", "validator.poll_interval_s=0.2"],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=subprocess_env())
+        [
+            sys.executable,
+            "-m",
+            "rollout.validate",
+            f"root={root}",
+            f"data.val_files=[{val}]",
+            "data.max_response_length=3",
+            "validator.poll_interval_s=0.2",
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env=subprocess_env(),
+    )
     trainer = None
     try:
-        trainer = trainer_proc(root, experience / "model", 1, "trainer.test_freq=2",
-                               "trainer.logger=[console,tensorboard]", "trainer.val_timeout_s=240",
-                               steps=5)
+        trainer = trainer_proc(
+            root,
+            experience / "model",
+            1,
+            "trainer.test_freq=2",
+            "trainer.logger=[console,tensorboard]",
+            "trainer.val_timeout_s=240",
+            steps=5,
+        )
         out, _ = trainer.communicate(timeout=400)
         assert trainer.returncode == 0, out[-3000:]
         vout, _ = validator.communicate(timeout=120)  # exits by itself once DONE is written
@@ -169,6 +203,7 @@ def test_trainer_logs_results_to_every_logger_with_their_step(experience, tmp_pa
     assert [(v["step"], v["val/weights_version"]) for v in vals] == [(0, 0), (2, 2), (4, 4), (5, 5)]
     assert "validation of step 5 (weights v5)" in out
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
     acc = EventAccumulator(str(root / "tensorboard"))
     acc.Reload()
     # Trackers get each result at the step it arrived (wandb drops earlier steps); val/step says
@@ -182,16 +217,33 @@ def _best_constant_answer(rows) -> float:
     """The held-out score of the best fixed 3-digit answer: what a model that ignores the
     prompt can reach at most."""
     truths = [r["reward_model"]["ground_truth"] for r in rows]
-    return max(sum(builtin_task.compute_score("tandem/copy", "".join(c), t) for t in truths) / len(truths)
-               for c in itertools.product("0123456789", repeat=3))
+    return max(
+        sum(builtin_task.compute_score("tandem/copy", "".join(c), t) for t in truths) / len(truths)
+        for c in itertools.product("0123456789", repeat=3)
+    )
 
 
 def test_pipeline_logs_held_out_accuracy_every_test_freq_steps_and_it_rises(tmp_path):
     root = tmp_path / "run"
     steps, freq = 60, 20  # past the first plateau (the prompt's first digit repeated) in every run seen
-    proc = subprocess.run([sys.executable, "-m", "launch.local", "--root", str(root), "--steps",
-                           str(steps), "--test-freq", str(freq), "--timeout", "600"],
-                          capture_output=True, text=True, timeout=700)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "launch.local",
+            "--root",
+            str(root),
+            "--steps",
+            str(steps),
+            "--test-freq",
+            str(freq),
+            "--timeout",
+            "600",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=700,
+    )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     rows, vals = _metrics(root)
     assert [r["step"] for r in rows] == list(range(1, steps + 1))

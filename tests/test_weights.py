@@ -1,4 +1,5 @@
 """Weight versions: atomic publish, manifest, checksum verification, in-place load, retention."""
+
 import json
 import os
 import shutil
@@ -19,8 +20,7 @@ def model_dir(tmp_path):
 
 
 def _publish_scaled(store, engine, model_dir, version, scale, keep=3):
-    state = {k: (v * scale).contiguous() for k, v in engine.model.state_dict().items()
-             if k != "lm_head.weight"}
+    state = {k: (v * scale).contiguous() for k, v in engine.model.state_dict().items() if k != "lm_head.weight"}
     return store.publish_hf_folder(model_dir, version, version * 10, keep, tensors=state), state
 
 
@@ -76,6 +76,7 @@ def test_only_newest_versions_are_kept(tmp_path, model_dir):
 
 def test_publish_hf_folder_verifies_and_loads_back(tmp_path, model_dir):
     from safetensors.torch import load_file
+
     store = WeightStore(str(tmp_path / "run"))
     manifest = store.publish_hf_folder(model_dir, 0, 0, keep=2)
     folder = store.layout.version_dir(0)
@@ -126,6 +127,7 @@ def test_publish_hf_folder_refuses_a_bad_folder(tmp_path, model_dir):
 
 def test_publish_splits_tensors_across_ranks_by_bytes():
     from trainer.publish import _owners
+
     owners = _owners([100, 10, 10, 60, 30], world=2)
     loads = [sum(s for s, o in zip([100, 10, 10, 60, 30], owners) if o == r) for r in range(2)]
     assert sorted(loads) == [100, 110]
@@ -136,10 +138,16 @@ def test_write_file_entries_equal_a_described_read_back(tmp_path):
     """The trainer's publish takes sizes, sha256 and tensor entries from the bytes it writes;
     they must be what reading the file back gives (and what workers verify against)."""
     from safetensors.torch import load_file
-    tensors = {"a.weight": torch.randn(7, 5), "b.bias": torch.randn(3).to(torch.bfloat16),
-               "c": torch.arange(6, dtype=torch.int64).reshape(2, 3), "scalar": torch.tensor(2.5),
-               "empty": torch.zeros(0, 4), "mask": torch.tensor([True, False]),
-               "strided": torch.randn(4, 6).t()}
+
+    tensors = {
+        "a.weight": torch.randn(7, 5),
+        "b.bias": torch.randn(3).to(torch.bfloat16),
+        "c": torch.arange(6, dtype=torch.int64).reshape(2, 3),
+        "scalar": torch.tensor(2.5),
+        "empty": torch.zeros(0, 4),
+        "mask": torch.tensor([True, False]),
+        "strided": torch.randn(4, 6).t(),
+    }
     entry, entries = WeightStore.write_file(str(tmp_path), "x.safetensors", tensors)
     files, described = WeightStore.describe(str(tmp_path), ["x.safetensors"])
     assert [entry] == files and entries == described
@@ -154,8 +162,14 @@ def test_publish_bucket_round_trips_through_one_flat_copy():
     """A publish bucket crosses to the host as one flat byte buffer; the views cut back out of
     it must be the tensors (shapes, 0-d and empty included)."""
     from trainer.publish import _flat_bytes, _unflatten
-    bucket = {"a": torch.randn(3, 4), "s": torch.tensor(2.0), "e": torch.zeros(0, 3),
-              "t": torch.randn(4, 6).t(), "b": torch.randn(5)}
+
+    bucket = {
+        "a": torch.randn(3, 4),
+        "s": torch.tensor(2.0),
+        "e": torch.zeros(0, 3),
+        "t": torch.randn(4, 6).t(),
+        "b": torch.randn(5),
+    }
     back = _unflatten(_flat_bytes(bucket).clone(), bucket)
     assert list(back) == list(bucket)
     assert all(back[k].shape == v.shape and torch.equal(back[k], v) for k, v in bucket.items())
@@ -169,6 +183,7 @@ def test_publish_in_many_small_buckets_with_few_writers(tmp_path, monkeypatch):
     import torch.distributed as dist
 
     from trainer import publish
+
     monkeypatch.setattr(publish, "BUCKET_BYTES", 16 << 10)
     monkeypatch.setattr(publish, "WRITERS", 2)
     builtin_task.write_model(tmp_path / "m", seed=3)

@@ -1,6 +1,6 @@
 """Rollout worker internals with the real tiny model: interruptible generation on new weights."""
-import pytest
 
+import pytest
 import torch
 
 from buffer.weights.fs import WeightStore
@@ -15,8 +15,9 @@ from trainer.batch import collate
 
 
 def _logprobs(model, prompt, response, temperature):
-    s = Sample("s", "g", "p", "w", 0, prompt, response, [0.0] * len(response), 0.0, "length",
-               temperature, "x", 0.0, 0.0)
+    s = Sample(
+        "s", "g", "p", "w", 0, prompt, response, [0.0] * len(response), 0.0, "length", temperature, "x", 0.0, 0.0
+    )
     with torch.no_grad():
         return algo.response_logprobs(model, collate([s]))[0][0].tolist()
 
@@ -29,11 +30,20 @@ def test_interruptible_generation_resumes_on_new_weights(tmp_path):
     root = tmp_path / "run"
     store = WeightStore(str(root))
     store.publish_hf_folder(tmp_path / "m0", 0, 0, keep=5)
-    cfg = build(WorkerConfig, {"root": str(root), "train_files": f"[{tmp_path / 't.parquet'}]",
-                               "worker.id": "w", "max_response_length": "6",
-                               "actor_rollout_ref.rollout.n": "3", "prompts_per_batch": "4",
-                               "interruptible": "true", "segment_tokens": "2",
-                               "actor_rollout_ref.rollout.temperature": "0.9"})
+    cfg = build(
+        WorkerConfig,
+        {
+            "root": str(root),
+            "train_files": f"[{tmp_path / 't.parquet'}]",
+            "worker.id": "w",
+            "max_response_length": "6",
+            "actor_rollout_ref.rollout.n": "3",
+            "prompts_per_batch": "4",
+            "interruptible": "true",
+            "segment_tokens": "2",
+            "actor_rollout_ref.rollout.temperature": "0.9",
+        },
+    )
     worker = RolloutWorker(cfg)
     worker.start()
     assert worker.version == 0

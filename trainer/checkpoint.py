@@ -1,12 +1,14 @@
 """Trainer checkpoints that are visible only when complete, and resumable on any number of ranks.
 
 Every rank writes its shard of the model and optimizer (and of the critic and its optimizer, when
-there is one) with torch.distributed.checkpoint into a hidden temporary folder; rank 0 adds `trainer_state.json` (step, weight version, the experience
-ledger: consumed shards and reader counters) and `pool.arrow` (groups read but not yet trained).
+there is one) with torch.distributed.checkpoint into a hidden temporary folder; rank 0 adds
+`trainer_state.json` (step, weight version, the experience ledger: consumed shards and reader
+counters) and `pool.arrow` (groups read but not yet trained).
 After a barrier, rank 0 renames the folder to `step_<N>`: that rename is the commit, so a
 checkpoint killed half-written is never found by `resume_mode=auto`. DCP reshards on load, so a
 run saved on 2 ranks resumes on 1 (or 4).
 """
+
 from __future__ import annotations
 
 import json
@@ -49,12 +51,20 @@ def _modules(model, optimizer, critic) -> dict:
     return out
 
 
-def save(model, optimizer, ckpts: FsCheckpoints, step: int, state: dict | None,
-         pool: list[Group] | None, keep: int, critic=None) -> str | None:
+def save(
+    model,
+    optimizer,
+    ckpts: FsCheckpoints,
+    step: int,
+    state: dict | None,
+    pool: list[Group] | None,
+    keep: int,
+    critic=None,
+) -> str | None:
     """Collective. `state` and `pool` are rank 0's; other ranks pass None. `critic`:
     trainer.critic.Critic or None. Returns the committed folder, or None when the disk was full:
-    the attempt is removed, training goes on and the next save tries again (retention prunes only after a committed checkpoint, so skipping one
-    loses nothing)."""
+    the attempt is removed, training goes on and the next save tries again (retention prunes only
+    after a committed checkpoint, so skipping one loses nothing)."""
     rank0 = dist.get_rank() == 0
     owner = [f"{socket.gethostname()}-{os.getpid()}" if rank0 else None]
     dist.broadcast_object_list(owner, src=0)  # every rank writes into rank 0's folder
@@ -98,6 +108,7 @@ def save(model, optimizer, ckpts: FsCheckpoints, step: int, state: dict | None,
             samples = [s for g in pool for s in g.samples]
             with open(pool_file(tmp), "wb") as f:
                 f.write(encode(to_table(samples)))
+
     if rank0_writes(state_and_pool):  # every rank's shard is on disk once this agrees
         return None
     final = ckpts.commit(tmp, step, keep) if rank0 else ckpts.path(step)
@@ -133,8 +144,12 @@ def _skipped(full: str | None, tmp: str, step: int, agreed: bool = False) -> boo
         return False
     if dist.get_rank() == 0:
         shutil.rmtree(tmp, ignore_errors=True)
-        log.warning("disk full at %s (%s): checkpoint of step %d skipped; training goes on and "
-                    "the next save tries again", tmp, box[0], step)
+        log.warning(
+            "disk full at %s (%s): checkpoint of step %d skipped; training goes on and the next save tries again",
+            tmp,
+            box[0],
+            step,
+        )
     return True
 
 
@@ -146,15 +161,18 @@ def load(model, optimizer, path: str, critic=None) -> tuple[dict, list[Group]]:
     with open(state_file(path)) as f:
         trainer_state = json.load(f)
     if critic is not None and not trainer_state.get("critic"):
-        raise ValueError(f"{path}: this run trains a critic (algorithm.adv_estimator=gae or "
-                         "critic.enable) but the checkpoint has none; resume without it or "
-                         "start a new run folder")
+        raise ValueError(
+            f"{path}: this run trains a critic (algorithm.adv_estimator=gae or "
+            "critic.enable) but the checkpoint has none; resume without it or "
+            "start a new run folder"
+        )
     state = _modules(model, optimizer, critic)
     dcp.load(state, checkpoint_id=path)
     set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
     if critic is not None:
-        set_state_dict(critic.model, critic.optimizer, model_state_dict=state["critic"],
-                       optim_state_dict=state["critic_optim"])
+        set_state_dict(
+            critic.model, critic.optimizer, model_state_dict=state["critic"], optim_state_dict=state["critic_optim"]
+        )
     samples = []
     if os.path.isfile(pool_file(path)):  # SFT checkpoints have no pool
         with open(pool_file(path), "rb") as f:
@@ -163,4 +181,3 @@ def load(model, optimizer, path: str, critic=None) -> tuple[dict, list[Group]]:
     for s in samples:
         groups.setdefault(s.group_id, []).append(s)
     return trainer_state, [Group(gid, m[0].weight_version, m) for gid, m in groups.items()]
-

@@ -7,6 +7,7 @@ token (before any update; GAE needs them), then regresses V on the GAE returns w
 clipped value loss over its own mini-batches and epochs (`critic.ppo_*`). It is saved in the
 trainer's checkpoints; only the actor is ever published.
 """
+
 from __future__ import annotations
 
 import math
@@ -22,44 +23,68 @@ class Critic:
     def __init__(self, cfg, device: torch.device):
         """cfg: trainer.config.CriticConfig (None fields already taken from the actor)."""
         self.cfg = cfg
-        self.model = build_actor(cfg.model.path, device, cfg.model.enable_gradient_checkpointing,
-                                 value_head=True)
-        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=cfg.optim.lr,
-                                           weight_decay=cfg.optim.weight_decay,
-                                           betas=tuple(cfg.optim.betas))
+        self.model = build_actor(cfg.model.path, device, cfg.model.enable_gradient_checkpointing, value_head=True)
+        self.optimizer = torch.optim.AdamW(
+            self.model.parameters(), lr=cfg.optim.lr, weight_decay=cfg.optim.weight_decay, betas=tuple(cfg.optim.betas)
+        )
 
     def values(self, batch: Batch) -> torch.Tensor:
         """V_old, (B, R), at the weights before this step's update. Collective."""
         passes = update.plan([torch.arange(len(batch))], batch, self.cfg)[0].passes
         return update.infer(lambda c: algo.response_values(self.model, c), batch, passes)
 
-    def update(self, batch: Batch, group_index: torch.Tensor, num_groups: int, values, returns,
-               step: int, total_steps: int, seed: list[int]) -> dict:
+    def update(
+        self,
+        batch: Batch,
+        group_index: torch.Tensor,
+        num_groups: int,
+        values,
+        returns,
+        step: int,
+        total_steps: int,
+        seed: list[int],
+    ) -> dict:
         """Mini-batch updates on (values, returns), both (B, R); returns verl's critic metrics."""
         cfg = self.cfg
         world = torch.distributed.get_world_size()
-        rows = update.epochs(group_index, cfg.ppo_mini_batch_size, num_groups, cfg.ppo_epochs,
-                             cfg.shuffle, seed)
+        rows = update.epochs(group_index, cfg.ppo_mini_batch_size, num_groups, cfg.ppo_epochs, cfg.shuffle, seed)
         minibatches = update.plan(rows, batch, cfg)
 
         def loss_fn(idx, mb):
             c = batch.select(idx).trimmed()
             r = c.response_mask.shape[1]
             vpreds = algo.response_values(self.model, c)
-            loss, clipfrac = algo.value_loss(vpreds, returns[idx, :r], values[idx, :r],
-                                             c.response_mask, cfg.cliprange_value, cfg.loss_agg_mode,
-                                             world, mb.tokens, mb.seqs)
+            loss, clipfrac = algo.value_loss(
+                vpreds,
+                returns[idx, :r],
+                values[idx, :r],
+                c.response_mask,
+                cfg.cliprange_value,
+                cfg.loss_agg_mode,
+                world,
+                mb.tokens,
+                mb.seqs,
+            )
             n = c.response_mask.sum()
             return loss, [loss.detach(), clipfrac * n, (vpreds.detach() * c.response_mask).sum(), n]
 
-        lr = algo.lr_at(step, total_steps, cfg.optim.lr, cfg.optim.lr_warmup_steps_ratio,
-                        cfg.optim.warmup_style, cfg.optim.min_lr_ratio)
-        totals, norms = update.optimize(self.model, self.optimizer, minibatches, lr, cfg.grad_clip,
-                                        loss_fn)
+        lr = algo.lr_at(
+            step,
+            total_steps,
+            cfg.optim.lr,
+            cfg.optim.lr_warmup_steps_ratio,
+            cfg.optim.warmup_style,
+            cfg.optim.min_lr_ratio,
+        )
+        totals, norms = update.optimize(self.model, self.optimizer, minibatches, lr, cfg.grad_clip, loss_fn)
         loss, clipfrac, vpred, tokens = update.all_sum(totals, batch.input_ids.device).tolist()
         # Each pass's loss is scaled by world / (mini-batch tokens): the sum over ranks of a
         # mini-batch's passes is world x its global loss.
-        return {"critic/vf_loss": loss / (world * len(minibatches)),
-                "critic/vf_clipfrac": clipfrac / tokens, "critic/vpred_mean": vpred / tokens,
-                "critic/grad_norm": sum(norms) / len(norms), "critic/lr": lr,
-                "critic/skipped_nonfinite": sum(not math.isfinite(n) for n in norms)}
+        return {
+            "critic/vf_loss": loss / (world * len(minibatches)),
+            "critic/vf_clipfrac": clipfrac / tokens,
+            "critic/vpred_mean": vpred / tokens,
+            "critic/grad_norm": sum(norms) / len(norms),
+            "critic/lr": lr,
+            "critic/skipped_nonfinite": sum(not math.isfinite(n) for n in norms),
+        }

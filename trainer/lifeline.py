@@ -6,6 +6,7 @@ go on training and publishing beside the trainer a user restarts. A parent-death
 (Linux prctl PR_SET_PDEATHSIG) ends a rank the moment its agent dies. SIGKILL: nothing is lost
 that a restart needs, since checkpoints and weight versions are committed by a rename.
 """
+
 from __future__ import annotations
 
 import ctypes
@@ -28,8 +29,10 @@ def die_with_agent() -> None:
         log.warning("no libc.so.6: this rank will not die with its torchrun agent")
         return
     if libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL) != 0:
-        log.warning("prctl(PR_SET_PDEATHSIG) failed (errno %d): this rank will not die with its "
-                    "torchrun agent", ctypes.get_errno())
+        log.warning(
+            "prctl(PR_SET_PDEATHSIG) failed (errno %d): this rank will not die with its torchrun agent",
+            ctypes.get_errno(),
+        )
         return
     if parent == 1 or os.getppid() != parent:  # the agent died before the signal was armed
         os.kill(os.getpid(), signal.SIGKILL)

@@ -1,5 +1,6 @@
 """The actor (an HF causal LM) and the critic (the same backbone with a scalar value head),
 sharded with FSDP2, one `fully_shard` unit per decoder layer."""
+
 from __future__ import annotations
 
 import torch
@@ -13,25 +14,31 @@ def decoder_layers(model) -> list[torch.nn.Module]:
     inner = getattr(model, "model", None)
     layers = getattr(inner, "layers", None)
     if layers is None:
-        raise ValueError(f"{type(model).__name__}: no model.layers to shard; "
-                         "only decoder-only HF causal LMs are supported")
+        raise ValueError(
+            f"{type(model).__name__}: no model.layers to shard; only decoder-only HF causal LMs are supported"
+        )
     return list(layers)
 
 
-def build_actor(model_path: str, device: torch.device, gradient_checkpointing: bool = False,
-                trainable: bool = True, value_head: bool = False, trust_remote_code: bool = False,
-                attn_implementation: str | None = None):
+def build_actor(
+    model_path: str,
+    device: torch.device,
+    gradient_checkpointing: bool = False,
+    trainable: bool = True,
+    value_head: bool = False,
+    trust_remote_code: bool = False,
+    attn_implementation: str | None = None,
+):
     """`value_head`: the critic as verl builds it, AutoModelForTokenClassification with one label
     (the backbone's weights, a new linear `score` head, no dropout); its logits are (B, T, 1).
     `attn_implementation` None: transformers' default for the model (sdpa for Qwen2)."""
     from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForTokenClassification
+
     extra = {"trust_remote_code": trust_remote_code, "attn_implementation": attn_implementation}
     if value_head:
-        config = AutoConfig.from_pretrained(model_path, num_labels=1,
-                                            trust_remote_code=trust_remote_code)
+        config = AutoConfig.from_pretrained(model_path, num_labels=1, trust_remote_code=trust_remote_code)
         config.classifier_dropout = 0.0  # not every config class declares it (Qwen2's does not)
-        model = AutoModelForTokenClassification.from_pretrained(model_path, config=config,
-                                                                dtype=torch.float32, **extra)
+        model = AutoModelForTokenClassification.from_pretrained(model_path, config=config, dtype=torch.float32, **extra)
     else:
         model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32, **extra)
     model.config.use_cache = False
@@ -42,8 +49,11 @@ def build_actor(model_path: str, device: torch.device, gradient_checkpointing: b
     model.to(device)
     mesh = init_device_mesh(device.type, (dist.get_world_size(),))
     # On GPU: bf16 compute with fp32 master weights and fp32 gradient reduction.
-    mp = (MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-          if device.type == "cuda" else MixedPrecisionPolicy())
+    mp = (
+        MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+        if device.type == "cuda"
+        else MixedPrecisionPolicy()
+    )
     for layer in decoder_layers(model):
         fully_shard(layer, mesh=mesh, mp_policy=mp)
     fully_shard(model, mesh=mesh, mp_policy=mp)

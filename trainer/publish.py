@@ -7,6 +7,7 @@ BUCKET_BYTES and hands each to one of WRITERS threads, which writes, fsyncs and 
 files hash at once, and the writes overlap the collectives. Host memory stays under
 (WRITERS + 1) buckets. Rank 0 writes the index and the manifest and publishes atomically.
 """
+
 from __future__ import annotations
 
 import json
@@ -53,19 +54,30 @@ def _unflatten(flat: torch.Tensor, like: dict[str, torch.Tensor]) -> dict[str, t
     out, offset = {}, 0
     for key, t in like.items():
         n = t.numel() * t.element_size()
-        out[key] = flat[offset:offset + n].view(t.dtype).view(t.shape)
+        out[key] = flat[offset : offset + n].view(t.dtype).view(t.shape)
         offset += n
     return out
 
 
-def publish_version(model, store: WeightStore, model_path: str, version: int, step: int,
-                    keep: int, dtype: torch.dtype = torch.float32, announce: dict | None = None) -> dict:
+def publish_version(
+    model,
+    store: WeightStore,
+    model_path: str,
+    version: int,
+    step: int,
+    keep: int,
+    dtype: torch.dtype = torch.float32,
+    announce: dict | None = None,
+) -> dict:
     """Collective: every rank calls it. Returns timing and size metrics. `announce`: extra
     fields of weights/LATEST (`WeightStore.publish`)."""
     t0 = time.monotonic()
     rank, world = dist.get_rank(), dist.get_world_size()
-    items = [(k, v) for k, v in model.state_dict().items()
-             if not (k == "lm_head.weight" and getattr(model.config, "tie_word_embeddings", False))]
+    items = [
+        (k, v)
+        for k, v in model.state_dict().items()
+        if not (k == "lm_head.weight" and getattr(model.config, "tie_word_embeddings", False))
+    ]
     owner = _owners([v.numel() * dtype.itemsize for _, v in items], world)
     box = [store.stage(version) if rank == 0 else None]
     dist.broadcast_object_list(box, src=0)
@@ -74,6 +86,7 @@ def publish_version(model, store: WeightStore, model_path: str, version: int, st
     pending: list[Future] = []
     size, nbytes = 0, 0
     with ThreadPoolExecutor(WRITERS, thread_name_prefix="publish") as pool:
+
         def flush():
             busy = [f for f in pending if not f.done()]
             if len(busy) >= WRITERS:  # bound host memory
@@ -105,17 +118,24 @@ def publish_version(model, store: WeightStore, model_path: str, version: int, st
     if rank == 0:
         all_files = [f for fs, _ in gathered for f in fs]
         all_tensors = {k: v for _, ts in gathered for k, v in ts.items()}
-        index = {"metadata": {"total_size": int(totals.item())},
-                 "weight_map": {k: v.file for k, v in sorted(all_tensors.items())}}
+        index = {
+            "metadata": {"total_size": int(totals.item())},
+            "weight_map": {k: v.file for k, v in sorted(all_tensors.items())},
+        }
+
         def metadata():
             with open(os.path.join(staged, "model.safetensors.index.json"), "w") as f:
                 json.dump(index, f, indent=1)
             copy_model_metadata(model_path, staged)
+
         when_space(metadata, staged)
-        store.publish(staged, version, step, keep, described=(all_files, all_tensors),
-                      announce=announce)
+        store.publish(staged, version, step, keep, described=(all_files, all_tensors), announce=announce)
     dist.barrier()
-    return {"weights/published": version, "weights/published_at": store.announced_at,
-            "weights/publish_s": time.monotonic() - t0,
-            "weights/gather_s": gathered_at - t0, "weights/write_wait_s": written_at - gathered_at,
-            "weights/bytes": int(totals.item())}
+    return {
+        "weights/published": version,
+        "weights/published_at": store.announced_at,
+        "weights/publish_s": time.monotonic() - t0,
+        "weights/gather_s": gathered_at - t0,
+        "weights/write_wait_s": written_at - gathered_at,
+        "weights/bytes": int(totals.item()),
+    }

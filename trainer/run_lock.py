@@ -6,6 +6,7 @@ record lock (`fcntl.lockf`): the kernel, or the NFS/Lustre lock manager, release
 process dies, even by SIGKILL, so a restarted trainer never waits out a stale lease. The file
 holds the holder's host, pid and start time, for the message a second trainer fails with.
 """
+
 from __future__ import annotations
 
 import errno
@@ -15,7 +16,6 @@ import logging
 import os
 import socket
 import time
-
 
 log = logging.getLogger(__name__)
 _UNSUPPORTED = (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL)
@@ -45,14 +45,17 @@ class RunLock:
                 raise RunLocked(
                     f"{run.root} is held by the trainer pid {holder.get('pid', '?')} on host "
                     f"{holder.get('host', '?')} (since {holder.get('started', '?')}, {path}): one "
-                    "trainer per run folder. Stop that one first, or use another root") from None
+                    "trainer per run folder. Stop that one first, or use another root"
+                ) from None
             if e.errno in _UNSUPPORTED:
-                log.warning("%s: this filesystem does not support file locks (%s): one trainer "
-                            "per run folder is not enforced", path, e)
+                log.warning(
+                    "%s: this filesystem does not support file locks (%s): one trainer per run folder is not enforced",
+                    path,
+                    e,
+                )
                 return cls(None, path)
             raise
-        me = {"host": socket.gethostname(), "pid": os.getpid(),
-              "started": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
+        me = {"host": socket.gethostname(), "pid": os.getpid(), "started": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
         os.ftruncate(fd, 0)
         os.pwrite(fd, (json.dumps(me) + "\n").encode(), 0)
         os.fsync(fd)

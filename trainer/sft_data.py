@@ -11,6 +11,7 @@ Micro-batches are packed: a rank's sequences are concatenated into one row with 
 restarting at 0 per sequence and no attention mask; transformers then builds a block-diagonal
 causal mask (sdpa, eager, flex) or runs varlen flash attention, so no token is padding.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -34,6 +35,7 @@ class SFTDataError(ValueError):
 class Sequences:
     """Tokenised samples. `ids[i]` (int64, length n_i) and `target[i]` (bool, n_i): token t of
     sample i is predicted by the loss (a response token); `target[i][0]` is always False."""
+
     ids: list[np.ndarray]
     target: list[np.ndarray]
 
@@ -51,18 +53,20 @@ class Sequences:
 @dataclasses.dataclass
 class Packed:
     """One packed micro-batch: T tokens of several sequences in one row, K loss positions."""
+
     input_ids: torch.Tensor  # (1, T) long
     position_ids: torch.Tensor  # (1, T) long, restarting at 0 at each sequence
     logit_index: torch.Tensor  # (K,) long: positions whose logits predict a target token
     targets: torch.Tensor  # (K,) long: the tokens they predict
 
-    def to(self, device) -> "Packed":
+    def to(self, device) -> Packed:
         return Packed(*(t.to(device) for t in dataclasses.astuple(self)))
 
 
 # --- loading -------------------------------------------------------------------------------
 def _read_rows(file: str, setting: str) -> list[dict]:
     import pyarrow.parquet as pq
+
     if not Path(file).exists():
         raise SFTDataError(f"{setting}: {file} does not exist")
     try:
@@ -74,11 +78,14 @@ def _read_rows(file: str, setting: str) -> list[dict]:
     return table.to_pylist()
 
 
-def _column(rows: list[dict], file: str, key: str, setting: str, dict_keys: Sequence[str] = (),
-            dict_setting: str = "") -> list:
+def _column(
+    rows: list[dict], file: str, key: str, setting: str, dict_keys: Sequence[str] = (), dict_setting: str = ""
+) -> list:
     if key not in rows[0]:
-        raise SFTDataError(f"{file}: no column {key!r} ({setting}; row 0 and every other row lack "
-                           f"it); the file has columns {sorted(rows[0])}")
+        raise SFTDataError(
+            f"{file}: no column {key!r} ({setting}; row 0 and every other row lack "
+            f"it); the file has columns {sorted(rows[0])}"
+        )
     values = []
     for i, row in enumerate(rows):
         value = row[key]
@@ -93,12 +100,18 @@ def _column(rows: list[dict], file: str, key: str, setting: str, dict_keys: Sequ
 def _as_messages(value, where: str) -> list[dict]:
     if isinstance(value, str):
         return [{"role": "user", "content": value}]
-    if isinstance(value, (list, tuple)) and value and all(
-            isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
-            for m in value):
+    if (
+        isinstance(value, (list, tuple))
+        and value
+        and all(
+            isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str) for m in value
+        )
+    ):
         return [{"role": m["role"], "content": m["content"]} for m in value]
-    raise SFTDataError(f"{where}: expected a string or a list of {{role, content}} messages, "
-                       f"got {type(value).__name__} {str(value)[:80]!r}")
+    raise SFTDataError(
+        f"{where}: expected a string or a list of {{role, content}} messages, "
+        f"got {type(value).__name__} {str(value)[:80]!r}"
+    )
 
 
 def _encode(tokenizer, texts: list[str]) -> list[list[int]]:
@@ -106,10 +119,10 @@ def _encode(tokenizer, texts: list[str]) -> list[list[int]]:
 
 
 def _pair_sequences(rows, file, tokenizer, cfg: SFTDataConfig) -> tuple[list, list, list[str]]:
-    prompts = _column(rows, file, cfg.prompt_key, "data.prompt_key", cfg.prompt_dict_keys,
-                      "data.prompt_dict_keys")
-    responses = _column(rows, file, cfg.response_key, "data.response_key", cfg.response_dict_keys,
-                        "data.response_dict_keys")
+    prompts = _column(rows, file, cfg.prompt_key, "data.prompt_key", cfg.prompt_dict_keys, "data.prompt_dict_keys")
+    responses = _column(
+        rows, file, cfg.response_key, "data.response_key", cfg.response_dict_keys, "data.response_dict_keys"
+    )
     eos = tokenizer.eos_token
     if eos is None:
         raise SFTDataError(f"{file}: the tokenizer has no eos token to end responses with")
@@ -117,10 +130,10 @@ def _pair_sequences(rows, file, tokenizer, cfg: SFTDataConfig) -> tuple[list, li
     for i, (p, r) in enumerate(zip(prompts, responses)):
         messages = _as_messages(p, f"{file} row {i}: column {cfg.prompt_key!r}")
         if not isinstance(r, str):
-            raise SFTDataError(f"{file} row {i}: column {cfg.response_key!r} must be a string, got "
-                               f"{type(r).__name__} {str(r)[:80]!r}")
-        prompt_text.append(tokenizer.apply_chat_template(messages, add_generation_prompt=True,
-                                                         tokenize=False))
+            raise SFTDataError(
+                f"{file} row {i}: column {cfg.response_key!r} must be a string, got {type(r).__name__} {str(r)[:80]!r}"
+            )
+        prompt_text.append(tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False))
         response_text.append(r + eos)
     ids, target = [], []
     for p, r in zip(_encode(tokenizer, prompt_text), _encode(tokenizer, response_text)):
@@ -141,12 +154,14 @@ def _multiturn_sequences(rows, file, tokenizer, cfg: SFTDataConfig) -> tuple[lis
         seq: list[int] = []
         mask: list[int] = []
         for k, m in enumerate(messages):
-            text = tokenizer.apply_chat_template(messages[:k + 1], tokenize=False)
+            text = tokenizer.apply_chat_template(messages[: k + 1], tokenize=False)
             now = _encode(tokenizer, [text])[0]
-            if now[:len(seq)] != seq:
-                raise SFTDataError(f"{where}: the chat template renders message {k} so that the "
-                                   "conversation before it changes; its assistant turns cannot "
-                                   "be masked by prefix")
+            if now[: len(seq)] != seq:
+                raise SFTDataError(
+                    f"{where}: the chat template renders message {k} so that the "
+                    "conversation before it changes; its assistant turns cannot "
+                    "be masked by prefix"
+                )
             mask += [m["role"] == "assistant"] * (len(now) - len(seq))
             seq = now
         if not any(mask):
@@ -156,8 +171,7 @@ def _multiturn_sequences(rows, file, tokenizer, cfg: SFTDataConfig) -> tuple[lis
     return ids, target, [f"column {key!r}"] * len(ids)
 
 
-def load_sequences(files: list[str], tokenizer, cfg: SFTDataConfig,
-                   setting: str = "data.train_files") -> Sequences:
+def load_sequences(files: list[str], tokenizer, cfg: SFTDataConfig, setting: str = "data.train_files") -> Sequences:
     """Read, tokenise, truncate. Raises SFTDataError naming the file, column and row."""
     if not files:
         raise SFTDataError(f"{setting}: no files given")
@@ -174,7 +188,8 @@ def load_sequences(files: list[str], tokenizer, cfg: SFTDataConfig,
                         f"{file} row {i}: {len(seq)} tokens ({column}, "
                         f"{len(seq) - sum(mask)} prompt + {sum(mask)} response) exceed "
                         f"data.max_length={cfg.max_length} with data.truncation=error "
-                        "(raise max_length, or set truncation to left or right)")
+                        "(raise max_length, or set truncation to left or right)"
+                    )
                 keep = slice(-cfg.max_length, None) if cfg.truncation == "left" else slice(cfg.max_length)
                 seq, mask = seq[keep], mask[keep]
             mask = np.asarray(mask, dtype=bool)
@@ -185,8 +200,12 @@ def load_sequences(files: list[str], tokenizer, cfg: SFTDataConfig,
             out.ids.append(np.asarray(seq, dtype=np.int64))
             out.target.append(mask)
     if dropped:
-        log.warning("%s: %d rows have no response token left after data.truncation=%s; skipped",
-                    setting, dropped, cfg.truncation)
+        log.warning(
+            "%s: %d rows have no response token left after data.truncation=%s; skipped",
+            setting,
+            dropped,
+            cfg.truncation,
+        )
     if not out.ids:
         raise SFTDataError(f"{setting}: no usable rows in {files}")
     return out
@@ -205,12 +224,13 @@ def split_by_tokens(lengths: list[int], indices: list[int], parts: int) -> list[
     return out
 
 
-def micro_batches(lengths: list[int], indices: list[int], token_budget: int | None,
-                  max_seqs: int | None) -> list[list[int]]:
+def micro_batches(
+    lengths: list[int], indices: list[int], token_budget: int | None, max_seqs: int | None
+) -> list[list[int]]:
     """Group sequences into packed micro-batches: by token budget (first fit, longest first; a
     sequence longer than the budget goes alone) or `max_seqs` at a time."""
     if token_budget is None:
-        return [indices[k:k + max_seqs] for k in range(0, len(indices), max_seqs)]
+        return [indices[k : k + max_seqs] for k in range(0, len(indices), max_seqs)]
     bins: list[list[int]] = []
     room: list[int] = []
     for i in sorted(indices, key=lambda i: (-lengths[i], i)):
@@ -239,7 +259,9 @@ def pack(seqs: Sequences, indices: list[int]) -> Packed:
         logit_index.append(start + j - 1)
         targets.append(seqs.ids[i][j])
         start += n
-    return Packed(torch.from_numpy(ids).unsqueeze(0),
-                  torch.from_numpy(np.concatenate(positions)).unsqueeze(0),
-                  torch.from_numpy(np.concatenate(logit_index)),
-                  torch.from_numpy(np.concatenate(targets)))
+    return Packed(
+        torch.from_numpy(ids).unsqueeze(0),
+        torch.from_numpy(np.concatenate(positions)).unsqueeze(0),
+        torch.from_numpy(np.concatenate(logit_index)),
+        torch.from_numpy(np.concatenate(targets)),
+    )

@@ -14,11 +14,12 @@ row 0 with weight 0. The loss of every pass is normalised by the mini-batch's to
 counts over all ranks (verl's global_batch_info), so the accumulated gradient is that of the
 mini-batch's global mean whatever the split.
 """
+
 from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Callable
+from collections.abc import Callable
 
 import numpy as np
 import torch
@@ -42,8 +43,10 @@ def micro_spans(lengths: list[int], cfg) -> list[tuple[int, int]]:
     while start < len(lengths):
         stop = start + 1
         if cfg.use_dynamic_bsz:
-            while stop < len(lengths) and \
-                    (stop + 1 - start) * max(lengths[start:stop + 1]) <= cfg.ppo_max_token_len_per_gpu:
+            while (
+                stop < len(lengths)
+                and (stop + 1 - start) * max(lengths[start : stop + 1]) <= cfg.ppo_max_token_len_per_gpu
+            ):
                 stop += 1
         else:
             stop = min(len(lengths), start + cfg.ppo_micro_batch_size_per_gpu)
@@ -63,22 +66,27 @@ def plan(row_sets: list[torch.Tensor], batch: Batch, cfg) -> list[MiniBatch]:
         passes.append([rows[a:b] for a, b in spans])
     device = batch.input_ids.device
     count = torch.tensor([len(p) for p in passes], device=device)
-    sizes = torch.tensor([[float(response[rows].sum()), len(rows)] for rows in row_sets],
-                         dtype=torch.float64, device=device)
+    sizes = torch.tensor(
+        [[float(response[rows].sum()), len(rows)] for rows in row_sets], dtype=torch.float64, device=device
+    )
     dist.all_reduce(count, op=dist.ReduceOp.MAX)
     dist.all_reduce(sizes)
-    return [MiniBatch(p + [None] * (int(n) - len(p)), int(s[0]), int(s[1]))
-            for p, n, s in zip(passes, count.tolist(), sizes.tolist())]
+    return [
+        MiniBatch(p + [None] * (int(n) - len(p)), int(s[0]), int(s[1]))
+        for p, n, s in zip(passes, count.tolist(), sizes.tolist())
+    ]
 
 
-def epochs(group_index: torch.Tensor, mini_batch_size: int, num_groups: int, ppo_epochs: int,
-           shuffle: bool, seed: list[int]) -> list[torch.Tensor]:
+def epochs(
+    group_index: torch.Tensor, mini_batch_size: int, num_groups: int, ppo_epochs: int, shuffle: bool, seed: list[int]
+) -> list[torch.Tensor]:
     """Row sets of every optimizer step of the step, epoch by epoch. `group_index` (B,): the
     step-wide number of each row's group; `seed`: entropy for the shuffle (differs per step,
     rank and model, the same on resume)."""
     if len(group_index) and int(group_index.max()) >= num_groups:
-        raise ValueError(f"group number {int(group_index.max())} outside the step's "
-                         f"{num_groups} groups (data.train_batch_size)")
+        raise ValueError(
+            f"group number {int(group_index.max())} outside the step's {num_groups} groups (data.train_batch_size)"
+        )
     num_mini = num_groups // mini_batch_size
     mini_of_row = group_index // mini_batch_size
     base = [torch.nonzero(mini_of_row == k).flatten() for k in range(num_mini)]
@@ -101,16 +109,21 @@ def infer(fn: Callable[[Batch], torch.Tensor], batch: Batch, passes: list) -> to
         for rows in passes:
             part = fn(batch.select(rows if rows is not None else _DUMMY).trimmed())
             if rows is not None:
-                out[rows, :part.shape[1]] = part
+                out[rows, : part.shape[1]] = part
     return out
 
 
 _DUMMY = torch.tensor([0])  # the row a padding pass runs (every rank holds at least one group)
 
 
-def optimize(model, optimizer, minibatches: list[MiniBatch], lr: float, grad_clip: float,
-             loss_fn: Callable[[torch.Tensor, MiniBatch], tuple[torch.Tensor, list]]
-             ) -> tuple[torch.Tensor, list[float]]:
+def optimize(
+    model,
+    optimizer,
+    minibatches: list[MiniBatch],
+    lr: float,
+    grad_clip: float,
+    loss_fn: Callable[[torch.Tensor, MiniBatch], tuple[torch.Tensor, list]],
+) -> tuple[torch.Tensor, list[float]]:
     """One optimizer step per mini-batch, gradients accumulated over its passes.
     loss_fn(rows, minibatch) -> (loss, [statistics...]); returns the statistics summed over this
     rank's passes (float64) and the gradient norm of each step."""
@@ -150,7 +163,7 @@ def gather_rows(x: torch.Tensor) -> tuple[torch.Tensor, int]:
     shapes = [tuple(s.tolist()) for s in shapes]
     b_max, r_max = max(s[0] for s in shapes), max(s[1] for s in shapes)
     padded = x.new_zeros((x.shape[0], b_max, r_max))
-    padded[:, :x.shape[1], :x.shape[2]] = x
+    padded[:, : x.shape[1], : x.shape[2]] = x
     parts = [torch.empty_like(padded) for _ in range(world)]
     dist.all_gather(parts, padded)
     rows = torch.cat([p[:, :b, :] for p, (b, _) in zip(parts, shapes)], dim=1)

@@ -6,6 +6,7 @@ publishing such a version the trainer writes a request (which also keeps the ver
 and logs the result whenever it shows up. Training never waits for it; only after the last step
 does the trainer wait, at most `trainer.val_timeout_s`, for the results still pending.
 """
+
 from __future__ import annotations
 
 import logging
@@ -24,8 +25,7 @@ def validation_due(tc, step: int, first: bool) -> bool:
     `first`: the initial weights, or the restored ones on resume, as verl's val_before_train."""
     if tc.test_freq <= 0:
         return False
-    return tc.val_before_train if first else (step % tc.test_freq == 0
-                                              or step == tc.total_training_steps)
+    return tc.val_before_train if first else (step % tc.test_freq == 0 or step == tc.total_training_steps)
 
 
 class ValidationLog:
@@ -35,8 +35,10 @@ class ValidationLog:
         self.queue = queue
         self.metrics = metrics
         self.pending: set[int] = set(self.queue.held())  # on resume: requests still open
-        log.info("validation: results of `python -m rollout.validate` are logged as they arrive "
-                 "(requests in %s)", self.queue.where())
+        log.info(
+            "validation: results of `python -m rollout.validate` are logged as they arrive (requests in %s)",
+            self.queue.where(),
+        )
 
     def request(self, version: int, step: int) -> None:
         self.queue.request(version, step)
@@ -56,14 +58,24 @@ class ValidationLog:
     def _log(self, r: ValidationResult, step_now: int) -> None:
         if r.skipped:
             log.warning("validation of weights v%d (step %d) skipped: %s", r.version, r.step, r.skipped)
-            self.metrics.write_validation({"step": r.step, "val/weights_version": r.version,
-                                           "val/skipped": r.skipped, "time/unix": time.time()},
-                                          step_now)
+            self.metrics.write_validation(
+                {"step": r.step, "val/weights_version": r.version, "val/skipped": r.skipped, "time/unix": time.time()},
+                step_now,
+            )
             return
-        self.metrics.write_validation({
-            "step": r.step, "val/weights_version": r.version, "val/prompts": r.prompts,
-            "val/samples": r.samples, "val/generate_s": r.generate_s,
-            "val/logged_at_step": step_now, "time/unix": time.time(), **r.metrics}, step_now)
+        self.metrics.write_validation(
+            {
+                "step": r.step,
+                "val/weights_version": r.version,
+                "val/prompts": r.prompts,
+                "val/samples": r.samples,
+                "val/generate_s": r.generate_s,
+                "val/logged_at_step": step_now,
+                "time/unix": time.time(),
+                **r.metrics,
+            },
+            step_now,
+        )
 
     def finish(self, timeout_s: float, step_now: int) -> None:
         """After the last step: wait for the pending results while the validator runs, at most
@@ -76,15 +88,25 @@ class ValidationLog:
             beat = self.queue.beat() or {}
             waited = time.monotonic() - start
             if beat.get("state") == "stopped" or waited > timeout_s:
-                why = "the validator has stopped" if beat.get("state") == "stopped" else \
-                    f"trainer.val_timeout_s={timeout_s:.0f} s passed"
-                log.warning("finishing without the validation of weights %s: %s",
-                            ", ".join(f"v{v}" for v in sorted(self.pending)), why)
+                why = (
+                    "the validator has stopped"
+                    if beat.get("state") == "stopped"
+                    else f"trainer.val_timeout_s={timeout_s:.0f} s passed"
+                )
+                log.warning(
+                    "finishing without the validation of weights %s: %s",
+                    ", ".join(f"v{v}" for v in sorted(self.pending)),
+                    why,
+                )
                 return
             if time.monotonic() - last_note > NOTE_EVERY_S:
                 last_note = time.monotonic()
-                log.info("waiting for the validation of weights %s (%.0f of %.0f s; is "
-                         "`python -m rollout.validate` running? its heartbeat: %s)",
-                         ", ".join(f"v{v}" for v in sorted(self.pending)), waited, timeout_s,
-                         self.queue.where())
+                log.info(
+                    "waiting for the validation of weights %s (%.0f of %.0f s; is "
+                    "`python -m rollout.validate` running? its heartbeat: %s)",
+                    ", ".join(f"v{v}" for v in sorted(self.pending)),
+                    waited,
+                    timeout_s,
+                    self.queue.where(),
+                )
             time.sleep(0.5)

@@ -5,6 +5,7 @@ SLURM commands tandem runs (sbatch, scancel, squeue, scontrol), with their error
 `key=value` arguments and return the sbatch script text; `submit` hands it to `sbatch --parsable`.
 The torchrun roles (TORCHRUN_ROLES: the RL trainer and SFT) share trainer.sbatch.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -37,18 +38,18 @@ class JobSpec:
     partition: str | None = None
     nodes: int = 1
     gpus_per_node: int = 0
-    tasks_per_node: int = 1          # rollout on CPU: workers per node (GPU: = gpus_per_node)
+    tasks_per_node: int = 1  # rollout on CPU: workers per node (GPU: = gpus_per_node)
     cpus_per_task: int = 1
     time: str = "1-00:00:00"
     job_name: str = ""
-    array: str | None = None         # rollout only, e.g. "0-3" or "0-7%2"
+    array: str | None = None  # rollout only, e.g. "0-3" or "0-7%2"
     flush_interval: float | None = None
-    nproc_per_node: int = 1          # trainer only: ranks per node
-    port: str = "auto"               # trainer only: rendezvous port ("auto": 20000 + job id % 20000)
-    worker_prefix: str = ""          # rollout only: worker ids <prefix>[-a<k>][-t<rank>]
-    signal_before_s: int = 120       # rollout, validate: SIGTERM, trainer: checkpoint + requeue,
-                                     # this long before the time limit
-    output: str | None = None        # default: <root>/logs/slurm-<role>-%j.out
+    nproc_per_node: int = 1  # trainer only: ranks per node
+    port: str = "auto"  # trainer only: rendezvous port ("auto": 20000 + job id % 20000)
+    worker_prefix: str = ""  # rollout only: worker ids <prefix>[-a<k>][-t<rank>]
+    signal_before_s: int = 120  # rollout, validate: SIGTERM, trainer: checkpoint + requeue,
+    # this long before the time limit
+    output: str | None = None  # default: <root>/logs/slurm-<role>-%j.out
     sbatch_args: list[str] = dataclasses.field(default_factory=list)  # extra #SBATCH lines
     python: str = sys.executable
     workdir: str = dataclasses.field(default_factory=os.getcwd)
@@ -56,6 +57,7 @@ class JobSpec:
     def check(self, role: str) -> None:
         def bad(msg):
             raise ValueError(f"{role} job: {msg}")
+
         if self.nodes < 1:
             bad(f"--nodes must be at least 1, got {self.nodes}")
         for name in ("gpus_per_node", "tasks_per_node", "cpus_per_task", "nproc_per_node"):
@@ -84,6 +86,7 @@ def _q(words) -> str:
 
 def output_path(spec: JobSpec, role: str) -> str:
     from buffer.run import setup_trainer_run
+
     return spec.output or setup_trainer_run(spec.root).files.slurm_output(role)
 
 
@@ -95,7 +98,9 @@ def _common(spec: JobSpec, role: str) -> dict:
     return {
         "job_name": spec.job_name or f"tandem-{role}",
         "partition": spec.partition or "",
-        "nodes": spec.nodes, "cpus_per_task": spec.cpus_per_task, "time": spec.time,
+        "nodes": spec.nodes,
+        "cpus_per_task": spec.cpus_per_task,
+        "time": spec.time,
         "workdir": shlex.quote(spec.workdir),
         "output": output_path(spec, role),
         "optional_lines": "\n".join(optional),
@@ -121,9 +126,14 @@ def render_rollout(spec: JobSpec, worker_args: list[str]) -> str:
         values["optional_lines"] = f"#SBATCH --array={spec.array}\n" + values["optional_lines"]
         if not spec.output:
             values["output"] = values["output"].replace("%j", "%A_%a")
-    values.update(tasks_per_node=tasks, signal_before_s=spec.signal_before_s,
-                  worker_prefix=shlex.quote(spec.worker_prefix), bind_gpu=1 if spec.gpus_per_node else 0,
-                  task_script=shlex.quote(str(TASK_SCRIPT)), worker_args=_q(args))
+    values.update(
+        tasks_per_node=tasks,
+        signal_before_s=spec.signal_before_s,
+        worker_prefix=shlex.quote(spec.worker_prefix),
+        bind_gpu=1 if spec.gpus_per_node else 0,
+        task_script=shlex.quote(str(TASK_SCRIPT)),
+        worker_args=_q(args),
+    )
     return _finish(_template("rollout.sbatch").substitute(values), spec)
 
 
@@ -133,17 +143,26 @@ def render_trainer(spec: JobSpec, trainer_args: list[str], role: str = "trainer"
     if spec.array:
         raise ValueError(f"{role} job: --array is for rollout jobs only")
     if spec.gpus_per_node and spec.nproc_per_node > spec.gpus_per_node:
-        raise ValueError(f"{role} job: --nproc-per-node {spec.nproc_per_node} ranks on "
-                         f"{spec.gpus_per_node} GPUs per node: use one rank per GPU")
+        raise ValueError(
+            f"{role} job: --nproc-per-node {spec.nproc_per_node} ranks on "
+            f"{spec.gpus_per_node} GPUs per node: use one rank per GPU"
+        )
     module, root_key = TORCHRUN_ROLES[role]
     values = _common(spec, role)
     from buffer.run import setup_trainer_run
+
     layout = setup_trainer_run(spec.root).files  # trainer.stop, DONE: the RL trainer's (trainer.sft has neither)
-    values.update(nproc_per_node=spec.nproc_per_node, port=spec.port, role=role, module=module,
-                  signal_before_s=spec.signal_before_s, stoppable=int(role == "trainer"),
-                  stop_file=shlex.quote(layout.trainer_stop),
-                  done_marker=shlex.quote(layout.done_marker),
-                  trainer_args=_q([f"{root_key}={spec.root}", *trainer_args]))
+    values.update(
+        nproc_per_node=spec.nproc_per_node,
+        port=spec.port,
+        role=role,
+        module=module,
+        signal_before_s=spec.signal_before_s,
+        stoppable=int(role == "trainer"),
+        stop_file=shlex.quote(layout.trainer_stop),
+        done_marker=shlex.quote(layout.done_marker),
+        trainer_args=_q([f"{root_key}={spec.root}", *trainer_args]),
+    )
     return _finish(_template("trainer.sbatch").substitute(values), spec)
 
 
@@ -152,16 +171,17 @@ def render_validate(spec: JobSpec, validate_args: list[str]) -> str:
     if spec.nodes != 1 or spec.array:
         raise ValueError("validate job: one validator per run: one node, no --array")
     values = _common(spec, "validate")
-    values.update(signal_before_s=spec.signal_before_s,
-                  validate_args=_q([f"root={spec.root}", *validate_args]))
+    values.update(signal_before_s=spec.signal_before_s, validate_args=_q([f"root={spec.root}", *validate_args]))
     return _finish(_template("validate.sbatch").substitute(values), spec)
 
 
 # --- SLURM commands -------------------------------------------------------------------------
 def _run(cmd: list[str], stdin: str | None = None, timeout: float = 60) -> subprocess.CompletedProcess:
     if shutil.which(cmd[0]) is None:
-        raise SlurmError(f"{cmd[0]} not found on PATH: run this on a SLURM login node "
-                         "(for a local test cluster: scripts/slurm/start.sh)")
+        raise SlurmError(
+            f"{cmd[0]} not found on PATH: run this on a SLURM login node "
+            "(for a local test cluster: scripts/slurm/start.sh)"
+        )
     try:
         return subprocess.run(cmd, input=stdin, capture_output=True, text=True, timeout=timeout)
     except subprocess.TimeoutExpired:
@@ -183,8 +203,11 @@ def cancel(job_id: str, signal_name: str | None = None) -> None:
     """scancel the job; with a signal, only signal its steps (the job goes on until they exit)."""
     cmd = ["scancel", *([f"--signal={signal_name}"] if signal_name else []), job_id]
     out = _run(cmd)
-    if out.returncode != 0 and "already completing or completed" not in out.stderr \
-            and "Invalid job id" not in out.stderr:
+    if (
+        out.returncode != 0
+        and "already completing or completed" not in out.stderr
+        and "Invalid job id" not in out.stderr
+    ):
         raise SlurmError(f"{' '.join(cmd)} failed: {out.stderr.strip()}")
 
 

@@ -24,6 +24,7 @@ token, as Qwen2's pre-tokenizer does) with a Qwen2-style chat template (<|im_sta
 <|im_end|>, eos <|im_end|>, pad <|endoftext|>); the model is a random-init Qwen2 of a named size
 (MODEL_SIZES), built by rollout.builtin_task.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -36,7 +37,7 @@ from rollout import builtin_task, preprocess
 DATA_SOURCE = "openai/gsm8k"  # verl's default_compute_score picks its GSM8K rule reward for it
 ABILITY = "math"
 # verl's examples/data_preprocess/gsm8k.py appends this to every question
-INSTRUCTION = " Let's think step by step and output the final answer after \"####\"."
+INSTRUCTION = ' Let\'s think step by step and output the final answer after "####".'
 TIERS = (1, 2, 3)
 MAX_VALUE = 999  # every number in a problem stays below this
 # Tokens, with the template and the instruction: a tier-3 prompt is ~70, its solution ~75.
@@ -49,26 +50,66 @@ MODEL_SIZES = {
     "gpu": dict(hidden=512, layers=8, heads=8, kv_heads=8, intermediate=1536, max_positions=512),
 }
 
-NAMES = [("Mia", "she"), ("Liam", "he"), ("Ava", "she"), ("Noah", "he"), ("Emma", "she"),
-         ("Lucas", "he"), ("Zoe", "she"), ("Omar", "he"), ("Nina", "she"), ("Ravi", "he"),
-         ("Sara", "she"), ("Tom", "he"), ("Lena", "she"), ("Ben", "he"), ("Ivy", "she"),
-         ("Jack", "he"), ("Maya", "she"), ("Leo", "he"), ("Rosa", "she"), ("Sam", "he")]
-ITEMS = ["apples", "shells", "marbles", "stickers", "pencils", "cookies", "coins", "books",
-         "cards", "stamps", "beads", "eggs", "flowers", "toy cars", "crayons", "buttons"]
+NAMES = [
+    ("Mia", "she"),
+    ("Liam", "he"),
+    ("Ava", "she"),
+    ("Noah", "he"),
+    ("Emma", "she"),
+    ("Lucas", "he"),
+    ("Zoe", "she"),
+    ("Omar", "he"),
+    ("Nina", "she"),
+    ("Ravi", "he"),
+    ("Sara", "she"),
+    ("Tom", "he"),
+    ("Lena", "she"),
+    ("Ben", "he"),
+    ("Ivy", "she"),
+    ("Jack", "he"),
+    ("Maya", "she"),
+    ("Leo", "he"),
+    ("Rosa", "she"),
+    ("Sam", "he"),
+]
+ITEMS = [
+    "apples",
+    "shells",
+    "marbles",
+    "stickers",
+    "pencils",
+    "cookies",
+    "coins",
+    "books",
+    "cards",
+    "stamps",
+    "beads",
+    "eggs",
+    "flowers",
+    "toy cars",
+    "crayons",
+    "buttons",
+]
 # (question clause, solution clause) per operation; {p} is the pronoun, {b} the operand
 PHRASES = {
-    "+": [("{P} finds {b} more {item}.", "{P} finds {b} more"),
-          ("Then {p} buys {b} more {item}.", "{P} buys {b} more"),
-          ("A friend gives {o} {b} {item}.", "{P} gets {b} more")],
-    "-": [("Then {p} gives away {b} of them.", "{P} gives away {b}"),
-          ("{P} loses {b} {item}.", "{P} loses {b}"),
-          ("Then {p} uses {b} of the {item}.", "{P} uses {b}")],
-    "*": [("Then {p} trades them for {b} times as many {item}.", "{P} trades for {b} times as many"),
-          ("Then {p} ends up with {b} times as many {item}.", "{P} ends up with {b} times as many")],
-    "/": [("{P} shares them equally among {b} friends, and keeps only one share.",
-           "{P} keeps one of {b} equal shares"),
-          ("Then {p} splits the {item} into {b} equal bags and keeps one bag.",
-           "{P} keeps one of {b} equal bags")],
+    "+": [
+        ("{P} finds {b} more {item}.", "{P} finds {b} more"),
+        ("Then {p} buys {b} more {item}.", "{P} buys {b} more"),
+        ("A friend gives {o} {b} {item}.", "{P} gets {b} more"),
+    ],
+    "-": [
+        ("Then {p} gives away {b} of them.", "{P} gives away {b}"),
+        ("{P} loses {b} {item}.", "{P} loses {b}"),
+        ("Then {p} uses {b} of the {item}.", "{P} uses {b}"),
+    ],
+    "*": [
+        ("Then {p} trades them for {b} times as many {item}.", "{P} trades for {b} times as many"),
+        ("Then {p} ends up with {b} times as many {item}.", "{P} ends up with {b} times as many"),
+    ],
+    "/": [
+        ("{P} shares them equally among {b} friends, and keeps only one share.", "{P} keeps one of {b} equal shares"),
+        ("Then {p} splits the {item} into {b} equal bags and keeps one bag.", "{P} keeps one of {b} equal bags"),
+    ],
 }
 
 
@@ -98,8 +139,7 @@ def _apply(a: int, op: str, b: int) -> int:
 def make_problem(rng: random.Random, tier: int) -> tuple[str, str]:
     """(question, worked solution ending in '#### N') with `tier` operations."""
     (name, pronoun), item = rng.choice(NAMES), rng.choice(ITEMS)
-    subs = {"p": pronoun, "P": pronoun.capitalize(), "o": {"she": "her", "he": "him"}[pronoun],
-            "item": item}
+    subs = {"p": pronoun, "P": pronoun.capitalize(), "o": {"she": "her", "he": "him"}[pronoun], "item": item}
     value = rng.randint(2, 30)
     question = [f"{name} has {value} {item}."]
     solution = []
@@ -108,8 +148,9 @@ def make_problem(rng: random.Random, tier: int) -> tuple[str, str]:
         asked, told = rng.choice(PHRASES[op])
         result = _apply(value, op, b)
         question.append(asked.format(b=b, **subs))
-        solution.append(f"{told.format(b=b, **subs)}, so {pronoun} has "
-                        f"{value}{op}{b}=<<{value}{op}{b}={result}>>{result} {item}.")
+        solution.append(
+            f"{told.format(b=b, **subs)}, so {pronoun} has {value}{op}{b}=<<{value}{op}{b}={result}>>{result} {item}."
+        )
         value = result
     question.append(f"How many {item} does {name} have now?")
     solution.append(f"#### {value}")
@@ -124,21 +165,27 @@ def make_qa(num: int, seed: int = 0, tiers: tuple[int, ...] = TIERS) -> list[tup
     return [make_problem(rng, tiers[i % len(tiers)]) for i in range(num)]
 
 
-def write_task(paths: dict[tuple[str, str], str], num: int = 20000, seed: int = 0,
-               val_fraction: float = 0.05) -> dict[str, int]:
+def write_task(
+    paths: dict[tuple[str, str], str], num: int = 20000, seed: int = 0, val_fraction: float = 0.05
+) -> dict[str, int]:
     """The four parquets of rollout.preprocess (`paths[(kind, split)]`) in verl's GSM8K shape."""
-    return preprocess.write_splits(make_qa(num, seed), paths, DATA_SOURCE, ABILITY, val_fraction,
-                                   seed, INSTRUCTION, ground_truth_after="####")
+    return preprocess.write_splits(
+        make_qa(num, seed), paths, DATA_SOURCE, ABILITY, val_fraction, seed, INSTRUCTION, ground_truth_after="####"
+    )
 
 
 # --- tokenizer and model ----------------------------------------------------------------------
 PAD, IM_START, IM_END = "<|endoftext|>", "<|im_start|>", "<|im_end|>"
-CHAT_TEMPLATE = ("{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\n' + m['content'] + "
-                 "'<|im_end|>' + '\n' }}{% endfor %}"
-                 "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}")
+CHAT_TEMPLATE = (
+    "{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\n' + m['content'] + "
+    "'<|im_end|>' + '\n' }}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
 # Qwen2's pre-tokenizer pattern: words, single digits, punctuation runs, whitespace
-QWEN2_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+"
-               r"[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+QWEN2_SPLIT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+"
+    r"[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
 
 
 def train_tokenizer(texts: list[str], vocab_size: int = 4096):
@@ -146,53 +193,70 @@ def train_tokenizer(texts: list[str], vocab_size: int = 4096):
     task's small vocabulary of words gives ~550 tokens), as a transformers tokenizer."""
     from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
+
     core = Tokenizer(models.BPE())
-    core.pre_tokenizer = pre_tokenizers.Sequence([
-        pre_tokenizers.Split(Regex(QWEN2_SPLIT), behavior="isolated"),
-        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+    core.pre_tokenizer = pre_tokenizers.Sequence(
+        [
+            pre_tokenizers.Split(Regex(QWEN2_SPLIT), behavior="isolated"),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+        ]
+    )
     core.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=[PAD, IM_START, IM_END],
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-                                  show_progress=False)
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=[PAD, IM_START, IM_END],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
     core.train_from_iterator(texts, trainer)
-    tok = PreTrainedTokenizerFast(tokenizer_object=core, pad_token=PAD, eos_token=IM_END,
-                                  additional_special_tokens=[IM_START])
+    tok = PreTrainedTokenizerFast(
+        tokenizer_object=core, pad_token=PAD, eos_token=IM_END, additional_special_tokens=[IM_START]
+    )
     tok.chat_template = CHAT_TEMPLATE
     return tok
 
 
-def write_model(out_dir: str | Path, size: str = "tiny", seed: int = 0, corpus: int = 5000,
-                vocab_size: int = 4096) -> None:
+def write_model(
+    out_dir: str | Path, size: str = "tiny", seed: int = 0, corpus: int = 5000, vocab_size: int = 4096
+) -> None:
     """An HF folder (config.json, generation_config.json, model.safetensors, tokenizer) loadable
     by transformers and vLLM: the tokenizer trained on `corpus` generated problems (with the
     chat template and instruction around them), the model random-init of MODEL_SIZES[size]."""
     if size not in MODEL_SIZES:
         raise ValueError(f"size {size!r}: choose one of {sorted(MODEL_SIZES)}")
-    texts = [f"{IM_START}user\n{q}{INSTRUCTION}{IM_END}\n{IM_START}assistant\n{a}{IM_END}\n"
-             for q, a in make_qa(corpus, seed=seed + 1)]  # the task's distribution, other draws
+    texts = [
+        f"{IM_START}user\n{q}{INSTRUCTION}{IM_END}\n{IM_START}assistant\n{a}{IM_END}\n"
+        for q, a in make_qa(corpus, seed=seed + 1)
+    ]  # the task's distribution, other draws
     tok = train_tokenizer(texts, vocab_size)
     builtin_task.write_model(out_dir, seed=seed, tokenizer=tok, **MODEL_SIZES[size])
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m rollout.tasks.arith", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--local_save_dir", "--local_dir", required=True,
-                   help="folder for {sft,rl}_{train,val}.parquet (verl's flag names)")
+    p = argparse.ArgumentParser(
+        prog="python -m rollout.tasks.arith", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    p.add_argument(
+        "--local_save_dir",
+        "--local_dir",
+        required=True,
+        help="folder for {sft,rl}_{train,val}.parquet (verl's flag names)",
+    )
     p.add_argument("--rows", type=int, default=20000, help="problems generated (default 20000)")
-    p.add_argument("--val_fraction", type=float, default=0.05,
-                   help="fraction of distinct questions held out (default 0.05)")
+    p.add_argument(
+        "--val_fraction", type=float, default=0.05, help="fraction of distinct questions held out (default 0.05)"
+    )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--model", help="also write the tokenizer and a random-init model here")
     p.add_argument("--size", default="tiny", choices=sorted(MODEL_SIZES), help="model shape")
     args = p.parse_args(argv)
     if args.rows < 2 or not 0 < args.val_fraction < 1:
         p.error("--rows must be at least 2 and --val_fraction in (0, 1)")
-    paths = {(k, s): str(Path(args.local_save_dir) / f"{k}_{s}.parquet")
-             for k in preprocess.KINDS for s in preprocess.SPLITS}
+    paths = {
+        (k, s): str(Path(args.local_save_dir) / f"{k}_{s}.parquet") for k in preprocess.KINDS for s in preprocess.SPLITS
+    }
     counts = write_task(paths, args.rows, args.seed, args.val_fraction)
-    print(f"wrote {counts['train']} train and {counts['val']} validation problems to "
-          f"{args.local_save_dir}")
+    print(f"wrote {counts['train']} train and {counts['val']} validation problems to {args.local_save_dir}")
     if args.model:
         write_model(args.model, args.size, args.seed)
         print(f"wrote the {args.size} model and its tokenizer to {args.model}")

@@ -24,6 +24,7 @@ but not trained): samples trained twice, samples consumed but never trained (los
 written twice, and whether the mean reward of the last 10 steps beats the first 10. The report is
 JSON; the exit code is 0 only if nothing was doubled or lost and every fault was survived.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -41,9 +42,10 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[2]
 sys.path[:0] = [str(REPO), str(REPO / "tests")]
 
+from conftest import descendants, fill_disk, free_port  # noqa: E402
+
 from buffer.layout import RunLayout  # noqa: E402
 from buffer.ledger import Ledger  # noqa: E402
-from conftest import descendants, fill_disk, free_port  # noqa: E402
 from launch.local import BUILTIN_TRAINER, BUILTIN_WORKER  # noqa: E402
 from protocol.experience import decode, from_table  # noqa: E402
 from rollout import builtin_task  # noqa: E402
@@ -88,8 +90,9 @@ class Proc:
     def start(self) -> None:
         with open(self.log, "ab") as out:
             out.write(f"\n===== chaos: start {self.starts} of {self.name}\n".encode())
-            self.p = subprocess.Popen(self.cmd, stdout=out, stderr=subprocess.STDOUT, env=self.env,
-                                      start_new_session=True)
+            self.p = subprocess.Popen(
+                self.cmd, stdout=out, stderr=subprocess.STDOUT, env=self.env, start_new_session=True
+            )
         self.starts += 1
 
     def kill_group(self, timeout_s: float = 120) -> None:
@@ -98,16 +101,16 @@ class Proc:
         ranks = [pid for pid in descendants(self.p.pid) if alive(pid)]
         self.sigkill()
         self.p.wait(timeout=timeout_s)
-        wait_until(lambda: not any(alive(pid) for pid in ranks),
-                   f"the ranks of {self.name} to die with their agent", 60)
+        wait_until(
+            lambda: not any(alive(pid) for pid in ranks), f"the ranks of {self.name} to die with their agent", 60
+        )
 
     def sigkill(self) -> None:
         """SIGKILL the process group, which must still be there."""
         try:
             os.killpg(self.p.pid, signal.SIGKILL)
         except ProcessLookupError:  # e.g. it stopped on DONE just before the fault
-            raise Failure(f"{self.name} had exited by itself (code {self.p.poll()}) when its "
-                          "fault came") from None
+            raise Failure(f"{self.name} had exited by itself (code {self.p.poll()}) when its fault came") from None
 
     def text(self) -> str:
         return self.log.read_text(errors="replace")
@@ -120,31 +123,74 @@ class Chaos:
         self.layout = RunLayout(str(Path(args.root).resolve()))
         self.logs = Path(args.logs)
         self.logs.mkdir(parents=True, exist_ok=True)
-        self.report: dict = {"seed": args.seed, "steps": args.steps, "faults": collections.Counter(),
-                             "second_trainers_refused": 0, "failures": []}
+        self.report: dict = {
+            "seed": args.seed,
+            "steps": args.steps,
+            "faults": collections.Counter(),
+            "second_trainers_refused": 0,
+            "failures": [],
+        }
         self.expected_exit: set[str] = set()
         port = free_port()
-        env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1",
-                   TOKENIZERS_PARALLELISM="false", TANDEM_GRPC_TOKEN=TOKEN)
+        env = dict(
+            os.environ,
+            OMP_NUM_THREADS="1",
+            PYTHONUNBUFFERED="1",
+            TOKENIZERS_PARALLELISM="false",
+            TANDEM_GRPC_TOKEN=TOKEN,
+        )
         env["PYTHONPATH"] = os.pathsep.join([str(REPO), *filter(None, [env.get("PYTHONPATH")])])
         self.env = env
         root = self.layout.root
         self.trainer_args = [
-            f"root={root}", f"actor_rollout_ref.model.path={self.layout.init_model}",
-            f"trainer.total_training_steps={args.steps}", *BUILTIN_TRAINER,
-            "trainer.save_freq=2", "trainer.log_sample_ids=true",
+            f"root={root}",
+            f"actor_rollout_ref.model.path={self.layout.init_model}",
+            f"trainer.total_training_steps={args.steps}",
+            *BUILTIN_TRAINER,
+            "trainer.save_freq=2",
+            "trainer.log_sample_ids=true",
             # nothing dropped as stale: every consumed sample must then be trained
-            "trainer.max_staleness=1000", "buffer.retention=archive",
-            "buffer.transport=grpc", f"buffer.grpc_bind=127.0.0.1:{port}"]
-        self.trainer = Proc("trainer", [sys.executable, "-m", "torch.distributed.run", "--standalone",
-                                        "--nproc_per_node=2", "-m", "trainer.main",
-                                        *self.trainer_args], self.logs / "trainer.log", env)
-        self.workers = [Proc(f"w{i}", [
-            sys.executable, "-m", "rollout.worker", f"root={root}", f"worker.id=w{i}",
-            f"worker.seed={i}", f"data.train_files=[{self.layout.train_parquet}]",
-            "data.max_response_length=3", *BUILTIN_WORKER,
-            f"buffer.transport={'fs' if i == 0 else 'grpc'}", f"buffer.grpc_address=127.0.0.1:{port}"],
-            self.logs / f"worker-w{i}.log", env) for i in range(2)]
+            "trainer.max_staleness=1000",
+            "buffer.retention=archive",
+            "buffer.transport=grpc",
+            f"buffer.grpc_bind=127.0.0.1:{port}",
+        ]
+        self.trainer = Proc(
+            "trainer",
+            [
+                sys.executable,
+                "-m",
+                "torch.distributed.run",
+                "--standalone",
+                "--nproc_per_node=2",
+                "-m",
+                "trainer.main",
+                *self.trainer_args,
+            ],
+            self.logs / "trainer.log",
+            env,
+        )
+        self.workers = [
+            Proc(
+                f"w{i}",
+                [
+                    sys.executable,
+                    "-m",
+                    "rollout.worker",
+                    f"root={root}",
+                    f"worker.id=w{i}",
+                    f"worker.seed={i}",
+                    f"data.train_files=[{self.layout.train_parquet}]",
+                    "data.max_response_length=3",
+                    *BUILTIN_WORKER,
+                    f"buffer.transport={'fs' if i == 0 else 'grpc'}",
+                    f"buffer.grpc_address=127.0.0.1:{port}",
+                ],
+                self.logs / f"worker-w{i}.log",
+                env,
+            )
+            for i in range(2)
+        ]
 
     # --- the run -------------------------------------------------------------------------------
     def steps(self) -> int:
@@ -185,11 +231,14 @@ class Chaos:
         wait_until(lambda: self.steps() >= 2, "the first steps", 900, self.check)
         for kind in kinds:
             seen = self.steps()
-            wait_until(lambda: self.steps() > seen or os.path.exists(self.layout.done_marker),
-                       f"a step after the last fault (before {kind})", 900, self.check)
+            wait_until(
+                lambda seen=seen: self.steps() > seen or os.path.exists(self.layout.done_marker),
+                f"a step after the last fault (before {kind})",
+                900,
+                self.check,
+            )
             if os.path.exists(self.layout.done_marker):
-                raise Failure(f"the run ended after {sum(self.report['faults'].values())} faults: "
-                              "give it more steps")
+                raise Failure(f"the run ended after {sum(self.report['faults'].values())} faults: give it more steps")
             # The random moment of the fault: anywhere in the next step (reading, training,
             # publishing, checkpointing). Scaled by the step's time, not a fixed 0-3 s: a fast
             # trainer took ~5 steps per fault that way and nearly finished before the last fault.
@@ -200,8 +249,10 @@ class Chaos:
         self.report["step_at_last_fault"] = self.last_step().get("step")  # margin: steps left
         wait_until(lambda: self.trainer.p.poll() is not None, "the trainer to finish", 1800, self.check)
         if self.trainer.p.returncode != 0 or not os.path.exists(self.layout.done_marker):
-            raise Failure(f"the trainer ended with code {self.trainer.p.returncode}, DONE "
-                          f"{'present' if os.path.exists(self.layout.done_marker) else 'missing'}")
+            raise Failure(
+                f"the trainer ended with code {self.trainer.p.returncode}, DONE "
+                f"{'present' if os.path.exists(self.layout.done_marker) else 'missing'}"
+            )
         for w in self.workers:  # they stop on DONE
             w.p.wait(timeout=600)
             if w.p.returncode != 0:
@@ -248,12 +299,16 @@ class Chaos:
         self._restart_trainer()
 
     def fault_second_trainer(self) -> None:
-        wait_until(lambda: _lock_holder_alive(self.layout), "the trainer to hold its lock", 600,
-                   self.check)
+        wait_until(lambda: _lock_holder_alive(self.layout), "the trainer to hold its lock", 600, self.check)
         log = self.logs / "second-trainer.log"
         with open(log, "ab") as out:
-            p = subprocess.run([sys.executable, "-m", "trainer.main", *self.trainer_args],
-                               stdout=out, stderr=subprocess.STDOUT, env=self.env, timeout=600)
+            p = subprocess.run(
+                [sys.executable, "-m", "trainer.main", *self.trainer_args],
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                env=self.env,
+                timeout=600,
+            )
         tail = log.read_text(errors="replace")[-4000:]
         if p.returncode == 0 or "held by the trainer pid" not in tail:
             raise Failure(f"a second trainer was not refused (exit {p.returncode}); see {log}")
@@ -263,10 +318,9 @@ class Chaos:
         filler = os.path.join(os.path.dirname(self.layout.root), "filler")
         marks = {p.name: len(p.text()) for p in [self.trainer, *self.workers]}
         fill_disk(filler)
-        said = lambda p: "disk full at" in p.text()[marks[p.name]:]  # noqa: E731
+        said = lambda p: "disk full at" in p.text()[marks[p.name] :]  # noqa: E731
         try:
-            wait_until(lambda: said(self.trainer), "the trainer to say 'disk full at'", 300,
-                       self.check)
+            wait_until(lambda: said(self.trainer), "the trainer to say 'disk full at'", 300, self.check)
             # a worker held by backpressure writes nothing, so it may have nothing to say: the
             # disk stays full until one does, or for at most a minute
             try:
@@ -309,23 +363,35 @@ class Chaos:
         lost = in_consumed - set(trained) - pooled
         r = self.report
         r.update(
-            faults_total=sum(r["faults"].values()), shards=len(shards),
-            samples_written=len(written), samples_trained=len(trained),
+            faults_total=sum(r["faults"].values()),
+            shards=len(shards),
+            samples_written=len(written),
+            samples_trained=len(trained),
             samples_doubled=sum(1 for n in trained.values() if n > 1),
-            samples_lost=len(lost), samples_trained_never_written=len(set(trained) - written),
+            samples_lost=len(lost),
+            samples_trained_never_written=len(set(trained) - written),
             samples_read_not_yet_trained=len(pooled),
             samples_not_yet_read=len(written - in_consumed),
             shard_numbers_written_twice=len(doubled_keys),
             quarantined_shards=len(list(Path(self.layout.quarantine_dir).rglob("*.reason.txt"))),
-            restarts={p.name: p.starts - 1 for p in [self.trainer, *self.workers]})
+            restarts={p.name: p.starts - 1 for p in [self.trainer, *self.workers]},
+        )
         rows = [final[s] for s in sorted(final)]
         r["reward_first10"] = sum(x["reward/mean"] for x in rows[:10]) / 10
         r["reward_last10"] = sum(x["reward/mean"] for x in rows[-10:]) / 10
-        bad = {k: r[k] for k in ("samples_doubled", "samples_lost", "samples_trained_never_written",
-                                 "shard_numbers_written_twice", "quarantined_shards") if r[k]}
+        bad = {
+            k: r[k]
+            for k in (
+                "samples_doubled",
+                "samples_lost",
+                "samples_trained_never_written",
+                "shard_numbers_written_twice",
+                "quarantined_shards",
+            )
+            if r[k]
+        }
         if bad:
-            raise Failure(f"audit: {bad}; e.g. lost {sorted(lost)[:3]}, shard numbers twice "
-                          f"{doubled_keys[:3]}")
+            raise Failure(f"audit: {bad}; e.g. lost {sorted(lost)[:3]}, shard numbers twice {doubled_keys[:3]}")
         if r["faults_total"] < self.args.min_faults:
             raise Failure(f"only {r['faults_total']} faults injected (want {self.args.min_faults})")
         if not r["reward_last10"] > r["reward_first10"]:
@@ -360,8 +426,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--logs", required=True, help="folder for the processes' logs (not on --root's disk)")
     p.add_argument("--report", required=True, help="where to write the JSON report")
     p.add_argument("--seed", type=int, default=None, help="fault schedule seed (default: random)")
-    p.add_argument("--steps", type=int, default=150,
-                   help="trainer steps (default 150: room for every fault when the trainer is fast)")
+    p.add_argument(
+        "--steps",
+        type=int,
+        default=150,
+        help="trainer steps (default 150: room for every fault when the trainer is fast)",
+    )
     p.add_argument("--min-faults", type=int, default=20)
     p.add_argument("--disk-full", action="store_true", help="fill --root's filesystem once")
     args = p.parse_args(argv)
@@ -379,8 +449,9 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         chaos.stop_all()
         Path(args.report).write_text(json.dumps(chaos.report, indent=1, sort_keys=True) + "\n")
-        shutil.copy(chaos.layout.metrics, Path(args.logs) / "metrics.jsonl") \
-            if os.path.exists(chaos.layout.metrics) else None
+        shutil.copy(chaos.layout.metrics, Path(args.logs) / "metrics.jsonl") if os.path.exists(
+            chaos.layout.metrics
+        ) else None
     print(json.dumps(chaos.report, sort_keys=True), flush=True)
     return code
 

@@ -4,6 +4,7 @@ tensor parallelism.
 
 Run on the device machine: python -m pytest -m gpu tests/gpu -rA
 """
+
 import pytest
 from vllm_helpers import PROMPTS, mean_abs, needs_gpus, trainer_logprobs
 
@@ -17,27 +18,31 @@ AGREE = 1e-2
 def _model(path, seed):
     # hidden 256 / 4 heads: head_dim 64, which every vLLM attention backend supports.
     from rollout import builtin_task
+
     builtin_task.write_model(path, seed=seed, hidden=256)
     from transformers import AutoModelForCausalLM
+
     return AutoModelForCausalLM.from_pretrained(path)
 
 
 def _generate(engine, prompts, temperature=0.8):
     from rollout.engine import SamplingSettings
-    return engine.generate(prompts, SamplingSettings(n=4, temperature=temperature, top_p=1.0,
-                                                     max_tokens=8, seed=1))
+
+    return engine.generate(prompts, SamplingSettings(n=4, temperature=temperature, top_p=1.0, max_tokens=8, seed=1))
 
 
 def _engine_and_versions(base, tp, eager=False):
     from buffer.weights.fs import WeightStore
     from rollout.config import RolloutSamplingConfig
     from rollout.vllm_engine import VLLMEngine
+
     old, new = _model(base / "v0", seed=0), _model(base / "v1src", seed=1)
     store = WeightStore(str(base / "run"))
     store.publish_hf_folder(base / "v1src", 1, 1, keep=2)
     # Defaults otherwise: CUDA graphs on, as a production worker runs.
-    cfg = RolloutSamplingConfig(name="vllm", dtype="float32", gpu_memory_utilization=0.3,
-                                tensor_model_parallel_size=tp, enforce_eager=eager)
+    cfg = RolloutSamplingConfig(
+        name="vllm", dtype="float32", gpu_memory_utilization=0.3, tensor_model_parallel_size=tp, enforce_eager=eager
+    )
     return VLLMEngine(str(base / "v0"), cfg), store, old, new
 
 

@@ -9,6 +9,7 @@ re-initialize CUDA in forked subprocess".
 
 Run on the device machine: python -m pytest -m gpu tests/gpu -rA
 """
+
 import glob
 import os
 import signal
@@ -43,23 +44,38 @@ def test_worker_scoring_with_verl_starts_vllm_in_default_mode(tmp_path):
     from rollout.tasks import arith
 
     data = tmp_path / "data"
-    arith.write_task({(k, s): str(data / f"{k}_{s}.parquet") for k in ("sft", "rl")
-                      for s in ("train", "val")}, num=200, val_fraction=0.1)
+    arith.write_task(
+        {(k, s): str(data / f"{k}_{s}.parquet") for k in ("sft", "rl") for s in ("train", "val")},
+        num=200,
+        val_fraction=0.1,
+    )
     arith.write_model(tmp_path / "model", "gpu")  # head_dim 64: every vLLM attention backend
     run = tmp_path / "run"
     WeightStore(str(run)).publish_hf_folder(tmp_path / "model", 0, 0, keep=2)
 
-    env = {k: v for k, v in os.environ.items()
-           if k not in ("VLLM_WORKER_MULTIPROC_METHOD", "VLLM_ENABLE_V1_MULTIPROCESSING")}
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if k not in ("VLLM_WORKER_MULTIPROC_METHOD", "VLLM_ENABLE_V1_MULTIPROCESSING")
+    }
     env |= {"PYTHONPATH": REPO + os.pathsep + env.get("PYTHONPATH", ""), "PYTHONUNBUFFERED": "1"}
     log = tmp_path / "worker.log"
-    cmd = [sys.executable, "-m", "rollout.worker", f"root={run}",
-           f"data.train_files=[{data / 'rl_train.parquet'}]", "worker.id=w0",
-           "actor_rollout_ref.rollout.name=vllm", "actor_rollout_ref.rollout.dtype=bfloat16",
-           "actor_rollout_ref.rollout.gpu_memory_utilization=0.3",
-           "actor_rollout_ref.rollout.n=4", "actor_rollout_ref.rollout.prompts_per_batch=16",
-           f"data.max_response_length={arith.MAX_RESPONSE_LENGTH}",
-           "buffer.flush_samples=64", "buffer.flush_interval=2"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "rollout.worker",
+        f"root={run}",
+        f"data.train_files=[{data / 'rl_train.parquet'}]",
+        "worker.id=w0",
+        "actor_rollout_ref.rollout.name=vllm",
+        "actor_rollout_ref.rollout.dtype=bfloat16",
+        "actor_rollout_ref.rollout.gpu_memory_utilization=0.3",
+        "actor_rollout_ref.rollout.n=4",
+        "actor_rollout_ref.rollout.prompts_per_batch=16",
+        f"data.max_response_length={arith.MAX_RESPONSE_LENGTH}",
+        "buffer.flush_samples=64",
+        "buffer.flush_interval=2",
+    ]
     with open(log, "wb") as out:
         proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env, cwd=tmp_path)
     try:
@@ -67,8 +83,7 @@ def test_worker_scoring_with_verl_starts_vllm_in_default_mode(tmp_path):
         shards = []
         while not shards:
             assert proc.poll() is None, f"worker exited {proc.returncode}:\n{_log_tail(log)}"
-            assert time.monotonic() < deadline, \
-                f"no shard within {FIRST_SHARD_TIMEOUT_S:.0f} s:\n{_log_tail(log)}"
+            assert time.monotonic() < deadline, f"no shard within {FIRST_SHARD_TIMEOUT_S:.0f} s:\n{_log_tail(log)}"
             time.sleep(1.0)  # polling a folder; the bound is the deadline above
             shards = glob.glob(str(run / "experience" / "w0" / "*.arrow"))
         proc.send_signal(signal.SIGTERM)
@@ -85,5 +100,7 @@ def test_worker_scoring_with_verl_starts_vllm_in_default_mode(tmp_path):
     assert set(table.column("data_source").to_pylist()) == {arith.DATA_SOURCE}  # verl's rule scored
     rewards = table.column("reward").to_pylist()
     assert set(rewards) <= {0.0, 1.0}, rewards  # verl's gsm8k: 1 for the right answer, else 0
-    print(f"worker: {table.num_rows} samples in its first shard, mean reward "
-          f"{sum(rewards) / len(rewards):.3f}; engine start log:\n{_log_tail(log, 5)}")
+    print(
+        f"worker: {table.num_rows} samples in its first shard, mean reward "
+        f"{sum(rewards) / len(rewards):.3f}; engine start log:\n{_log_tail(log, 5)}"
+    )

@@ -5,6 +5,7 @@ processes started fresh. The pytest process never touches CUDA (the trainer-side
 the tests compare against are computed on the CPU in float32), so vLLM may start its processes
 either way and no test depends on the order the files run in.
 """
+
 import pytest
 import torch
 
@@ -20,9 +21,27 @@ def trainer_logprobs(model, prompts, groups, temperature):
     from protocol.experience import Sample
     from trainer import algo
     from trainer.batch import collate
-    samples = [Sample(f"{i}/{k}", str(i), "p", "w", 0, prompts[i], c.token_ids, c.logprobs, 0.0,
-                      c.finish_reason, temperature, "x", 0.0, 0.0)
-               for i, g in enumerate(groups) for k, c in enumerate(g)]
+
+    samples = [
+        Sample(
+            f"{i}/{k}",
+            str(i),
+            "p",
+            "w",
+            0,
+            prompts[i],
+            c.token_ids,
+            c.logprobs,
+            0.0,
+            c.finish_reason,
+            temperature,
+            "x",
+            0.0,
+            0.0,
+        )
+        for i, g in enumerate(groups)
+        for k, c in enumerate(g)
+    ]
     batch = collate(samples)
     with torch.no_grad():
         lp, _ = algo.response_logprobs(model.float(), batch)
