@@ -69,8 +69,9 @@ class BufferConfig:
                              "service, at most this long, until every worker's heartbeat says "
                              "stopped (so that workers without the run folder learn the run "
                              "ended)", ge=0)
-    grpc_cache_versions: int = F(2, "worker (transport grpc): weight versions kept in the cache "
-                                 "in its own folder (ROOT/weights)", ge=1)
+    grpc_cache_versions: int = F(2, "worker (transport grpc): complete weight versions kept in "
+                                 "the cache in its own folder (ROOT/weights), besides at most one "
+                                 "partial fetch of a newer one (resumed by the next fetch)", ge=1)
 
     # --- weight versions over the network (buffer/weights_net.py) ---
     weights_chunk_kb: int = F(4096, "trainer: weight files are served in chunks of this many KiB, "

@@ -11,6 +11,8 @@ checks each chunk's sha256 against the trainer's list before counting it, record
 chunks durably (data fsynced first, then a bitmap sidecar replaced atomically), so a killed fetch
 restarted later fetches only what is missing; when all chunks are in, every file is checked
 against the manifest's whole-file sha256 and the folder is renamed to `<dest>` (atomic).
+`close()` cancels a fetch in progress (FetchCancelled): its verified chunks are made durable and
+`<dest>.partial/` is kept for the next fetch; `discard_partial(dest)` removes one no fetch holds.
 
 Peer fan-out (a swarm): each fetcher serves the chunks it holds from its own small grpc.Server
 (same token) and reports them to the trainer every `weights_peer_refresh_s`; the trainer answers
@@ -60,6 +62,7 @@ NOTE_EVERY_S = 30.0  # a waiting fetch logs what it waits for this often
 _PACE_BYTES = 256 << 10  # the uplink model's packet: concurrent replies interleave at this grain
 _CHUNKS_FILE = SIDECAR_PREFIX + "chunks"
 _VERIFIED_FILE = SIDECAR_PREFIX + "verified"
+PARTIAL = ".partial"  # <dest>.partial/: a fetch in progress or interrupted; <dest>.partial.lock
 TRAINER = "trainer"  # the source name of chunks from the trainer in FetchStats
 REDIRECT = -1  # a ChunkReply's index: every chunk asked for is with live peers, ask them
 
@@ -355,6 +358,11 @@ class _Corrupt(Exception):
     """A chunk whose bytes do not match the chunk list's sha256."""
 
 
+class FetchCancelled(Exception):
+    """The fetcher was closed during the fetch; the verified chunks are durable in
+    `<dest>.partial/`, and the next fetch of the version resumes them."""
+
+
 class _Partial:
     """`<dest>.partial/`: the version's files at full size, written chunk by chunk, plus the
     chunk list it was fetched by and the bitmap of chunks verified and fsynced (sidecars)."""
@@ -465,6 +473,8 @@ class WeightFetcher:
         self._peer_lists: dict[int, list[PeerInfo]] = {}
         self._channels: dict[str, grpc.Channel] = {}
         self._stop = threading.Event()
+        self._fetching = 0  # fetches in progress; close() waits for them to end
+        self._idle = threading.Condition(self._lock)
         self.server, self.peer_address = None, ""
         if cfg.weights_peer_fanout:
             self._serve()
@@ -521,6 +531,10 @@ class WeightFetcher:
                 try:
                     self._report(version, holding)
                     failing_since = None
+                except ValueError:  # "closed channel": close() ran meanwhile
+                    if self._stop.is_set():
+                        return
+                    raise
                 except (grpc.RpcError, WireError) as e:
                     if failing_since is None or time.monotonic() - failing_since > NOTE_EVERY_S:
                         log.warning("cannot report held weight chunks to the trainer at %s "
@@ -530,6 +544,8 @@ class WeightFetcher:
 
     def _peer_call(self, address: str):
         with self._lock:
+            if self._stop.is_set():  # closed: no new channel (the transfer stops at its next tick)
+                raise FetchCancelled(f"the fetcher of {self.peer_id} is closed")
             if address not in self._channels:
                 self._channels[address] = open_channel(self.cfg, address, _OPTIONS)
             return self._channels[address].unary_unary(CHUNK_METHOD)
@@ -539,20 +555,47 @@ class WeightFetcher:
             return list(self._peer_lists.get(version, []))
 
     def close(self) -> None:
+        """Stop fetching and serving. A fetch in progress ends with FetchCancelled: closing the
+        channels ends its chunk requests at once, and it makes its verified chunks durable
+        before it returns. It is waited for up to weights_chunk_timeout_s (it takes a loop tick,
+        1 s, unless it is hashing the finished files); one still running when the process exits
+        leaves the partial folder as a kill -9 does, resumable from its last bitmap."""
         self._stop.set()
+        with self._lock:
+            channels = [self.trainer, *self._channels.values()]
+        for ch in channels:
+            ch.close()
+        with self._idle:
+            if not self._idle.wait_for(lambda: not self._fetching, self.cfg.weights_chunk_timeout_s):
+                log.warning("closing the weight fetcher of %s: a fetch still runs after %.0f s "
+                            "(buffer.weights_chunk_timeout_s); its partial folder stays resumable",
+                            self.peer_id, self.cfg.weights_chunk_timeout_s)
         if self.server is not None:
             self.server.stop(1.0).wait(timeout=10)
-        with self._lock:
-            for ch in self._channels.values():
-                ch.close()
-        self.trainer.close()
 
     # --- fetching ---------------------------------------------------------------------------
     def fetch(self, version: int, dest_dir: str) -> str:
         """Version `version` as a verified folder at `dest_dir` (returned): what is there
-        already if it verifies against its manifest, else fetched, resuming `<dest>.partial/`."""
+        already if it verifies against its manifest, else fetched, resuming `<dest>.partial/`.
+        FetchCancelled once close() was called (whatever failed then: a closed channel)."""
+        with self._idle:
+            if self._stop.is_set():
+                raise FetchCancelled(f"weight version {version}: the fetcher is closed")
+            self._fetching += 1
+        try:
+            return self._fetch(version, dest_dir)
+        except Exception as e:
+            if self._stop.is_set() and not isinstance(e, FetchCancelled):
+                raise FetchCancelled(f"weight version {version}: cancelled by close() ({e!r})") from e
+            raise
+        finally:
+            with self._idle:
+                self._fetching -= 1
+                self._idle.notify_all()
+
+    def _fetch(self, version: int, dest_dir: str) -> str:
         dest = os.path.abspath(dest_dir)
-        partial = dest + ".partial"
+        partial = dest + PARTIAL
         os.makedirs(os.path.dirname(dest), exist_ok=True)
         with _flock(partial + ".lock", self.cfg.weights_stall_timeout_s):
             if os.path.isdir(dest):
@@ -573,11 +616,9 @@ class WeightFetcher:
                 self._finish(state, holding, dest)
             finally:
                 state.close()
-            if self.server is not None:
+            if self.server is not None and not self._stop.is_set():
                 with contextlib.suppress(grpc.RpcError, WireError):
                     self._report(version, holding)  # peers may take all of it from now on
-        with contextlib.suppress(FileNotFoundError):
-            os.remove(partial + ".lock")
         return dest_dir
 
     def _serve_cached(self, version: int, dest: str) -> None:
@@ -663,9 +704,11 @@ class _Transfer:
             thread_name_prefix="weights-fetch")
         try:
             while self.missing:
+                self._cancelled()
                 self._launch()
                 done, _ = futures.wait(list(self.inflight), timeout=1.0,
                                        return_when=futures.FIRST_COMPLETED)
+                self._cancelled()  # before settling: close() made the requests fail
                 for fut in done:
                     if self._settle(fut):
                         last_gain = time.monotonic()
@@ -684,9 +727,16 @@ class _Transfer:
                              len(self.f.peers(self.version)), len(self.bad))
                     last_note = now
         finally:
-            self.pool.shutdown(wait=True, cancel_futures=True)
-        self.state.save(0)
+            self.pool.shutdown(wait=True, cancel_futures=True)  # no request writes any more
+            self.state.save(0)  # the chunks verified are kept however the transfer ends
         self.stats.seconds = time.monotonic() - start
+
+    def _cancelled(self) -> None:
+        if self.f._stop.is_set():
+            raise FetchCancelled(
+                f"weight version {self.version}: fetch cancelled (the fetcher was closed) with "
+                f"{self.state.chunks.total - len(self.missing)} of {self.state.chunks.total} "
+                f"chunks verified, kept in {self.state.folder}")
 
     def _launch(self) -> None:
         """Fill the free request slots. Peers: a random missing chunk of the least busy peer
@@ -862,7 +912,8 @@ def _retry(call, deadline: float, what: str):
 @contextlib.contextmanager
 def _flock(path: str, timeout_s: float):
     """One fetch per destination (another process fetching it holds the lock; a killed one
-    released it). Waits up to `timeout_s`, saying so."""
+    released it, and left the file). Waits up to `timeout_s`, saying so. The holder removes the
+    file before it lets go, however it ends, so that only a killed fetch leaves one."""
     fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
     try:
         start, noted = time.monotonic(), -NOTE_EVERY_S
@@ -872,16 +923,31 @@ def _flock(path: str, timeout_s: float):
                 break
             except BlockingIOError:
                 waited = time.monotonic() - start
-                if waited > timeout_s:
+                if waited >= timeout_s:
                     raise TimeoutError(f"{path}: another fetch of this version held the lock "
                                        f"for {waited:.0f} s") from None
                 if waited - noted >= NOTE_EVERY_S:
                     log.info("waiting for another fetch into %s to finish (%.0f s)", path, waited)
                     noted = waited
                 time.sleep(0.2)
-        yield
+        try:
+            yield
+        finally:
+            with contextlib.suppress(FileNotFoundError):
+                os.remove(path)
     finally:
         os.close(fd)
+
+
+def discard_partial(dest: str) -> bool:
+    """Remove `<dest>.partial/` and its lock file unless a fetch (of this process or another)
+    holds the lock; False when one does."""
+    try:
+        with _flock(dest + PARTIAL + ".lock", timeout_s=0):
+            shutil.rmtree(dest + PARTIAL, ignore_errors=True)
+    except TimeoutError:
+        return False
+    return True
 
 
 def _folder_problem(folder: str) -> str | None:

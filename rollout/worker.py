@@ -387,7 +387,11 @@ def run_role(role, config_cls, argv: list[str] | None, prog: str, description: s
     import torch
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
     try:
-        role(cfg).run()
+        process = role(cfg)
+        try:
+            process.run()
+        finally:  # a clean stop (also by a signal): a background weight fetch is cancelled
+            process.stores.weights.close()
     except (DatasetError, reward.RewardError) as e:  # the dataset or the reward set-up
         print(f"{prog}: {e}", file=sys.stderr)
         return 2

@@ -18,7 +18,7 @@ from safetensors.torch import save_file
 from buffer.config import BufferConfig
 from buffer.grpc_transport import ShardServer
 from buffer.stores.weights import WeightStore
-from buffer.weights_net import WeightFetcher, add_weight_service
+from buffer.weights_net import FetchCancelled, WeightFetcher, add_weight_service
 from conftest import free_port, subprocess_env
 from protocol.weights import verify_files
 from protocol.weights_wire import (CHUNK_LIST_METHOD, CHUNK_METHOD, PEERS_METHOD, ChunkList,
@@ -99,6 +99,20 @@ def _wait(cond, timeout_s, what):
     while not cond():
         assert time.monotonic() < deadline, f"timed out after {timeout_s} s waiting for {what}"
         time.sleep(0.05)
+
+
+def _background_fetch(f, dest):
+    """f.fetch(1, dest) in a thread: (the thread, {"dest": ...} or {"error": ...} when done)."""
+    result = {}
+
+    def run():
+        try:
+            result["dest"] = f.fetch(1, dest)
+        except BaseException as e:  # reported by the caller's assertions
+            result["error"] = e
+    th = threading.Thread(target=run)
+    th.start()
+    return th, result
 
 
 def test_full_fetch_verified(tmp_path, trainer):
@@ -196,6 +210,42 @@ def test_worker_killed_mid_download_resumes(tmp_path, trainer):
     assert _verified(dest, t.store)
 
 
+def test_close_mid_download_cancels_and_keeps_a_resumable_partial(tmp_path, trainer):
+    """A clean stop (the worker's close()) while a fetch runs in the background: the fetch
+    ends with FetchCancelled, every chunk it verified is in the durable bitmap, its lock file
+    is gone, and the next fetch takes exactly the chunks that were not verified."""
+    t = trainer(weights_upload_mb_s=0.5)  # 0.5 MB/s: the 3 MB version takes ~6 s at least
+    cfg = t.shards.servicer.cfg
+    dest = str(tmp_path / "w" / "weights" / "v000001")
+    f = WeightFetcher(cfg.grpc_address, TOKEN, cfg, "w-stopped")
+    th, result = _background_fetch(f, dest)
+    try:
+        _wait(lambda: 1 in f.stats and f.stats[1].from_trainer >= 3, 120, "3 chunks verified")
+        f.close()
+        # once the channels are closed the fetch ends within a loop tick (1 s); 30 s leaves
+        # room for a loaded 2-core box and is below weights_chunk_timeout_s, close()'s bound
+        th.join(timeout=30)
+        assert not th.is_alive(), "the fetch still runs after close()"
+    finally:
+        f.close()
+        th.join(timeout=60)
+    assert isinstance(result.get("error"), FetchCancelled), result
+    verified = f.stats[1].from_trainer
+    total = t.service._holding(1).chunks.total
+    assert 3 <= verified < total and not os.path.exists(dest)
+    with open(os.path.join(dest + ".partial", ".tandem-verified"), "rb") as fh:
+        assert len(from_bitmap(fh.read(), total)) == verified  # none lost since the last save
+    assert not os.path.exists(dest + ".partial.lock")  # only a killed fetch leaves its lock
+    again = WeightFetcher(cfg.grpc_address, TOKEN, cfg, "w-restarted")
+    try:
+        assert again.fetch(1, dest) == dest
+        s = again.stats[1]
+        assert (s.resumed, s.from_trainer + s.from_peers) == (verified, total - verified)
+        assert _verified(dest, t.store)
+    finally:
+        again.close()
+
+
 _PEER = """
 import logging, sys
 logging.basicConfig(level=logging.INFO)
@@ -273,15 +323,7 @@ def test_trainer_restart_mid_transfer_loses_nothing(tmp_path, trainer):
     t = trainer(weights_upload_mb_s=0.5)
     cfg = t.shards.servicer.cfg
     f = WeightFetcher(cfg.grpc_address, TOKEN, cfg, "w0")
-    result = {}
-
-    def run():
-        try:
-            result["dest"] = f.fetch(1, str(tmp_path / "w0" / "v1"))
-        except BaseException as e:  # reported by the assertion below
-            result["error"] = e
-    th = threading.Thread(target=run)
-    th.start()
+    th, result = _background_fetch(f, str(tmp_path / "w0" / "v1"))
     try:
         _wait(lambda: 1 in f.stats and f.stats[1].from_trainer >= 3, 120, "3 chunks fetched")
         t.stop()

@@ -16,11 +16,10 @@ version pruned) raises FileNotFoundError, as the filesystem stores do.
 Weights: `NetWeightSource.fetch(version)` hands the version to buffer/weights_net.py's
 WeightFetcher (chunks checked against the trainer's chunk list, from the trainer or from other
 workers, resumable; every file against the manifest; renamed into ROOT/weights/v<N>/ whole).
-The newest buffer.grpc_cache_versions versions are kept.
+The newest buffer.grpc_cache_versions versions are kept, and at most one partial fetch (`_prune`).
 """
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import errno
 import functools
@@ -45,7 +44,7 @@ from buffer.storage import is_local
 from buffer.stores.base import (ControlStore, HeartbeatStore, ProgressStore, RunState, SyncClaims,
                                 ValidationStore, WeightSource)
 from buffer.stores.fs_run import FsRun
-from buffer.weights_net import WeightFetcher, add_weight_service
+from buffer.weights_net import PARTIAL, WeightFetcher, add_weight_service, discard_partial
 from protocol import run_service as rs
 from protocol.control import Command
 from protocol.validation import ValidationRequest, ValidationResult
@@ -291,7 +290,8 @@ class NetWeightSource(WeightSource):
         self._fetcher = None
         self._verified: set[int] = set()  # cache folders this process fetched or checked
         # (version, thread, errors) of the one background fetch. A daemon thread: a process
-        # that exits mid-fetch leaves a resumable partial folder (the next fetch continues it).
+        # killed mid-fetch leaves a resumable partial folder (the next fetch continues it);
+        # close() cancels it on a clean stop and keeps the folder (see close).
         self._background: tuple[int, threading.Thread, list[BaseException]] | None = None
 
     def pointer(self) -> dict | None:
@@ -351,24 +351,29 @@ class NetWeightSource(WeightSource):
         self._prune()
         return folder
 
+    def close(self) -> None:
+        """A clean stop cancels the fetch in flight and KEEPS its partial folder, as a kill -9
+        does: its verified chunks are durable, and a worker restarted on this folder (SLURM
+        requeue after preemption, a pool growing again) resumes it instead of fetching a
+        model's worth again. Its disk is bounded (one partial, `_prune`); its lock file goes."""
+        if self._fetcher is not None:
+            self._fetcher.close()
+
     def _prune(self) -> None:
-        """Keep the newest `keep` versions of the cache, and the partial fetches of newer ones."""
+        """The cache bound: the newest `keep` complete versions and at most one partial fetch,
+        that of the newest version above them (in flight, or left by a stop: resumed by the
+        next fetch of it). Older partials go: a worker fetches the newest version, so it would
+        not resume them. A partial that a fetch is writing (it holds the lock) is left alone."""
         names = os.listdir(self.layout.weights_dir)
-        versions = sorted(v for v in map(RunLayout.version_of, names) if v is not None)
-        if len(versions) <= self.keep:
-            return
-        oldest_kept = versions[-self.keep]
-        for name in names:
-            version = RunLayout.version_of(name.split(".", 1)[0])  # also v<N>.partial(.lock)
-            if version is None or version >= oldest_kept:
-                continue
-            path = os.path.join(self.layout.weights_dir, name)
-            if os.path.isdir(path):
-                shutil.rmtree(path, ignore_errors=True)
-            else:
-                with contextlib.suppress(FileNotFoundError):
-                    os.remove(path)
+        complete = sorted(v for v in map(RunLayout.version_of, names) if v is not None)
+        partials = {RunLayout.version_of(n.split(".", 1)[0]) for n in names if PARTIAL in n}
+        newest = max(complete, default=-1)
+        resumable = max((v for v in partials if v is not None and v > newest), default=None)
+        for version in complete[:-self.keep]:
+            shutil.rmtree(self.layout.version_dir(version), ignore_errors=True)
             self._verified.discard(version)
+        for version in partials - {None, resumable}:
+            discard_partial(self.layout.version_dir(version))
 
 
 def open_net_run(root: str, buffer: BufferConfig) -> Run:
