@@ -1,23 +1,31 @@
-"""Every key of verl's PPO/GRPO trainer config, classified for a decoupled tandem run.
+"""Every key of verl's PPO/GRPO and SFT trainer configs, over its releases, classified for tandem.
 
-One YAML file in the shape of verl's `ppo_trainer.yaml` (the flat `_generated_ppo_trainer.yaml`)
-serves both roles. A key in it is
-  honoured   a field of a role's schema (ROLES below): not listed here;
-  ALIAS      verl's spelling of a tandem key, which it sets (see protocol/config.py);
-  WARN       accepted with one warning line saying why it does not apply to a decoupled run;
-  SAME       accepted silently: its value asks for what tandem always does.
-A rule with `need` refuses the values that ask for something tandem cannot do yet (`need(value)`
-false), with its reason, whatever its kind. Patterns are dotted keys: `*` is one segment, `**` one
-or more; a pattern also covers every key under it. The first matching rule wins, so specific
-rules come before the subtrees that contain them.
+The keys are those of every verl minor release (protocol/verl_releases/<release>.json, extracted
+from verl's history by scripts/extract_verl_keys.py: the full PPO trainer config, the SFT trainer
+config in its old and new shapes, and the overrides of the release's example scripts). One YAML
+file in the shape of verl's `ppo_trainer.yaml` serves the RL roles (ROLES); an SFT file in the
+shape of `sft_trainer.yaml` or `sft_trainer_engine.yaml` serves `trainer.sft`. A key in it is
+  applied    a field of a role's schema, or an ALIAS: verl's spelling of one (a deprecated spelling
+             says so in one line, and is converted as verl converted it);
+  ignored    WARN: one line saying why it does not apply to a decoupled run; SAME: its value asks
+             for what tandem always does; a key of a section the config does not use (SECTIONS:
+             the critic without GAE, the reward model when it is off) is ignored whatever its value;
+  refused    a rule's `need(value)` is false: honouring the value would change what is trained,
+             and tandem cannot (yet); the reason is given;
+  unknown    in no schema and no rule: refused, with a "did you mean".
+Patterns are dotted keys: `*` is one segment, `**` one or more; a pattern also covers every key
+under it. The first matching rule wins, so specific rules come before the subtrees that contain them.
 
-    python -m protocol.verl_keys [FILE.yaml]    # classify every key of a file (default: verl's)
+    python -m protocol.verl_keys [--sft] [FILE.yaml]   # which releases a file matches, how each key is treated
 """
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import functools
+import glob
 import importlib
+import json
 import os
 import sys
 from collections import Counter
@@ -26,8 +34,10 @@ from typing import Any, Callable
 # The role schemas that share one config file; each accepts the others' keys silently.
 ROLES = ("trainer.config:TrainerConfig", "rollout.config:WorkerConfig",
          "rollout.config:ValidatorConfig")
+SFT_ROLE = "trainer.sft_config:SFTConfig"
 
 ALIAS, WARN, SAME = "alias", "warn", "same"
+APPLIED, IGNORED, REFUSED, UNKNOWN = "applied", "ignored", "refused", "unknown"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -38,6 +48,8 @@ class Rule:
     need: Callable[[Any], bool] | None = None  # values tandem can honour; others are refused
     to: str = ""  # ALIAS: the tandem key it sets while that key is unset ...
     replaces: Any = None  # ... or set to this verl placeholder
+    convert: Callable[[Any], Any] | None = None  # ALIAS: the value it sets, from its own
+    or_equal: str = ""  # a value equal to this key's is honoured too (what tandem does anyway)
 
     def matches(self, key: str) -> bool:
         return _match(self.pattern.split("."), key.split("."))
@@ -59,7 +71,7 @@ def unset(v) -> bool:
 
 
 def off(v) -> bool:
-    return not v
+    return not v or (isinstance(v, str) and v.strip().lower() in ("false", "0", "none", "null"))
 
 
 def one_of(*ok) -> Callable[[Any], bool]:
@@ -74,12 +86,28 @@ def warn(reason: str, *patterns: str) -> list[Rule]:
     return [Rule(p, WARN, reason) for p in patterns]
 
 
-def same(reason: str, need, *patterns: str) -> list[Rule]:
-    return [Rule(p, SAME, reason, need) for p in patterns]
+def same(reason: str, need, *patterns: str, or_equal: str = "") -> list[Rule]:
+    return [Rule(p, SAME, reason, need, or_equal=or_equal) for p in patterns]
 
 
 def alias(pattern: str, to: str, replaces=None) -> Rule:
     return Rule(pattern, ALIAS, f"verl's name for {to}", to=to, replaces=replaces)
+
+
+def world_size() -> int:
+    """The trainer's ranks (torchrun's WORLD_SIZE; 1 outside torchrun)."""
+    return max(1, int(os.environ.get("WORLD_SIZE", "1")))
+
+
+def per_gpu(v):
+    """verl's conversion of a deprecated global micro-batch size: divided by the GPU count."""
+    return None if v is None else max(1, int(v) // world_size())
+
+
+def deprecated(pattern: str, to: str, how: str, convert: Callable[[Any], Any] | None = None) -> Rule:
+    """A spelling verl deprecated but still honoured: it sets `to` as verl set it (`how`)."""
+    return Rule(pattern, ALIAS, f"deprecated in verl, which sets {to} from it ({how})", to=to,
+                convert=convert)
 
 
 AR, ACTOR, ROLLOUT = "actor_rollout_ref", "actor_rollout_ref.actor", "actor_rollout_ref.rollout"
@@ -99,7 +127,9 @@ RULES: list[Rule] = [
     *warn("verl's instantiation hint; tandem's schemas are its dataclasses", "**._target_"),
     *warn("Hydra composition: keys this file does not set take tandem's defaults", "defaults"),
     *warn("Hydra's own settings; tandem reads the file with OmegaConf", "hydra"),
-    *warn(PROFILER, "**.profiler", "global_profiler"),
+    *warn(PROFILER, "**.profiler", "global_profiler", "trainer.npu_profile", "trainer.profile_steps",
+          "trainer.controller_nsight_options", "trainer.worker_nsight_options"),
+    *same("tandem's trainer is FSDP2 (megatron is not supported)", unset, "**.megatron"),
     # verl's critic keys that tandem's critic has no use for
     *warn("tandem's critic computes values inside its training micro-batches "
           "(critic.ppo_max_token_len_per_gpu / ppo_micro_batch_size_per_gpu)",
@@ -117,6 +147,20 @@ RULES: list[Rule] = [
     alias("trainer.resume_from_path", "trainer.resume_mode", replaces="resume_path"),
     alias("reward.custom_reward_function.path", "custom_reward_function.path"),
     alias("reward.custom_reward_function.name", "custom_reward_function.name"),
+    alias(f"{ACTOR}.optim.lr_decay_style", f"{ACTOR}.optim.warmup_style"),
+    # deprecated spellings, mapped as verl mapped them
+    deprecated(f"{ACTOR}.ppo_micro_batch_size", f"{ACTOR}.ppo_micro_batch_size_per_gpu",
+               "divided by the number of GPUs", per_gpu),
+    deprecated("critic.ppo_micro_batch_size", "critic.ppo_micro_batch_size_per_gpu",
+               "divided by the number of GPUs", per_gpu),
+    deprecated("trainer.remove_previous_ckpt_in_save", "trainer.max_ckpt_to_keep",
+               "true keeps 1 checkpoint", lambda v: 1 if v is True or str(v).lower() == "true" else None),
+    *warn("deprecated spelling of log_prob_micro_batch_size_per_gpu (verl divides it by the number "
+          "of GPUs), which does not apply: the trainer, not the rollout, computes pi_old",
+          f"{ROLLOUT}.log_prob_micro_batch_size"),
+    *warn("deprecated spelling of forward_micro_batch_size_per_gpu, which does not apply: tandem's "
+          "critic computes values inside its training micro-batches", "critic.forward_micro_batch_size"),
+    *warn("deprecated and read by no verl release since 0.3", "trainer.resume_path"),
     # parallelism and model features tandem does not have
     *same("tandem's trainer is FSDP2 (megatron is not supported)", one_of("fsdp", "fsdp2"),
           "**.strategy"),
@@ -138,9 +182,6 @@ RULES: list[Rule] = [
           f"{ACTOR}.policy_loss.loss_mode"),
     *warn("parameters of policy losses other than vanilla", f"{ACTOR}.policy_loss",
           f"{ACTOR}.tau_pos", f"{ACTOR}.tau_neg"),
-    *same("global micro-batch sizes are deprecated in verl: give ppo_micro_batch_size_per_gpu",
-          unset, "**.ppo_micro_batch_size", "**.log_prob_micro_batch_size",
-          "critic.forward_micro_batch_size"),
     *same("a fixed loss scale is not supported (loss_agg_mode decides the normalisation)", unset,
           "**.loss_scale_factor"),
     *same("tandem's optimizer is torch's AdamW", one_of("adamw"), "**.optim.optimizer"),
@@ -155,7 +196,9 @@ RULES: list[Rule] = [
           "**.entropy_from_logits_with_chunking", "**.entropy_from_logits_chunk_size",
           "**.entropy_checkpointing", "**.pad_to_length", "**.use_liger", "**.fused_kernel_options",
           "**.tiled_mlp", "**.use_prefix_grouper", "**.enable_activation_offload",
-          f"{ACTOR}.calculate_sum_pi_squared"),
+          f"{ACTOR}.calculate_sum_pi_squared", f"{ACTOR}.sum_pi_squared_checkpointing"),
+    *same("MoE router replay is not supported", one_of("disabled"), f"{ACTOR}.router_replay.mode"),
+    *warn("MoE router replay settings; it is disabled", f"{ACTOR}.router_replay"),
     *warn("tandem computes the entropy when entropy_coeff > 0", f"{ACTOR}.calculate_entropy"),
     *warn("verl copies rollout.n here; the group size is the workers' actor_rollout_ref.rollout.n",
           "**.rollout_n"),
@@ -173,8 +216,10 @@ RULES: list[Rule] = [
     *same("workers use the tokenizer's own chat template", unset, "**.model.custom_chat_template"),
     *same("extra model libraries are not imported", unset, "**.model.external_lib"),
     *same("model config overrides are not applied", unset, "**.model.override_config"),
-    *same("the config and tokenizer are read from model.path", unset, "**.model.hf_config_path",
-          "**.model.tokenizer_path", "data.tokenizer"),
+    # the tokens are the actor's: the critic scores them with the actor's tokenizer too
+    *same("the tokenizer is read from actor_rollout_ref.model.path", unset, "**.model.tokenizer_path",
+          "data.tokenizer", or_equal=f"{AR}.model.path"),
+    *same("the config is read from model.path", unset, "**.model.hf_config_path"),
     *warn("a loading detail of verl (shared-memory model copies)", "**.use_shm"),
     *warn("tandem is decoupled: rollout workers and the trainer are always separate processes",
           f"{AR}.hybrid_engine"),
@@ -200,7 +245,12 @@ RULES: list[Rule] = [
     *warn("workers keep their engine loaded: there is no training phase to free memory for",
           f"{ROLLOUT}.free_cache_engine"),
     *warn("workers load the weight versions the trainer publishes (weights/v<N>)",
-          f"{ROLLOUT}.load_format", f"{ROLLOUT}.checkpoint_engine"),
+          f"{ROLLOUT}.load_format", f"{ROLLOUT}.checkpoint_engine",
+          f"{ROLLOUT}.update_weights_bucket_megabytes"),
+    *same("FIRE sampling is not supported", off, f"{ROLLOUT}.use_fire_sampling"),
+    *same("replaying dumped rollouts is not supported: workers generate every sample",
+          off, f"{ROLLOUT}.skip_rollout"),
+    *warn("rollout replay is off", f"{ROLLOUT}.skip_dump_dir"),
     *warn("one engine per worker: start more workers for data parallelism",
           f"{ROLLOUT}.data_parallel_size"),
     *same("expert- and pipeline-parallel engines are not supported yet", one_of(1),
@@ -211,6 +261,7 @@ RULES: list[Rule] = [
           f"{ROLLOUT}.log_prob_use_dynamic_bsz", f"{ROLLOUT}.log_prob_max_token_len_per_gpu"),
     *warn("workers always record the behaviour logprobs", f"{ROLLOUT}.calculate_log_probs"),
     *same("over-sampling is not supported", at_most(0), f"{ROLLOUT}.over_sample_rate"),
+    *warn(MULTIMODAL, f"{ROLLOUT}.engine_kwargs.*.disable_mm_preprocessor_cache"),
     *same("engine arguments are not passed to vLLM yet", unset, f"{ROLLOUT}.engine_kwargs"),
     *same("a rollout router is not supported", unset, f"{ROLLOUT}.router_config_path"),
     *same("multi-turn and tool rollouts are not supported yet", off, f"{ROLLOUT}.multi_turn.enable"),
@@ -240,6 +291,10 @@ RULES: list[Rule] = [
     *warn("workers always skip prompts longer than data.max_prompt_length (counted in their log)",
           "data.filter_overlong_prompts", "data.filter_overlong_prompts_workers", "data.truncation"),
     *same("custom dataset classes are not supported yet", unset, "data.custom_cls"),
+    *same("dynamic data generation is not supported yet", unset, "data.datagen.path"),
+    *same("custom samplers (curricula) are not supported yet: workers shuffle with worker.seed",
+          unset, "data.sampler.class_path"),
+    *warn("datagen / sampler settings; they are off", "data.datagen", "data.sampler"),
     *same("chat-template arguments are not passed yet", unset, "data.apply_chat_template_kwargs"),
     # rewards
     *same("model reward models are not supported yet: use custom_reward_function", off,
@@ -247,7 +302,10 @@ RULES: list[Rule] = [
     *same("tandem scores each response alone, as verl's naive reward manager", one_of("naive"),
           "reward_model.reward_manager", "reward.reward_manager.name"),
     *same("custom reward managers are not supported: use custom_reward_function", unset,
-          "reward.reward_manager.module.path"),
+          "reward.reward_manager.module.path", "reward_manager.module.path"),
+    *same("tandem scores each response alone, as verl's naive reward manager", one_of("naive"),
+          "reward_manager.name"),
+    *warn("reward-manager settings; tandem scores as verl's naive reward manager", "reward_manager"),
     *same("sandbox code-execution rewards are not supported yet", unset, "sandbox_fusion.url",
           "reward.sandbox_fusion.url"),
     *warn("reward-model and reward-loop settings; workers score in-process with "
@@ -263,7 +321,12 @@ RULES: list[Rule] = [
           "algorithm.rollout_correction.bypass_mode", "algorithm.rollout_correction.rollout_is_batch_normalize"),
     *same("the loss is verl's clipped PPO loss", one_of("ppo_clip"),
           "algorithm.rollout_correction.loss_type"),
-    *warn("rejection sampling is off", "algorithm.rollout_correction.rollout_rs_threshold"),
+    *same("token veto (rejecting samples with a tiny token ratio) is not supported yet", unset,
+          "algorithm.rollout_correction.rollout_token_veto_threshold"),
+    *same("tandem recomputes pi_old and trains with the clipped PPO loss", off,
+          "algorithm.rollout_correction.use_policy_gradient"),
+    *warn("rejection sampling is off", "algorithm.rollout_correction.rollout_rs_threshold",
+          "algorithm.rollout_correction.rollout_rs_threshold_lower"),
     *same("dynamic sampling (DAPO filter_groups) is not supported yet", off,
           "algorithm.filter_groups.enable"),
     *same("preference-feedback PPO is not supported yet", off, "algorithm.use_pf_ppo"),
@@ -275,16 +338,17 @@ RULES: list[Rule] = [
     *warn("workers cycle through the data; the run length is trainer.total_training_steps",
           "trainer.total_epochs"),
     *warn("experience shards stay in the run folder (buffer.retention)", "trainer.rollout_data_dir"),
-    *warn("validation outputs are not dumped", "trainer.validation_data_dir",
-          "trainer.log_val_generations"),
+    *warn("validation outputs are not dumped or logged", "trainer.validation_data_dir",
+          "trainer.log_val_generations", "trainer.val_generations_to_log_to_wandb"),
+    *warn("verl's choice of worker implementation; tandem has its own", "trainer.use_legacy_worker_impl"),
     *warn("checkpoints live in ROOT/checkpoints", "trainer.default_local_dir",
           "trainer.del_local_ckpt_after_load", "trainer.esi_redundant_time"),
-    *same("checkpoints are written to ROOT/checkpoints only", unset, "trainer.default_hdfs_dir",
-          "trainer.checkpoint_callback_class"),
+    *warn("checkpoints are written to ROOT/checkpoints only (copy them elsewhere yourself)",
+          "trainer.default_hdfs_dir", "trainer.checkpoint_callback_class"),
     *warn("the critic is checkpointed with the actor (trainer.max_ckpt_to_keep)",
           "trainer.max_critic_ckpt_to_keep"),
     *same("validation-only runs are not supported yet", off, "trainer.val_only"),
-    *warn(NO_RAY, "trainer.ray_wait_register_center_timeout", "ray_kwargs"),
+    *warn(NO_RAY, "trainer.ray_wait_register_center_timeout", "ray_kwargs", "ray_init"),
     *warn("verl's trainer modes; tandem is itself decoupled and asynchronous, with "
           "trainer.max_staleness bounding off-policy samples (0: synchronous)", "trainer.use_v1",
           "trainer.v1"),
@@ -297,47 +361,266 @@ RULES: list[Rule] = [
 ]
 
 
+SFT_MODEL_WARN = ("FSDP layout, memory and kernel options of verl's SFT trainer; tandem's SFT shards "
+                  "each decoder layer with FSDP2 and runs the HF model as is (memory and speed only)")
+
+# verl's SFT configs: sft_trainer.yaml (fsdp_sft_trainer) and sft_trainer_engine.yaml (sft_trainer)
+SFT_RULES: list[Rule] = [
+    *warn("verl's instantiation hint; tandem's schemas are its dataclasses", "**._target_"),
+    *warn("Hydra composition: keys this file does not set take tandem's defaults", "defaults"),
+    *warn("Hydra's own settings; tandem reads the file with OmegaConf", "hydra"),
+    *warn(PROFILER, "profiler", "trainer.profile_interval"),
+    # the new shape's names (sft_trainer_engine.yaml) of tandem's keys
+    alias("model.path", "model.partial_pretrain"),
+    alias("data.messages_key", "data.multiturn.messages_key"),
+    alias("optim.lr_warmup_steps_ratio", "optim.warmup_steps_ratio"),
+    alias("optim.lr_scheduler_type", "optim.lr_scheduler"),
+    alias("optim.warmup_style", "optim.lr_scheduler"),
+    *warn("deprecated: verl's SFT trainer reads data.micro_batch_size_per_gpu only",
+          "data.micro_batch_size"),
+    *warn("deprecated: verl's SFT trainer does not read it (trainer.resume_mode / "
+          "resume_from_path resume)", "trainer.resume_path"),
+    # parallelism and model features tandem's SFT does not have
+    *same("tandem's SFT is FSDP2 (megatron is not supported)", one_of("fsdp", "fsdp2"),
+          "**.strategy"),
+    *same("sequence parallelism (Ulysses) is not supported yet", one_of(1),
+          "**.ulysses_sequence_parallel_size", "ulysses_sequence_parallel_size"),
+    *same("LoRA is not supported yet (it comes with the LoRA issue): tandem SFT trains all "
+          "weights; set model.lora_rank=0", one_of(0), "model.lora_rank", "model.lora.rank"),
+    *same("LoRA adapters are not supported yet", unset, "model.lora_adapter_path", "model.lora.adapter_path"),
+    *warn("LoRA settings; LoRA is off (lora_rank=0)", "model.lora", "model.exclude_modules",
+          "model.lora_alpha", "model.target_modules"),
+    *same("quantization-aware training is not supported yet", off, "engine.qat.enable"),
+    *warn("quantization-aware training settings; QAT is off", "engine.qat"),
+    *same("multi-token prediction is not supported yet", off, "model.mtp.enable", "model.mtp.enable_train"),
+    *warn("multi-token prediction settings; MTP is off", "model.mtp"),
+    *warn(SFT_MODEL_WARN, "model.fsdp_config", "engine", "model.use_liger", "model.use_remove_padding",
+          "model.use_fused_kernels", "model.fused_kernel_options", "model.enable_activation_offload",
+          "model.tiled_mlp", "use_remove_padding", "model.use_shm", "data.use_shm"),
+    # model and data loading
+    *same("extra model libraries are not imported", unset, "model.external_lib"),
+    *same("model config overrides are not applied", unset, "model.override_config"),
+    *same("the tokenizer's own chat template is used", unset, "model.custom_chat_template",
+          "data.chat_template"),
+    *same("the config and tokenizer are read from model.partial_pretrain", unset,
+          "model.hf_config_path", "model.tokenizer_path", or_equal="model.partial_pretrain"),
+    *same("chat-template arguments are not passed yet", unset, "data.apply_chat_template_kwargs"),
+    *same("custom dataset classes are not supported yet", unset, "data.custom_cls"),
+    *same("a cap on the training set is not supported yet", at_most(-1), "data.train_max_samples"),
+    *warn("validation reads all of data.val_files", "data.val_max_samples"),
+    *warn("tool schemas and thinking switches are not passed to the chat template; rows are "
+          "rendered with the tokenizer's defaults", "data.tools_key", "data.multiturn.tools_key",
+          "data.enable_thinking_key", "data.multiturn.enable_thinking_key",
+          "data.enable_thinking_default"),
+    *warn("tandem tokenizes each turn with the whole conversation's template",
+          "data.ignore_input_ids_mismatch"),
+    *warn("tandem packs sequences without padding whatever the mode (the same loss)", "data.pad_mode"),
+    *warn("tandem's loss is already the mean over every response token of the step on all ranks",
+          "data.balance_dp_token"),
+    *warn("the data is read in the training process", "data.num_workers"),
+    # optimizer
+    *same("tandem's optimizer is torch's AdamW", one_of("adamw"), "optim.optimizer"),
+    *same("tandem's optimizer is torch's AdamW", one_of("torch.optim"), "optim.optimizer_impl"),
+    *same("tandem's cosine schedule is one half cycle", one_of(0.5), "optim.num_cycles"),
+    *same("give the warmup as warmup_steps_ratio", at_most(0), "optim.lr_warmup_steps"),
+    *same("optimizer overrides are not supported", unset, "optim.override_optimizer_config"),
+    *warn("verl fills it in at run time from the step count", "optim.total_training_steps"),
+    *warn("a detail of verl's scheduler step count", "optim.zero_indexed_step"),
+    # trainer
+    *warn("checkpoints and HF folders are written to trainer.default_local_dir only (copy them "
+          "elsewhere yourself)", "trainer.default_hdfs_dir"),
+    *warn("tandem always checkpoints model, optimizer and trainer state (trainer.save_freq, "
+          "trainer.resume_mode)", "checkpoint", "trainer.checkpoint"),
+    *warn(LAUNCHERS, "trainer.nnodes", "trainer.n_gpus_per_node"),
+    *warn("tandem splits each step's sequences over the ranks by tokens already",
+          "trainer.balance_batch"),
+]
+
+
+@dataclasses.dataclass(frozen=True)
+class Section:
+    """A section a config may leave unused: then its keys are ignored whatever their values."""
+    prefix: str
+    used: Callable[[Callable[[str], Any]], bool]  # from the config's resolved values
+    why: str
+    switch: str = ""  # the key that turns it on: always treated by its own rule
+
+
+def critic_used(get) -> bool:
+    """verl's rule: critic.enable if set, else exactly for GAE."""
+    enable = get("critic.enable")
+    return bool(enable) if enable is not None else get("algorithm.adv_estimator") == "gae"
+
+
+SECTIONS = (
+    Section("critic", critic_used, "the critic is not used (algorithm.adv_estimator is not gae "
+            "and critic.enable is not true)"),
+    Section("reward_model", lambda get: not off(get("reward_model.enable")),
+            "reward_model.enable is false", "reward_model.enable"),
+    Section("reward.reward_model", lambda get: not off(get("reward.reward_model.enable")),
+            "reward.reward_model.enable is false", "reward.reward_model.enable"),
+)
+
+
 @functools.lru_cache(maxsize=None)
-def rule_for(key: str) -> Rule | None:
-    return next((r for r in RULES if r.matches(key)), None)
+def rule_for(key: str, sft: bool = False) -> Rule | None:
+    return next((r for r in (SFT_RULES if sft else RULES) if r.matches(key)), None)
+
+
+def rules_of(cls) -> tuple[list[Rule], bool] | None:
+    """(the rules, whether SFT's) for a schema that reads verl's files; None for any other."""
+    if cls in role_schemas():
+        return RULES, False
+    return (SFT_RULES, True) if cls is _load(SFT_ROLE) else None
+
+
+def _load(spec: str) -> type:
+    module, name = spec.split(":")
+    return getattr(importlib.import_module(module), name)
 
 
 def role_schemas() -> list[type]:
     """The role config classes (imported here, lazily: they import protocol.config)."""
-    out = []
-    for spec in ROLES:
-        module, name = spec.split(":")
-        out.append(getattr(importlib.import_module(module), name))
+    return [_load(spec) for spec in ROLES]
+
+
+@dataclasses.dataclass(frozen=True)
+class Treatment:
+    verdict: str  # APPLIED, IGNORED, REFUSED or UNKNOWN
+    reason: str = ""
+    rule: Rule | None = None
+    value: Any = None
+    quiet: bool = False  # ignored without a line: the value asks for what tandem does anyway
+
+
+def _honours(rule: Rule, value, get) -> bool:
+    try:
+        if rule.need is None or rule.need(value):
+            return True
+    except TypeError:  # e.g. a string where a number is compared
+        pass
+    return bool(rule.or_equal) and value == get(rule.or_equal)
+
+
+def treat(key: str, value: Callable[[], Any], get: Callable[[str], Any], sft: bool = False) -> Treatment:
+    """How a key of no own field is treated. `value()` resolves its value and `get(k)` another
+    key's, only when the rule needs them (an ignored key's interpolations are never resolved)."""
+    rule = rule_for(key, sft)
+    if rule is None:
+        return Treatment(UNKNOWN)
+    for section in () if sft else SECTIONS:
+        if key != section.switch and _match(section.prefix.split("."), key.split(".")) \
+                and not section.used(get):
+            return Treatment(IGNORED, section.why, rule)
+    v = value() if rule.need or rule.kind == ALIAS else None
+    if not _honours(rule, v, get):
+        return Treatment(REFUSED, rule.reason, rule, v)
+    if rule.kind == ALIAS:
+        return Treatment(APPLIED, rule.reason, rule, v)
+    return Treatment(IGNORED, rule.reason, rule, v, quiet=rule.kind == SAME)
+
+
+# --- verl's releases (protocol/verl_releases/*.json) ---------------------------------------------
+RELEASES_DIR = os.path.join(os.path.dirname(__file__), "verl_releases")
+SHAPES = ("ppo_trainer", "sft_trainer", "sft_trainer_engine")
+
+
+@functools.lru_cache(maxsize=None)
+def releases() -> dict[str, dict]:
+    """Each covered verl minor release's config keys (release -> data), oldest first."""
+    out = {}
+    for path in glob.glob(os.path.join(RELEASES_DIR, "*.json")):
+        with open(path) as f:
+            data = json.load(f)
+        out[data["release"]] = data
+    return dict(sorted(out.items(), key=lambda kv: [int(p) if p.isdigit() else -1
+                                                     for p in kv[0].split(".")]))
+
+
+def example_keys(data: dict, sft: bool) -> dict[str, dict[str, str]]:
+    """A release's example scripts (path -> overrides) for the RL or the SFT entry point."""
+    return {path: e["overrides"] for path, e in data["examples"].items()
+            if ("sft" in e["entry"]) == sft}
+
+
+def release_keys(release: str, sft: bool) -> set[str]:
+    """A release's keys: its config's (both SFT shapes for SFT) and its examples' overrides."""
+    data = releases()[release]
+    known = {k for shape in (SHAPES[1:] if sft else SHAPES[:1]) for k in data.get(shape, {})}
+    return known | {k for over in example_keys(data, sft).values() for k in over}
+
+
+def matching_releases(keys: set[str], sft: bool) -> tuple[set[str], list[str]]:
+    """(the keys of some verl release, the releases that have every one of them; when none
+    has, the closest ones)."""
+    per = {r: release_keys(r, sft) for r in releases()}
+    verl = {k for k in keys if any(k in known for known in per.values())}
+    scores = {r: len(verl & known) for r, known in per.items()}
+    best = max(scores.values(), default=0)
+    return verl, [r for r, n in scores.items() if n == best]
+
+
+@functools.lru_cache(maxsize=None)
+def _fields(sft: bool) -> frozenset[str]:
+    from protocol.fields import leaves
+    return frozenset(n for cls in ([_load(SFT_ROLE)] if sft else role_schemas()) for n, _, _ in leaves(cls))
+
+
+def treat_flat(keys, values: dict[str, Any], sft: bool = False) -> dict[str, Treatment]:
+    """The treatment of `keys` given a flat mapping of values (a release's config with a
+    script's overrides), without building a config: fields are applied, other keys treated by
+    their rule. A value only the shell knows ('$VAR') is judged by its rule alone."""
+    fields = _fields(sft)
+    out = {}
+    for key in keys:
+        if key in fields or any(key.startswith(f + ".") for f in fields):
+            out[key] = Treatment(APPLIED)
+            continue
+        value = values.get(key)
+        if isinstance(value, str) and "$" in value:
+            rule = rule_for(key, sft)
+            out[key] = Treatment(UNKNOWN) if rule is None else Treatment(
+                APPLIED if rule.kind == ALIAS else IGNORED,
+                f"{rule.reason}{'; some values are refused' if rule.need else ''} (value set by the shell)", rule)
+            continue
+        out[key] = treat(key, lambda: value, values.get, sft)
     return out
 
 
-def classify(key: str, honoured: set[str]) -> str:
-    """'honoured' (a field of a role schema), a rule's kind, or '' for a key in no schema. A rule
-    with `need` also refuses some values, which only the value decides."""
-    if key in honoured:
-        return "honoured"
-    rule = rule_for(key)
-    return rule.kind if rule else ""
+def release_config(release: str, shape: str) -> dict:
+    """A release's config of one shape as the nested mapping of its YAML file."""
+    out: dict = {}
+    for key, value in releases()[release][shape].items():
+        *path, leaf = key.split(".")
+        node = out
+        for part in path:
+            node = node.setdefault(part, {})
+        node[leaf] = value
+    return out
 
 
-def report(path: str) -> int:
-    """Print every leaf key of a config file with its class and reason, then the counts per
-    class; 1 if any key is in no schema."""
-    from protocol.fields import leaves, yaml_leaves
-    honoured = {name for cls in role_schemas() for name, _, _ in leaves(cls)}
+# --- python -m protocol.verl_keys ----------------------------------------------------------------
+def report(path: str, sft: bool | None = None) -> int:
+    """Print which releases a config file matches and how each of its keys is treated by the
+    roles that read it, then the counts; 1 if any key is unknown."""
+    from protocol.config import treatments
+    from protocol.fields import _read_yaml, yaml_leaves
+    if sft is None:  # verl's SFT configs have a top-level model section, the RL ones do not
+        sft = "model" in _read_yaml(path) and "actor_rollout_ref" not in _read_yaml(path)
     keys = yaml_leaves(path)
-    counts, refusable = Counter(), 0
-    for key in keys:
-        kind, rule = classify(key, honoured) or "UNKNOWN", rule_for(key)
-        counts[kind] += 1
-        why = ""
-        if kind not in ("honoured", "UNKNOWN"):
-            refusable += rule.need is not None
-            why = f"  ({rule.reason}{'; other values refused' if rule.need else ''})"
-        print(f"{kind:9s} {key}{why}")
-    print("\n" + ", ".join(f"{c}: {n}" for c, n in counts.most_common()) + f"; total {len(keys)}")
-    print(f"of which refused for the values tandem cannot honour: {refusable}")
-    return 1 if counts["UNKNOWN"] else 0
+    verl, best = matching_releases(set(keys), sft)
+    have = len(verl & release_keys(best[0], sft)) if best else 0
+    print(f"{path}: a verl {'SFT' if sft else 'PPO/GRPO'} config: "
+          + (f"its {len(verl)} verl keys are all in verl " if have == len(verl) else
+             f"no verl release has all its {len(verl)} verl keys; closest, with {have}: ")
+          + ", ".join(best) + f" ({len(keys) - len(verl)} keys of no verl release)")
+    schemas = [_load(SFT_ROLE)] if sft else role_schemas()
+    verdicts = treatments(schemas, path)
+    counts = Counter(t.verdict for t in verdicts.values())
+    for key, t in verdicts.items():
+        print(f"{t.verdict:8s} {key}" + (f"  ({t.reason})" if t.reason else ""))
+    print("\n" + ", ".join(f"{c}: {n}" for c, n in counts.most_common()) + f"; total {len(verdicts)}")
+    return 1 if counts[UNKNOWN] else 0
 
 
 def verl_config_path() -> str:
@@ -346,5 +629,23 @@ def verl_config_path() -> str:
     return os.path.join(os.path.dirname(verl.__file__), "trainer", "config", "_generated_ppo_trainer.yaml")
 
 
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m protocol.verl_keys", description=(
+        "Say which verl release(s) a config file's keys match and how tandem treats each key "
+        "(applied, ignored with why, refused with why, unknown)."))
+    p.add_argument("file", nargs="?", help="a verl PPO/GRPO or SFT YAML (default: the installed "
+                   "verl's _generated_ppo_trainer.yaml)")
+    shape = p.add_mutually_exclusive_group()
+    shape.add_argument("--sft", action="store_true", default=None, help="read it as an SFT config")
+    shape.add_argument("--rl", dest="sft", action="store_false", help="read it as a PPO/GRPO config")
+    args = p.parse_args(argv)
+    from protocol.fields import ConfigError
+    try:
+        return report(args.file or verl_config_path(), args.sft)
+    except ConfigError as e:
+        print(f"python -m protocol.verl_keys: {e}", file=sys.stderr)
+        return 2
+
+
 if __name__ == "__main__":
-    sys.exit(report(sys.argv[1] if len(sys.argv) > 1 else verl_config_path()))
+    sys.exit(main())
