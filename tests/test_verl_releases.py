@@ -166,3 +166,124 @@ def test_release_example_builds_as_treated(tmp_path, release, script, sft, refus
         assert str(e.value).startswith(tuple(f"{k}=" for k in names)), (str(e.value), names)
     else:
         load(cls, over, path)
+
+
+# --- the defects found with verl's configs (each in-process: no process started) -------------
+
+def local_args(tmp_path, config: str, **kw):
+    import argparse
+    base = dict(config=config, model=None, data=None, steps=None, task="copy", digits=3, trainer=[],
+                worker=[], val_data=None, test_freq=None, validator=[], sft=[], sft_config=None,
+                sft_steps=0)
+    return argparse.Namespace(**{**base, **kw})
+
+
+def test_launch_local_takes_verls_single_path_val_files_as_one_file(tmp_path):
+    from buffer.run import Run
+    from launch import local
+    path = tmp_path / "c.yaml"
+    path.write_text("data:\n  train_files: /d/train.parquet\n  val_files: /d/test.parquet\n"
+                    "trainer:\n  test_freq: 5\n")
+    args = local_args(tmp_path, str(path))
+    run = Run.local(str(tmp_path / "run"))
+    config = local.from_config(args, run)
+    assert config[local.VAL_FILES] == ["/d/test.parquet"]  # not its characters
+    args.steps, args.test_freq = 3, 5
+    _, _, validator = local.role_args(run, args, "/m", None, config, config[local.VAL_FILES])
+    assert "data.val_files=[/d/test.parquet]" in validator
+
+
+def test_launch_local_names_the_field_of_a_wrong_type_in_the_file(tmp_path):
+    from buffer.run import Run
+    from launch import local
+    path = tmp_path / "c.yaml"
+    path.write_text("trainer:\n  test_freq: five\n")
+    with pytest.raises(SystemExit, match=r"trainer\.test_freq in --config .*c\.yaml: expected an "
+                                         r"integer, got 'five'"):
+        local.from_config(local_args(tmp_path, str(path)), Run.local(str(tmp_path / "run")))
+
+
+def _check_config_error(capsys, *role_argv) -> str:
+    from launch import local
+    with pytest.raises(SystemExit) as e:
+        local.check_config(*role_argv)
+    err = capsys.readouterr().err.strip()
+    assert e.value.code == 2 and len(err.splitlines()) == 1 and "Traceback" not in err, err
+    return err
+
+
+@pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="needs a machine without CUDA")
+def test_trainer_device_cuda_without_a_gpu_is_one_line(capsys):
+    from trainer.main import init_distributed
+    err = _check_config_error(capsys, ["root=/r", "actor_rollout_ref.model.path=/m", "trainer.device=cuda"],
+                              ["root=/r", "data.train_files=[a]"], None)
+    assert "trainer.device=cuda: no CUDA GPU is visible here" in err
+    with pytest.raises(SystemExit) as e:  # the trainer and trainer.sft themselves, before CUDA
+        init_distributed("cuda", 10)
+    assert e.value.code == 2
+    assert capsys.readouterr().err.strip().startswith("config error: trainer.device=cuda: no CUDA GPU")
+
+
+@pytest.mark.skipif(__import__("importlib").util.find_spec("vllm") is not None, reason="vLLM is installed")
+def test_vllm_engine_without_vllm_is_refused_at_start(tmp_path, capsys):
+    from rollout import worker
+    worker_argv = ["root=/r", "data.train_files=[a]", "actor_rollout_ref.rollout.name=vllm"]
+    err = _check_config_error(capsys, ["root=/r", "actor_rollout_ref.model.path=/m"], worker_argv, None)
+    assert "actor_rollout_ref.rollout.name=vllm: vLLM is not installed" in err
+    # the worker itself, before it waits for the trainer's first weight version
+    assert worker.main([f"root={tmp_path}", "data.train_files=[a]",
+                        "actor_rollout_ref.rollout.name=vllm"]) == 2
+    assert "vLLM is not installed" in capsys.readouterr().err
+    assert not (tmp_path / "workers").exists()
+
+
+def test_verl_keys_help_and_a_file_of_an_old_release(tmp_path, capsys):
+    with pytest.raises(SystemExit) as e:
+        verl_keys.main(["--help"])
+    assert e.value.code == 0 and capsys.readouterr().out.startswith("usage: python -m protocol.verl_keys")
+    assert verl_keys.main([ppo_yaml(tmp_path, "0.3", "grpo")]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert "verl keys are all in verl 0.3" in out[0], out[0]
+    assert any(line.startswith("ignored  critic.model.tokenizer_path  (the critic is not used") for line in out)
+    assert verl_keys.main([sft_yaml(tmp_path, "0.3", "sft_trainer")]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert "a verl SFT config" in out[0] and "0.3" in out[0], out[0]
+    assert any(line.startswith("ignored  data.micro_batch_size  (deprecated") for line in out)
+
+
+BASE = {"root": "/r", "actor_rollout_ref.model.path": "/m"}
+
+
+def test_deprecated_spellings_map_as_verl_mapped_them(monkeypatch):
+    monkeypatch.setenv("WORLD_SIZE", "2")  # verl divides the global size by the GPU count
+    cfg, lines = load(ROLES[0], {**BASE, "actor_rollout_ref.actor.ppo_micro_batch_size": "64",
+                                 "trainer.remove_previous_ckpt_in_save": "true",
+                                 "actor_rollout_ref.rollout.log_prob_micro_batch_size": "8"})
+    assert cfg.actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu == 32
+    assert cfg.trainer.max_ckpt_to_keep == 1
+    assert "actor_rollout_ref.actor.ppo_micro_batch_size is deprecated: read as " \
+           "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=32, as verl does" in lines
+    assert any(line.startswith("ignored actor_rollout_ref.rollout.log_prob_micro_batch_size: "
+                               "deprecated spelling") for line in lines), lines
+
+
+@pytest.mark.parametrize("unused,used,key,value", [
+    ({"algorithm.adv_estimator": "grpo"}, {"algorithm.adv_estimator": "gae"},
+     "critic.model.tokenizer_path", "/another/tokenizer"),
+    ({"algorithm.adv_estimator": "grpo"}, {"critic.enable": "true"}, "critic.strategy", "megatron"),
+    ({"reward_model.enable": "false"}, {"reward_model.enable": "true"}, "reward_model.strategy", "megatron"),
+])
+def test_a_section_the_config_does_not_use_never_refuses(unused, used, key, value):
+    for cls in ROLES:
+        _, lines = load(cls, {**BASE, "data.train_files": "[a]", "data.val_files": "[a]", **unused, key: value})
+        assert any(line.startswith(f"ignored {key}: ") and ("is not used" in line or "is false" in line)
+                   for line in lines), lines
+    with pytest.raises(ConfigError, match=rf"^({key}|reward_model.enable)=.*not supported"):
+        load(ROLES[0], {**BASE, **used, key: value})
+
+
+def test_the_critic_may_name_the_actors_tokenizer():
+    # verl's default for every release: critic.model.tokenizer_path: ${actor_rollout_ref.model.path}
+    cfg, _ = load(ROLES[0], {**BASE, "algorithm.adv_estimator": "gae",
+                             "critic.model.tokenizer_path": "${actor_rollout_ref.model.path}"})
+    assert cfg.use_critic
