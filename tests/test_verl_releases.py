@@ -287,3 +287,90 @@ def test_the_critic_may_name_the_actors_tokenizer():
     cfg, _ = load(ROLES[0], {**BASE, "algorithm.adv_estimator": "gae",
                              "critic.model.tokenizer_path": "${actor_rollout_ref.model.path}"})
     assert cfg.use_critic
+
+
+# --- a few real runs: one per config shape, tiny steps -----------------------------------------
+
+TINY = {"data.train_batch_size": 4, "data.max_response_length": 3,
+        "actor_rollout_ref.actor.ppo_mini_batch_size": 4, "actor_rollout_ref.rollout.n": 4,
+        "trainer.logger": ["console"]}  # verl's default adds wandb, which needs an account
+TINY_SFT = {"data.train_batch_size": 16, "data.max_length": 8, "trainer.logger": ["console"]}
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    """The built-in tiny model and task, as SFT and RL parquets."""
+    from rollout import builtin_task
+    out = tmp_path_factory.mktemp("tiny")
+    builtin_task.write_model(out / "model")
+    paths = {(k, s): str(out / f"{k}_{s}.parquet") for k in ("sft", "rl") for s in ("train", "val")}
+    builtin_task.write_sft_and_rl(paths, num=200)
+    return out
+
+
+def _with(path: str, values: dict) -> str:
+    cfg = yaml.safe_load(open(path))
+    for key, value in values.items():
+        _set(cfg, key, value)
+    with open(path, "w") as f:
+        yaml.safe_dump(cfg, f)
+    return path
+
+
+def tiny_ppo(tmp_path, tiny, release, adv) -> str:
+    return _with(ppo_yaml(tmp_path, release, adv, str(tiny / "model"), str(tiny / "rl_train.parquet"),
+                          str(tiny / "rl_val.parquet")), TINY)
+
+
+def _rows(path) -> list[dict]:
+    return [json.loads(line) for line in open(path).read().splitlines()]
+
+
+# (PPO release and estimator, SFT release and shape): the oldest and the newest of each shape
+E2E = [("0.3", "grpo", "0.3", "sft_trainer"), ("0.9", "gae", "0.9", "sft_trainer_engine")]
+
+
+@pytest.mark.parametrize("release,adv,sft_release,shape", E2E, ids=[f"{r}-{a}+{s}" for r, a, _, s in E2E])
+def test_release_configs_run_through_launch_local(tmp_path, tiny, release, adv, sft_release, shape):
+    """The release's PPO config and its SFT config, as they are but for the tiny model, its
+    data and tiny sizes: SFT warm start, then RL, through `launch.local --config`."""
+    ppo = tiny_ppo(tmp_path, tiny, release, adv)
+    sft = _with(sft_yaml(tmp_path, sft_release, shape, str(tiny / "model"), str(tiny / "sft_train.parquet"),
+                         str(tiny / "sft_val.parquet")), TINY_SFT)
+    root = tmp_path / "run"
+    proc = subprocess.run([sys.executable, "-m", "launch.local", "--root", str(root), "--config", ppo,
+                           "--sft-config", sft, "--sft-steps", "2", "--steps", "2", "--workers", "1", "--nproc", "1",
+                           "--timeout", "400"],
+                          cwd=REPO_ROOT, env=subprocess_env(), capture_output=True, text=True, timeout=500)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "unknown config key" not in proc.stderr and "config error" not in proc.stderr
+    assert [r["step"] for r in _rows(root / "sft" / "metrics.jsonl")] == [1, 2]
+    rows = _rows(root / "metrics.jsonl")
+    assert [r["step"] for r in rows] == [1, 2] and {r["samples/step"] for r in rows} == {16}
+    assert all(("critic/vf_loss" in r) == (adv == "gae") for r in rows)
+
+
+def test_release_config_runs_through_the_roles_by_hand(tmp_path, tiny):
+    """verl 0.5's GRPO config to a 1-rank trainer and a worker started by hand, 2 steps."""
+    ppo, root = tiny_ppo(tmp_path, tiny, "0.5", "grpo"), tmp_path / "run"
+    common = ["--config", ppo, f"root={root}", "trainer.total_training_steps=2"]
+    env = dict(subprocess_env(), OMP_NUM_THREADS="1")
+    trainer = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--standalone",
+                                "--nproc_per_node=1", "-m", "trainer.main", *common],
+                               cwd=REPO_ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    worker = subprocess.Popen([sys.executable, "-m", "rollout.worker", *common, "worker.id=w0",
+                               "buffer.flush_samples=16", "buffer.flush_interval=1"],
+                              cwd=REPO_ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        out, _ = trainer.communicate(timeout=300)
+        assert trainer.returncode == 0, out[-3000:]
+        wout, _ = worker.communicate(timeout=120)  # it stops at the end of the run
+        assert worker.returncode == 0, wout[-3000:]
+    finally:
+        for p in (trainer, worker):
+            if p.poll() is None:
+                p.kill()
+                p.wait(timeout=30)
+    for log in (out, wout):
+        assert "config: ignored critic." in log and "unknown config key" not in log  # the unused critic
+    assert [r["step"] for r in _rows(root / "metrics.jsonl")] == [1, 2]
