@@ -13,6 +13,7 @@ import pytest
 from buffer.config import BufferConfig
 from conftest import REPO_ROOT, subprocess_env
 from protocol import verl_keys
+from protocol.verl_keys.__main__ import main as verl_keys_main
 from protocol.config import (ConfigError, F, build, leaves, load, parse_cli, split_argv, to_dict,
                              treatments, usage, yaml_leaves)
 from rollout.config import ValidatorConfig, WorkerConfig
@@ -498,7 +499,7 @@ def test_warnings_are_printed_by_rank_0_only(capsys, monkeypatch):
 
 
 def test_verl_keys_report_counts_every_class(capsys):
-    assert verl_keys.main([str(VERL_YAML)]) == 0
+    assert verl_keys_main([str(VERL_YAML)]) == 0
     out = capsys.readouterr().out.strip().splitlines()
     assert "verl keys are all in verl 0.6, 0.7" in out[0], out[0]  # the fixture: 0.6 and later
     for kind in (verl_keys.APPLIED, verl_keys.IGNORED):

@@ -12,6 +12,7 @@ import yaml
 
 from conftest import REPO_ROOT, subprocess_env
 from protocol import verl_keys
+from protocol.verl_keys.__main__ import main as verl_keys_main
 from protocol.config import ConfigError, load
 from trainer.sft_config import SFTConfig
 
@@ -239,13 +240,13 @@ def test_vllm_engine_without_vllm_is_refused_at_start(tmp_path, capsys):
 
 def test_verl_keys_help_and_a_file_of_an_old_release(tmp_path, capsys):
     with pytest.raises(SystemExit) as e:
-        verl_keys.main(["--help"])
+        verl_keys_main(["--help"])
     assert e.value.code == 0 and capsys.readouterr().out.startswith("usage: python -m protocol.verl_keys")
-    assert verl_keys.main([ppo_yaml(tmp_path, "0.3", "grpo")]) == 0
+    assert verl_keys_main([ppo_yaml(tmp_path, "0.3", "grpo")]) == 0
     out = capsys.readouterr().out.splitlines()
     assert "verl keys are all in verl 0.3" in out[0], out[0]
     assert any(line.startswith("ignored  critic.model.tokenizer_path  (the critic is not used") for line in out)
-    assert verl_keys.main([sft_yaml(tmp_path, "0.3", "sft_trainer")]) == 0
+    assert verl_keys_main([sft_yaml(tmp_path, "0.3", "sft_trainer")]) == 0
     out = capsys.readouterr().out.splitlines()
     assert "a verl SFT config" in out[0] and "0.3" in out[0], out[0]
     assert any(line.startswith("ignored  data.micro_batch_size  (deprecated") for line in out)
