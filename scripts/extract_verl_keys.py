@@ -6,7 +6,8 @@
 For each release (RELEASES: a tag, or a branch for an unreleased minor) it writes one JSON file:
   ppo_trainer          every leaf of the full PPO trainer config, dotted key -> value as in the
                        file (interpolations kept): `_generated_ppo_trainer.yaml` where the release
-                       has it, else `ppo_trainer.yaml` composed with its Hydra defaults
+                       has it (with the keys composing adds), else `ppo_trainer.yaml` composed
+                       with its Hydra defaults
   sft_trainer          the same for the old SFT config (`sft_trainer.yaml`, composed), if present
   sft_trainer_engine   the same for the new one (`sft_trainer_engine.yaml`, composed), if present
   examples             per script of examples/{grpo_trainer,ppo_trainer}/*.sh and
@@ -74,8 +75,11 @@ def config_keys(config_dir: str) -> dict:
     """The three config shapes of one release's config folder (those it has)."""
     out = {}
     generated = os.path.join(config_dir, "_generated_ppo_trainer.yaml")
-    out["ppo_trainer"] = flatten(load(generated) if os.path.exists(generated)
-                                 else compose(config_dir, "ppo_trainer"))
+    composed = flatten(compose(config_dir, "ppo_trainer"))
+    # the generated file, plus what composing adds to it (a defaults selection such as 0.9's
+    # model_engine), for users who compose ppo_trainer.yaml themselves
+    out["ppo_trainer"] = ({**composed, **flatten(load(generated))} if os.path.exists(generated)
+                          else composed)
     for name in ("sft_trainer", "sft_trainer_engine"):
         if os.path.exists(os.path.join(config_dir, f"{name}.yaml")):
             out[name] = flatten(compose(config_dir, name))

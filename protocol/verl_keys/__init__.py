@@ -164,6 +164,8 @@ RULES: list[Rule] = [
     # parallelism and model features tandem does not have
     *same("tandem's trainer is FSDP2 (megatron is not supported)", one_of("fsdp", "fsdp2"),
           "**.strategy"),
+    *same("tandem's trainer is FSDP2 (verl's dp engine; megatron is not supported)",
+          one_of("dp", "fsdp", "fsdp2"), "model_engine"),
     *same("sequence parallelism (Ulysses) is not supported yet", one_of(1),
           "**.ulysses_sequence_parallel_size"),
     *same("LoRA is not supported yet: tandem trains and publishes full weights", one_of(0),
