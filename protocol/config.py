@@ -10,7 +10,8 @@ given by its last part (`--flush_interval=30`) when exactly one key of the schem
 
 The role schemas (protocol/verl_keys.ROLES: trainer, rollout worker, validator) share one file:
 each reads its own keys, accepts the other roles' keys silently, and treats verl's keys as protocol/verl_keys.py
-classifies them (one warning line, an alias, or a refusal with the reason). A bad type or bound, a
+classifies them (one warning line, an alias, or a refusal with the reason); the SFT schema treats
+verl's SFT keys the same way (protocol/verl_keys.SFT_RULES). A bad type or bound, a
 required key left unset, and a key in no schema stop the process at start, naming the field.
 """
 from __future__ import annotations
