@@ -33,6 +33,7 @@ from buffer.grpc_transport import TOKEN_ENV
 from buffer.run import Run
 from buffer.stores.fs_run import FsRun
 from protocol.config import ConfigError, file_values, load, split_argv
+from protocol.fields import _flatten, _read_yaml
 from launch import status
 from buffer.stores.weights import hf_folder_problem
 from rollout import builtin_task
@@ -82,6 +83,9 @@ def parse_args(argv):
                    help="first warm-start the model with this many SFT steps (python -m trainer.sft) "
                         "on the built-in task's (question, answer) pairs; RL then starts from "
                         "ROOT/sft/hf (default 0: no SFT)")
+    p.add_argument("--sft-config", help="YAML config of the SFT stage (verl's sft_trainer.yaml or "
+                   "sft_trainer_engine.yaml shape), with --sft-steps; its model and data are the "
+                   "built-in ones unless it names them")
     p.add_argument("--sft", action="append", default=[], metavar="KEY=VALUE",
                    help="extra trainer.sft override, repeatable (e.g. optim.lr=3e-4)")
     p.add_argument("--trainer", action="append", default=[], metavar="KEY=VALUE",
@@ -107,6 +111,8 @@ def parse_args(argv):
         p.error("--steps, --workers and --nproc must be at least 1")
     if args.sft_steps < 0 or (args.test_freq is not None and args.test_freq < 0):
         p.error("--sft-steps and --test-freq must be at least 0")
+    if args.sft_config and not args.sft_steps:
+        p.error("--sft-config needs --sft-steps")
     return args
 
 
@@ -133,10 +139,26 @@ def from_config(args, run: FsRun) -> dict:
     try:
         # --data replaces the file's train files for its interpolations too (val_files may be
         # ${data.train_files}, as in tests/data/verl_grpo.yaml)
-        return file_values(args.config, [MODEL, TRAIN_FILES, STEPS, VAL_FILES, TEST_FREQ, *recipe_keys],
-                           {"root": run.files.root, **({TRAIN_FILES: [args.data]} if args.data else {})})
+        values = file_values(args.config, [MODEL, TRAIN_FILES, STEPS, VAL_FILES, TEST_FREQ, *recipe_keys],
+                             {"root": run.files.root, **({TRAIN_FILES: [args.data]} if args.data else {})})
     except ConfigError as e:
         raise SystemExit(f"launch.local: {e}") from None
+    for key in (TRAIN_FILES, VAL_FILES):  # verl's own default is one path, not a list
+        if isinstance(values.get(key), str):
+            values[key] = [values[key]]
+    for key in (STEPS, TEST_FREQ):
+        if key in values:
+            values[key] = _as_int(values[key], f"{key} in --config {args.config}")
+    return values
+
+
+def _as_int(value, what: str) -> int:
+    try:
+        if isinstance(value, (bool, float)):
+            raise ValueError
+        return int(value)
+    except (TypeError, ValueError):
+        raise SystemExit(f"launch.local: {what}: expected an integer, got {value!r}") from None
 
 
 def prepare(run: FsRun, args, config: dict) -> tuple[str, str | None, list[str] | None]:
@@ -168,7 +190,7 @@ def prepare(run: FsRun, args, config: dict) -> tuple[str, str | None, list[str] 
     val = ([args.val_data] if args.val_data else config.get(VAL_FILES)
            or ([run.files.prepared_parquet("rl", "val")] if builtin else None))
     if args.test_freq is None:
-        args.test_freq = int(config.get(TEST_FREQ, DEFAULT_TEST_FREQ))
+        args.test_freq = config.get(TEST_FREQ, DEFAULT_TEST_FREQ)
     return model, data, (val if args.test_freq > 0 else None)
 
 
@@ -228,17 +250,31 @@ def _advance(bar, rows: list[dict], postfix) -> None:
         bar.update(rows[-1]["step"] - bar.n)  # redraws at most every `mininterval`
 
 
+def sft_args(run: FsRun, args, model: str) -> list[str]:
+    """trainer.sft's config arguments: --sft-config, then the built-in model, data and recipe
+    for what that file does not set."""
+    given: set[str] = set()
+    if args.sft_config:
+        try:
+            given = set(_flatten(_read_yaml(args.sft_config), set()))
+        except ConfigError as e:
+            raise SystemExit(f"launch.local: --sft-config: {e}") from None
+    builtin = [f"data.train_files=[{run.files.prepared_parquet('sft', 'train')}]",
+               f"data.val_files=[{run.files.prepared_parquet('sft', 'val')}]",
+               f"data.max_length={sft_max_length(args)}", *BUILTIN_SFT]
+    if not given & {"model.partial_pretrain", "model.path"}:
+        builtin.append(f"model.partial_pretrain={model}")
+    return ([f"--config={os.path.abspath(args.sft_config)}"] if args.sft_config else []) + \
+        [a for a in builtin if a.split("=", 1)[0] not in given]
+
+
 def run_sft(run: FsRun, args, model: str, signals: "Signals") -> str:
     """Run trainer.sft to completion (a bar from its metrics); returns its final HF folder."""
     out = Run.local(run.files.sft_dir).files
     child = Child("sft", [sys.executable, "-m", "torch.distributed.run", "--standalone",
                           f"--nproc_per_node={args.nproc}", "-m", "trainer.sft",
-                          f"data.train_files=[{run.files.prepared_parquet('sft', 'train')}]",
-                          f"data.val_files=[{run.files.prepared_parquet('sft', 'val')}]",
-                          f"model.partial_pretrain={model}", f"trainer.default_local_dir={out.root}",
-                          f"trainer.total_training_steps={args.sft_steps}",
-                          f"data.max_length={sft_max_length(args)}",
-                          *BUILTIN_SFT, *args.sft],
+                          *sft_args(run, args, model), f"trainer.default_local_dir={out.root}",
+                          f"trainer.total_training_steps={args.sft_steps}", *args.sft],
                   run.files.log("sft"), args.trainer_gpus)
     deadline = time.monotonic() + args.timeout
     bar = _progress(args.sft_steps, "sft")
@@ -278,17 +314,26 @@ def role_args(run: FsRun, args, model: str, data: str | None, config: dict,
 
 
 def check_config(trainer_args: list[str], worker_args: list[str],
-                 validator_args: list[str] | None) -> None:
-    """Build the roles' configs now, so that a bad key stops the run before any process starts;
-    print each line about verl keys that do not apply once (the roles' logs have them too)."""
+                 validator_args: list[str] | None, sft: list[str] | None = None) -> None:
+    """Build the roles' configs (and SFT's, `sft`) now, so that a bad key or an engine that
+    cannot start stops the run before any process starts; print each line about verl keys that
+    do not apply once (the roles' logs have them too)."""
     from rollout.config import ValidatorConfig, WorkerConfig
-    from trainer.config import TrainerConfig
+    from rollout.engine import engine_problem
+    from trainer.config import TrainerConfig, device_problem
+    from trainer.sft_config import SFTConfig
     lines: list[str] = []
     roles = [(TrainerConfig, trainer_args), (WorkerConfig, worker_args)]
-    for cls, argv in roles + ([(ValidatorConfig, validator_args)] if validator_args else []):
+    roles += [(ValidatorConfig, validator_args)] if validator_args else []
+    for cls, argv in roles + ([(SFTConfig, sft)] if sft else []):
         try:
             overrides, yaml_file, _ = split_argv(argv)
-            lines += [w for w in load(cls, overrides, yaml_file)[1] if w not in lines]
+            cfg, warnings = load(cls, overrides, yaml_file)
+            lines += [w for w in warnings if w not in lines]
+            problem = (engine_problem(cfg.actor_rollout_ref.rollout.name)
+                       if cls in (WorkerConfig, ValidatorConfig) else device_problem(cfg.trainer.device))
+            if problem:
+                raise ConfigError(problem)
         except ConfigError as e:
             print(f"launch.local: config error: {e}", file=sys.stderr)
             raise SystemExit(2) from None
@@ -464,7 +509,9 @@ def main(argv: list[str] | None = None) -> int:
     config = from_config(args, run)
     args.steps = int(args.steps or config.get(STEPS) or DEFAULT_STEPS)
     model, data, val = prepare(run, args, config)
-    check_config(*role_args(run, args, model, data, config, val))  # before SFT: fail fast
+    sft = [*sft_args(run, args, model), f"trainer.default_local_dir={run.files.sft_dir}",
+           *args.sft] if args.sft_steps else None
+    check_config(*role_args(run, args, model, data, config, val), sft)  # before SFT: fail fast
     print(f"launch.local: run folder {run.files.root}; logs in {os.path.dirname(run.files.log('x'))}"
           + (f"; workers and validator in their own folders {run.files.remote_root('x')[:-2]}<id> "
              "(--remote-workers)" if args.remote_workers else ""))

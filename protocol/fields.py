@@ -4,13 +4,15 @@ its own so that protocol/verl_keys.py can walk schemas without importing protoco
 which imports it."""
 from __future__ import annotations
 
+import copy
 import dataclasses
+import functools
+import os
 import typing
 from typing import Any
 
 import yaml
-from omegaconf import MISSING, DictConfig, OmegaConf
-from omegaconf.errors import OmegaConfBaseException
+from omegaconf import MISSING
 
 
 class ConfigError(ValueError):
@@ -48,15 +50,44 @@ def leaves(cls, prefix: str = ""):
             yield name, f, tp
 
 
+@functools.lru_cache(maxsize=1)
+def _loader() -> type:
+    """OmegaConf's YAML dialect (its float and no-timestamp resolvers, duplicate keys refused)
+    on libyaml's parser where installed: verl's full configs have ~900 keys, which the pure
+    Python parser takes most of a second for, in every process."""
+    from omegaconf._utils import get_yaml_loader
+    base = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
+
+    class Loader(base):
+        yaml_implicit_resolvers = get_yaml_loader().yaml_implicit_resolvers
+
+        def construct_mapping(self, node, deep=False):
+            keys = [k.value for k, _ in node.value if k.tag == yaml.resolver.BaseResolver.DEFAULT_SCALAR_TAG]
+            if len(keys) != len(set(keys)):
+                dup = next(k for k in keys if keys.count(k) > 1)
+                raise yaml.constructor.ConstructorError("while constructing a mapping", node.start_mark,
+                                                        f"found duplicate key {dup}")
+            return super().construct_mapping(node, deep=deep)
+    return Loader
+
+
+@functools.lru_cache(maxsize=16)
+def _parse_yaml(path: str, _stamp) -> Any:
+    with open(path) as f:
+        return yaml.load(f, Loader=_loader())
+
+
 def _read_yaml(path) -> dict:
-    """The file as a plain dict, its interpolations unresolved."""
+    """The file as a plain dict, its interpolations unresolved (parsed once per version of the
+    file: every role schema reads it)."""
     try:
-        loaded = OmegaConf.load(path)
-    except (OSError, yaml.YAMLError, OmegaConfBaseException) as e:
+        st = os.stat(path)
+        loaded = _parse_yaml(os.path.abspath(path), (st.st_mtime_ns, st.st_size))
+    except (OSError, yaml.YAMLError) as e:
         raise ConfigError(f"--config {path}: cannot read: {e}") from None
-    if not isinstance(loaded, DictConfig):
+    if not isinstance(loaded, dict):
         raise ConfigError(f"--config {path}: top level must be a mapping")
-    return OmegaConf.to_container(loaded, resolve=False)
+    return copy.deepcopy(loaded)
 
 
 def _flatten(d: dict, stops: set[str], prefix: str = "") -> dict[str, Any]:

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import random
+import re
 import sys
 from pathlib import Path
 
@@ -66,11 +67,30 @@ def split_pairs(pairs: list[tuple[str, str]], val_fraction: float,
     return [p for p in pairs if p[0] not in held], [p for p in pairs if p[0] in held]
 
 
-def ground_truth(answer: str, after: str | None) -> str:
-    """The part of the answer the reward checks: all of it, or what follows the last `after`
-    marker (e.g. GSM8K's '#### 42')."""
+def gsm8k_solution(answer: str) -> str:
+    """verl's examples/data_preprocess/gsm8k.py extract_solution: the number after '#### ',
+    commas removed."""
+    found = re.search("#### (\\-?[0-9\\.\\,]+)", answer)
+    if found is None:
+        raise PreprocessError(f"answer {answer[:60]!r}: no '#### <number>' (GSM8K's final answer)")
+    return found.group(0).split("#### ")[1].replace(",", "")
+
+
+# What verl's examples/data_preprocess/<name>.py writes for a data source: its ability, the
+# instruction appended to each question (after a space), and how the ground truth is cut out.
+PRESETS = {
+    "openai/gsm8k": {"ability": "math", "ground_truth": gsm8k_solution,
+                     "instruction": ' Let\'s think step by step and output the final answer after "####".'},
+}
+
+
+def ground_truth(answer: str, after) -> str:
+    """The part of the answer the reward checks: all of it, what follows the last `after`
+    marker (e.g. GSM8K's '#### 42'), or what the function `after` cuts out."""
     if after is None:
         return answer
+    if callable(after):
+        return after(answer)
     if after not in answer:
         raise PreprocessError(f"answer {answer[:60]!r}: no {after!r} marker (--ground-truth-after)")
     return answer.rsplit(after, 1)[1].strip()
@@ -121,26 +141,33 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--data-source", required=True,
                    help="data_source of the RL rows: picks the reward (verl's default_compute_score "
                         "names, tandem/copy, or your custom_reward_function)")
-    p.add_argument("--ability", default="", help="ability column of the RL rows")
+    p.add_argument("--ability", help="ability column of the RL rows (default: verl's for the "
+                   "data source, e.g. math for openai/gsm8k, else empty)")
     p.add_argument("--question-key", default="question")
     p.add_argument("--answer-key", default="answer")
     p.add_argument("--val-fraction", type=float, default=0.1,
                    help="fraction of distinct questions held out for validation (default 0.1)")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--instruction", default="",
-                   help="text appended to every question in both formats, e.g. "
-                        "\" Let's think step by step and output the final answer after '####'.\"")
+    p.add_argument("--instruction",
+                   help="text appended to every question in both formats (default: verl's for the "
+                        "data source: for openai/gsm8k \" Let's think step by step and output the "
+                        "final answer after \"####\".\", else none)")
     p.add_argument("--ground-truth-after",
                    help="RL ground truth: the answer's text after the last such marker (default: "
-                        "the whole answer)")
+                        "verl's for the data source: for openai/gsm8k the number after '####' "
+                        "without commas; else the whole answer)")
     args = p.parse_args(argv)
     if not 0 <= args.val_fraction < 1:
         p.error("--val-fraction must be in [0, 1)")
     paths = {(k, s): str(Path(args.out_dir) / f"{k}_{s}.parquet") for k in KINDS for s in SPLITS}
+    preset = PRESETS.get(args.data_source, {})
+    ability = preset.get("ability", "") if args.ability is None else args.ability
+    instruction = preset.get("instruction", "") if args.instruction is None else args.instruction
+    after = preset.get("ground_truth") if args.ground_truth_after is None else args.ground_truth_after
     try:
         counts = write_splits(read_pairs(args.input, args.question_key, args.answer_key), paths,
-                              args.data_source, args.ability, args.val_fraction, args.seed,
-                              args.instruction, args.ground_truth_after)
+                              args.data_source, ability, args.val_fraction, args.seed,
+                              instruction, after)
     except PreprocessError as e:
         print(f"rollout.preprocess: {e}", file=sys.stderr)
         return 2

@@ -36,7 +36,7 @@ from protocol.weights import SYNC_GROUPS, ManifestError
 from rollout import reward
 from rollout.config import WorkerConfig
 from rollout.dataset import DatasetError, Prompt, PromptStream, data_sources, load_prompts
-from rollout.engine import Completion, SamplingSettings, build_engine
+from rollout.engine import Completion, SamplingSettings, build_engine, engine_problem
 
 log = logging.getLogger("rollout.worker")
 
@@ -382,6 +382,9 @@ def run_role(role, config_cls, argv: list[str] | None, prog: str, description: s
     """Entry point of a process with an engine: config from the command line, logs to stdout
     tagged `tag`, torch threads from OMP_NUM_THREADS, then `role(cfg).run()`."""
     cfg = parse_cli(config_cls, argv, prog, description)
+    if problem := engine_problem(cfg.actor_rollout_ref.rollout.name):
+        print(f"{prog}: config error: {problem}", file=sys.stderr)
+        return 2
     logging.basicConfig(level=logging.INFO, stream=sys.stdout,
                         format=f"%(asctime)s %(levelname)s {tag}[%(process)d] %(message)s")
     import torch

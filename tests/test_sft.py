@@ -164,7 +164,7 @@ trainer: {default_local_dir: /out, project_name: p, experiment_name: e, total_ep
     cfg = build(SFTConfig, {"trainer.save_freq": "5"}, yaml_file)
     assert (cfg.data.prompt_key, cfg.data.max_length, cfg.trainer.save_freq) == ("question", 2048, 5)
     assert cfg.trainer.total_training_steps is None and cfg.trainer.output_dir == "/out"
-    with pytest.raises(ConfigError, match=r"model.lora_rank=8: LoRA is not supported yet"):
+    with pytest.raises(ConfigError, match=r"model.lora_rank=8 \(command line\): not supported: LoRA is not supported yet"):
         build(SFTConfig, {"model.lora_rank": "8"}, yaml_file)
     with pytest.raises(ConfigError, match="max_token_len_per_gpu=512 must be at least data.max_length=2048"):
         build(SFTConfig, {"data.max_token_len_per_gpu": "512"}, yaml_file)
@@ -175,7 +175,7 @@ def test_preprocess_holds_out_whole_questions_in_verl_rl_format(tmp_path, tok):
     qa = _write(tmp_path / "qa.parquet", [{"question": f"q{i % 20}", "answer": f"x #### {i % 20}"}
                                           for i in range(100)])
     assert preprocess.main(["--input", qa, "--out-dir", str(tmp_path / "out"), "--data-source",
-                            "openai/gsm8k", "--val-fraction", "0.25",
+                            "openai/gsm8k", "--val-fraction", "0.25", "--instruction", "",
                             "--ground-truth-after", "####"]) == 0
     read = {(k, s): builtin_task_rows(tmp_path / "out" / f"{k}_{s}.parquet") for k, s in SPLITS}
     train_q = {r["prompt"] for r in read[("sft", "train")]}
@@ -190,6 +190,26 @@ def test_preprocess_holds_out_whole_questions_in_verl_rl_format(tmp_path, tok):
     bad = _write(tmp_path / "bad.parquet", [{"question": "1", "solution": "1"}])
     with pytest.raises(preprocess.PreprocessError, match=rf"{bad}: no column 'answer'"):
         preprocess.read_pairs(bad)
+
+
+def test_preprocess_gsm8k_writes_what_verls_gsm8k_preprocessing_writes(tmp_path):
+    """verl's examples/data_preprocess/gsm8k.py: ability math, its instruction after the
+    question, the ground truth the number after '####' without commas."""
+    qa = _write(tmp_path / "qa.parquet", [{"question": f"How many? {i}", "answer": f"So.\n#### 1,00{i}"}
+                                          for i in range(10)])
+    assert preprocess.main(["--input", qa, "--out-dir", str(tmp_path / "out"),
+                            "--data-source", "openai/gsm8k"]) == 0
+    row = builtin_task_rows(tmp_path / "out" / "rl_train.parquet")[0]
+    q = row["extra_info"]["question"]
+    assert row["ability"] == "math"
+    assert row["prompt"] == [{"role": "user", "content": q + " Let's think step by step and output "
+                              "the final answer after \"####\"."}]
+    assert row["reward_model"] == {"style": "rule", "ground_truth": "100" + q[-1]}
+    assert builtin_task_rows(tmp_path / "out" / "sft_train.parquet")[0]["prompt"] == row["prompt"][0]["content"]
+    # another data source: nothing added unless asked for
+    assert preprocess.main(["--input", qa, "--out-dir", str(tmp_path / "o2"), "--data-source", "mine"]) == 0
+    row = builtin_task_rows(tmp_path / "o2" / "rl_train.parquet")[0]
+    assert (row["ability"], row["prompt"][0]["content"]) == ("", row["extra_info"]["question"])
 
 
 def builtin_task_rows(path):

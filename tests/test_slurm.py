@@ -206,7 +206,7 @@ def test_dry_run_renders_the_sft_role(tmp_path):
     out = _run([*base, "trainer.default_local_dir=/elsewhere"])
     assert out.returncode == 2 and "give the output folder with --root" in out.stderr, out.stderr
     out = _run([*base, "model.lora_rank=8"])
-    assert out.returncode == 2 and "model.lora_rank=8: LoRA is not supported yet" in out.stderr
+    assert out.returncode == 2 and "model.lora_rank=8 (command line): not supported: LoRA is not supported yet" in out.stderr
 
 
 @pytest.mark.slow

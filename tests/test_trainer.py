@@ -55,8 +55,17 @@ def test_uneven_shares_kl_entropy_and_cosine_warmup(experience):
     assert all("rollout/mismatch_kl" not in r and r["rollout/mismatch_tokens"] == 0 for r in rows[1:])
 
 
-def test_tensorboard_logger_through_verl_tracking(experience):
+def test_tensorboard_logger_through_verl_tracking_with_verls_metric_names(experience):
     root = _run(experience, "tb", 1, "trainer.logger=[console,tensorboard]", steps=2)
+    for r in _rows(root):  # verl's metric_utils names, entropy_coeff=0 (the default)
+        assert all(r[f"timing_s/{phase}"] > 0 for phase in
+                   ("old_log_prob", "adv", "update_actor", "update_weights", "step")), r
+        assert r["actor/entropy"] > 0.1  # the real entropy: a near-uniform tiny model
+        assert r["perf/total_num_tokens"] > r["tokens/step"]  # prompts and responses
+        assert r["perf/throughput"] == pytest.approx(r["perf/total_num_tokens"] / r["perf/time_per_step"])
+        assert r["perf/mfu/actor"] >= 0 and r["perf/cpu_memory_used_gb"] > 0
+        assert 0 < r["prompt_length/min"] <= r["prompt_length/mean"] <= r["prompt_length/max"]
+        assert 0 <= r["prompt_length/clip_ratio"] <= 1
     events = list((root / "tensorboard").glob("events.out.tfevents.*"))
     assert events and events[0].stat().st_size > 0
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator

@@ -22,9 +22,10 @@ import torch
 from trainer.batch import Batch
 
 
-def response_logprobs(model, batch: Batch, with_entropy: bool = False):
+def response_logprobs(model, batch: Batch, with_entropy: bool = False, entropy_grad: bool = True):
     """log pi(response token) at the sampling temperature, shape (B, R); with the entropy of
-    each position's distribution as well when asked (else None)."""
+    each position's distribution as well when asked (else None), differentiable or, for a
+    metric only, not (`entropy_grad`: no graph kept for it)."""
     logits = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask,
                    use_cache=False).logits
     rows = torch.arange(logits.shape[0], device=logits.device).unsqueeze(1)
@@ -36,7 +37,7 @@ def response_logprobs(model, batch: Batch, with_entropy: bool = False):
     entropy = None
     if with_entropy:
         from verl.utils.torch_functional import entropy_from_logits
-        entropy = entropy_from_logits(picked) * batch.response_mask
+        entropy = entropy_from_logits(picked if entropy_grad else picked.detach()) * batch.response_mask
     return logprobs * batch.response_mask, entropy
 
 

@@ -8,6 +8,18 @@ from protocol.config import F, ConfigError
 from protocol.sections import DataConfig, ModelConfig
 
 
+def device_problem(pref: str) -> str | None:
+    """Why trainer.device=`pref` cannot be used on this machine, if it cannot (verl's configs
+    say cuda; on a CPU machine that would end in a CUDA traceback)."""
+    if pref != "cuda":
+        return None
+    import torch
+    if not torch.cuda.is_available():
+        return ("trainer.device=cuda: no CUDA GPU is visible here (torch.cuda.is_available() is "
+                "false); use trainer.device=auto or cpu")
+    return None
+
+
 def check_betas(betas: list[float], setting: str) -> None:
     if len(betas) != 2 or not all(0 <= b < 1 for b in betas):
         raise ConfigError(f"{setting}: two values in [0, 1), got {betas}")

@@ -33,10 +33,10 @@ from protocol.config import parse_cli, to_dict
 from protocol.weights import SYNC_GROUPS
 from trainer import algo, checkpoint, update
 from trainer.batch import collate
-from trainer.config import TrainerConfig
+from trainer.config import TrainerConfig, device_problem
 from trainer.critic import Critic
 from trainer.lifeline import die_with_agent
-from trainer.metrics import MetricsLog
+from trainer.metrics import MetricsLog, length_metrics, memory_metrics, mfu, timed
 from trainer.model import build_actor
 from trainer.publish import publish_version
 from trainer.run_lock import RunLock, RunLocked
@@ -53,6 +53,10 @@ def _free_port() -> int:
 
 def init_distributed(device_pref: str, timeout_s: float) -> torch.device:
     """Join the torchrun job (or form a 1-rank job when started without torchrun)."""
+    if problem := device_problem(device_pref):  # one line, not CUDA's traceback
+        if os.environ.get("RANK", "0") == "0":
+            print(f"config error: {problem}", file=sys.stderr)
+        raise SystemExit(2)
     if "RANK" not in os.environ:
         os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()),
                           RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
@@ -237,10 +241,13 @@ class Trainer:
         self._report_progress(force=True)
         samples = [s for g in groups for s in g.samples]
         info = {"sample_ids": [s.sample_id for s in samples]} if self.cfg.trainer.log_sample_ids else {}
+        info |= length_metrics("prompt_length", [len(s.prompt_ids) for s in samples],
+                               self.cfg.data.max_prompt_length)
         info |= {
             "wait_s": time.monotonic() - t0,
             "seqs": len(samples),
             "tokens": sum(len(s.response_ids) for s in samples),
+            "perf/total_num_tokens": sum(len(s.prompt_ids) + len(s.response_ids) for s in samples),
             "reward/mean": sum(s.reward for s in samples) / len(samples),
             "staleness/mean": sum(self.version - s.weight_version for s in samples) / len(samples),
             "staleness/max": max(self.version - s.weight_version for s in samples),
@@ -299,12 +306,17 @@ class Trainer:
         groups = torch.tensor(group_index)
 
         # 1. The step's anchors at its starting weights, before any update: pi_old, pi_ref, V_old.
-        actor = self.cfg.actor_rollout_ref.actor
+        actor, timing = self.cfg.actor_rollout_ref.actor, {}
         passes = update.plan([torch.arange(len(batch))], batch, actor)[0].passes
-        old = update.infer(lambda c: algo.response_logprobs(self.model, c)[0], batch, passes)
-        ref = (update.infer(lambda c: algo.response_logprobs(self.ref_model, c)[0], batch, passes)
-               if self.ref_model is not None else None)
-        values = self.critic.values(batch) if self.critic is not None else None
+        with timed(timing, "old_log_prob"):
+            old = update.infer(lambda c: algo.response_logprobs(self.model, c)[0], batch, passes)
+        ref = values = None
+        if self.ref_model is not None:
+            with timed(timing, "ref"):
+                ref = update.infer(lambda c: algo.response_logprobs(self.ref_model, c)[0], batch, passes)
+        if self.critic is not None:
+            with timed(timing, "values"):
+                values = self.critic.values(batch)
         # Engine/trainer mismatch on the samples of the version pi_old holds; truncated IS share.
         fresh = torch.tensor([self.at_published and s.weight_version == self.version for s in samples])
         sums = algo.mismatch_sums(old, batch.behaviour_logprobs, batch.response_mask,
@@ -312,18 +324,25 @@ class Trainer:
         rollout = algo.mismatch_metrics(update.all_sum(sums, self.device).tolist())
 
         # 2. Rewards (optionally KL-penalised) and advantages over the whole batch of all ranks.
-        adv, returns, metrics = self.advantages(batch, groups, old, ref, values)
+        with timed(timing, "adv"):
+            adv, returns, metrics = self.advantages(batch, groups, old, ref, values)
         metrics |= rollout
 
         # 3. The critic, then (after trainer.critic_warmup) the actor, as verl's fit loop.
         seed = [self.cfg.trainer.seed, self.step, self.rank]
         num_groups = self.cfg.data.train_batch_size
         if self.critic is not None:
-            metrics |= self.critic.update(batch, groups, num_groups, values, returns, self.step,
-                                          self.cfg.trainer.total_training_steps, seed + [1])
+            with timed(timing, "update_critic"):
+                metrics |= self.critic.update(batch, groups, num_groups, values, returns, self.step,
+                                              self.cfg.trainer.total_training_steps, seed + [1])
         if self.step >= self.cfg.trainer.critic_warmup:
-            metrics |= self.update_actor(batch, groups, old, ref, adv, seed + [0])
-        return metrics
+            with timed(timing, "update_actor"):
+                metrics |= self.update_actor(batch, groups, old, ref, adv, seed + [0])
+            seqlens = [len(s.prompt_ids) + len(s.response_ids) for s in samples]
+            mine = mfu(self.model.config, seqlens, timing["timing_s/update_actor"], actor.ppo_epochs,
+                       self.device)
+            metrics["perf/mfu/actor"] = float(update.all_sum(torch.tensor([mine]), self.device)) / self.world
+        return metrics | timing
 
     def advantages(self, batch, groups, old, ref, values) -> tuple:
         """(advantages, returns) of this rank's rows, (B, R) each, and verl's data metrics.
@@ -362,7 +381,9 @@ class Trainer:
             r = c.response_mask.shape[1]
             old_lp = old[idx, :r]
             loss_cfg = algo.actor_loss_config(actor, self.world, mb.tokens, mb.seqs)
-            lp, entropy = algo.response_logprobs(self.model, c, with_entropy=actor.entropy_coeff > 0)
+            # verl logs the entropy whatever entropy_coeff; it enters the loss only with a coeff
+            lp, entropy = algo.response_logprobs(self.model, c, with_entropy=True,
+                                                 entropy_grad=actor.entropy_coeff > 0)
             w = algo.truncated_is_weights(old_lp, c.behaviour_logprobs, c.response_mask,
                                           self.cfg.algorithm.rollout_is_threshold)
             pg, m = algo.policy_loss(old_lp, lp, adv[idx, :r], c.response_mask, w, loss_cfg)
@@ -370,7 +391,7 @@ class Trainer:
                                                 entropy, c.response_mask, actor.kl_loss_type,
                                                 actor.loss_agg_mode, loss_cfg)
             loss = pg + (actor.kl_loss_coef * kl if kl is not None else 0.0) \
-                - (actor.entropy_coeff * ent if ent is not None else 0.0)
+                - (actor.entropy_coeff * ent if actor.entropy_coeff > 0 else 0.0)
             n = float(c.response_mask.sum())
             return loss, [pg.item(), m["actor/ppo_kl"] * n, m["actor/pg_clipfrac"] * n,
                           m["actor/pg_clipfrac_lower"] * n, float(w.sum()),
@@ -477,14 +498,18 @@ class Trainer:
             validate = validation_due(tc, step, first=False)
             if publishes_at(tc, step):
                 self.version += 1
-                metrics.update(self.publish(step))
+                with timed(metrics, "update_weights"):
+                    metrics.update(self.publish(step))
                 self.request_validation(step, validate)
             if self.rank == 0:
                 metrics.update({k: v for k, v in info.items() if k not in ("wait_s", "seqs", "tokens")})
                 if "sample_ids" in metrics:
                     metrics["samples/ids"] = metrics.pop("sample_ids")
                 step_s = time.monotonic() - t0
-                metrics.update({"samples/consumed": self.reader.stats["consumed_samples"],
+                metrics.update({"timing_s/step": step_s, "perf/time_per_step": step_s,
+                                "perf/throughput": info["perf/total_num_tokens"] / (step_s * self.world),
+                                **memory_metrics(self.device),
+                                "samples/consumed": self.reader.stats["consumed_samples"],
                                 "samples/step": info["seqs"],
                                 "tokens/step": info["tokens"], "time/wait_s": info["wait_s"],
                                 "time/step_s": step_s, "time/wait_fraction": info["wait_s"] / step_s,

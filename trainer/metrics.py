@@ -2,9 +2,11 @@
 results as lines of their own."""
 from __future__ import annotations
 
+import contextlib
 import errno
 import json
 import os
+import time
 from typing import Callable
 
 from buffer.storage import when_space
@@ -21,6 +23,50 @@ def rl_line(m: dict) -> str:
             + (f"mismatch KL {m['rollout/mismatch_kl']:.1e} | " if "rollout/mismatch_kl" in m else "")
             + f"{m['samples/step']} samples, {m['tokens/step']} tokens | "
             f"step {m['time/step_s']:.2f} s (wait {m['time/wait_s']:.2f} s)")
+
+
+@contextlib.contextmanager
+def timed(timing: dict, name: str):
+    """verl's marked_timer: the phase's seconds, logged as timing_s/<name>."""
+    t0 = time.monotonic()
+    try:
+        yield
+    finally:
+        timing[f"timing_s/{name}"] = timing.get(f"timing_s/{name}", 0.0) + time.monotonic() - t0
+
+
+def length_metrics(name: str, lengths: list[int], cap: int) -> dict:
+    """verl's <name>/mean, max, min and clip_ratio (the share at the length cap)."""
+    return {f"{name}/mean": sum(lengths) / len(lengths), f"{name}/max": max(lengths),
+            f"{name}/min": min(lengths), f"{name}/clip_ratio": sum(n >= cap for n in lengths) / len(lengths)}
+
+
+def mfu(model_config, seqlens: list[int], seconds: float, passes: int, device) -> float:
+    """verl's actor MFU of this rank: the model FLOPs of `passes` forward+backward passes over
+    sequences of `seqlens` tokens in `seconds`, over the device's peak (verl's estimates per
+    model type and its device table; 0 where it knows either not)."""
+    import torch
+    from verl.utils import flops_counter
+    estimate = flops_counter.ESTIMATE_FUNC.get(model_config.model_type)
+    # verl's own lookup asks CUDA for the device name even on a CPU machine: name it here
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
+    promised = flops_counter.get_device_flops(device_name=name)
+    if estimate is None or promised in (0, float("inf")):
+        return 0.0
+    achieved = estimate(model_config, sum(seqlens), seqlens, max(seconds, 1e-9))
+    return achieved * passes / promised
+
+
+def memory_metrics(device) -> dict:
+    """verl's perf/max_memory_allocated_gb and _reserved_gb (the GPU's peak) and
+    perf/cpu_memory_used_gb."""
+    import psutil
+    import torch
+    out = {"perf/cpu_memory_used_gb": psutil.virtual_memory().used / 1024 ** 3}
+    if device.type == "cuda":
+        out |= {"perf/max_memory_allocated_gb": torch.cuda.max_memory_allocated(device) / 1024 ** 3,
+                "perf/max_memory_reserved_gb": torch.cuda.max_memory_reserved(device) / 1024 ** 3}
+    return out
 
 
 def _print(line: str) -> None:

@@ -58,15 +58,6 @@ class SFTModelConfig:
                                  "(flash_attention_2 when installed on GPU, else sdpa), sdpa, "
                                  "flash_attention_2, flex_attention or eager",
                                  choices=("auto", "sdpa", "flash_attention_2", "flex_attention", "eager"))
-    lora_rank: int = F(0, "LoRA rank; only 0 (full fine-tuning) for now", ge=0)
-    lora_alpha: int = F(16, "LoRA scaling (read once LoRA is supported)", ge=1)
-    target_modules: str = F("all-linear", "LoRA target modules (read once LoRA is supported)")
-
-    def check(self) -> None:
-        if self.lora_rank > 0:
-            raise ConfigError(f"model.lora_rank={self.lora_rank}: LoRA is not supported yet (it "
-                              "comes with the LoRA issue); tandem SFT trains all weights. Set "
-                              "model.lora_rank=0")
 
 
 @dataclasses.dataclass
