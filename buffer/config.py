@@ -120,7 +120,11 @@ class BufferConfig:
         ge=0,
     )
     grpc_cache_versions: int = F(
-        2, "worker (transport grpc): weight versions kept in the cache in its own folder (ROOT/weights)", ge=1
+        2,
+        "worker (transport grpc): complete weight versions kept in "
+        "the cache in its own folder (ROOT/weights), besides at most one "
+        "partial fetch of a newer one (resumed by the next fetch)",
+        ge=1,
     )
 
     # --- weight versions over the network (buffer/weights/) ---

@@ -7,13 +7,14 @@
 
 Without inputs given, it builds the built-in tiny model and task (--task) into the run folder,
 with some of the task's distinct questions held out (copy: a fifth; arith: 100 of 2000): a
-validator (`rollout.validate`) measures them every --test-freq steps. A --config file (verl's shape) goes to every role; its model path, train
-files, step count and validation (data.val_files, trainer.test_freq) are used unless --model,
---data, --steps, --val-data, --test-freq say otherwise, and its settings win over the built-in
-recipe. Every
-child is its own process group, owned here: on success, on Ctrl-C, or when any child fails, all
-are stopped (SIGTERM, then SIGKILL after a grace period) and the exit code says what happened.
+validator (`rollout.validate`) measures them every --test-freq steps. A --config file (verl's
+shape) goes to every role; its model path, train files, step count and validation
+(data.val_files, trainer.test_freq) are used unless --model, --data, --steps, --val-data,
+--test-freq say otherwise, and its settings win over the built-in recipe. Every child is its own
+process group, owned here: on success, on Ctrl-C, or when any child fails, all are stopped
+(SIGTERM, then SIGKILL after a grace period) and the exit code says what happened.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -31,24 +32,40 @@ from pathlib import Path
 
 from buffer.channel import TOKEN_ENV
 from buffer.run import TrainerRun, setup_trainer_run
-from protocol.config import ConfigError, file_values, load, split_argv
-from launch import status
 from buffer.weights.fs import hf_folder_problem
+from launch import status
+from protocol.config import ConfigError, file_values, load, split_argv
+from protocol.fields import _flatten, _read_yaml
 from rollout import builtin_task
 from rollout.tasks import arith
 
 # The built-in task's recipe (tuned so a random-init model learns it by RL in a few minutes;
 # see rollout/builtin_task.py). User overrides (--trainer/--worker) come after and win.
-BUILTIN_TRAINER = ["actor_rollout_ref.actor.optim.lr=1e-3", "actor_rollout_ref.actor.optim.weight_decay=0",
-                   "data.train_batch_size=16", "trainer.max_staleness=4", "buffer.poll_interval=0.2",
-                   "critic.optim.lr=1e-3"]  # the critic's, used with algorithm.adv_estimator=gae
+BUILTIN_TRAINER = [
+    "actor_rollout_ref.actor.optim.lr=1e-3",
+    "actor_rollout_ref.actor.optim.weight_decay=0",
+    "data.train_batch_size=16",
+    "trainer.max_staleness=4",
+    "buffer.poll_interval=0.2",
+    "critic.optim.lr=1e-3",
+]  # the critic's, used with algorithm.adv_estimator=gae
 # SFT on the built-in task's (question, answer) pairs: 100 steps copy unseen questions greedily
 # (tests/test_sft.py). total_epochs is only a cap: --sft-steps sets the length.
-BUILTIN_SFT = ["data.train_batch_size=64", "optim.lr=3e-3", "optim.weight_decay=0",
-               "model.enable_gradient_checkpointing=false", "data.max_token_len_per_gpu=1024",
-               "trainer.total_epochs=1000"]
-BUILTIN_WORKER = ["actor_rollout_ref.rollout.n=16", "actor_rollout_ref.rollout.prompts_per_batch=16",
-                  "buffer.flush_samples=128", "buffer.flush_interval=5", "buffer.max_backlog_samples=256"]
+BUILTIN_SFT = [
+    "data.train_batch_size=64",
+    "optim.lr=3e-3",
+    "optim.weight_decay=0",
+    "model.enable_gradient_checkpointing=false",
+    "data.max_token_len_per_gpu=1024",
+    "trainer.total_epochs=1000",
+]
+BUILTIN_WORKER = [
+    "actor_rollout_ref.rollout.n=16",
+    "actor_rollout_ref.rollout.prompts_per_batch=16",
+    "buffer.flush_samples=128",
+    "buffer.flush_interval=5",
+    "buffer.max_backlog_samples=256",
+]
 MODEL, TRAIN_FILES, STEPS = "actor_rollout_ref.model.path", "data.train_files", "trainer.total_training_steps"
 VAL_FILES, TEST_FREQ = "data.val_files", "trainer.test_freq"
 REMOTE = ["buffer.transport=grpc"]  # --remote-workers, every role
@@ -56,47 +73,87 @@ DEFAULT_STEPS, DEFAULT_TEST_FREQ = 200, 10
 
 
 def parse_args(argv):
-    p = argparse.ArgumentParser(prog="python -m launch.local", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        prog="python -m launch.local", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--root", required=True, help="run folder (created; must not hold an earlier run)")
-    p.add_argument("--config", help="YAML config for both roles, e.g. a verl GRPO/PPO config "
-                   "(see README, 'Coming from verl')")
-    p.add_argument("--steps", type=int, help=f"trainer steps (default: the config's {STEPS}, "
-                   f"else {DEFAULT_STEPS})")
+    p.add_argument(
+        "--config", help="YAML config for both roles, e.g. a verl GRPO/PPO config (see README, 'Coming from verl')"
+    )
+    p.add_argument("--steps", type=int, help=f"trainer steps (default: the config's {STEPS}, else {DEFAULT_STEPS})")
     p.add_argument("--workers", type=int, default=2, help="rollout worker processes (default 2)")
     p.add_argument("--nproc", type=int, default=2, help="trainer ranks under torchrun (default 2)")
     p.add_argument("--model", help="HF model folder (default: build the built-in tiny model)")
     p.add_argument("--data", help="verl-format parquet (default: write the built-in task)")
-    p.add_argument("--val-data", help="verl-format parquet of held-out prompts (default: the "
-                   f"config's {VAL_FILES}, else the built-in task's validation split when the "
-                   "built-in task is trained on)")
-    p.add_argument("--test-freq", type=int, help="validate every this many steps (default: the "
-                   f"config's {TEST_FREQ}, else {DEFAULT_TEST_FREQ}; 0: never)")
-    p.add_argument("--task", default="copy", choices=("copy", "arith"),
-                   help="built-in task: copy (copy 3 digits) or arith (rollout/tasks/arith.py: "
-                        "GSM8K-format word problems scored by verl's gsm8k reward, with its own "
-                        "BPE tokenizer and tiny model)")
+    p.add_argument(
+        "--val-data",
+        help="verl-format parquet of held-out prompts (default: the "
+        f"config's {VAL_FILES}, else the built-in task's validation split when the "
+        "built-in task is trained on)",
+    )
+    p.add_argument(
+        "--test-freq",
+        type=int,
+        help=f"validate every this many steps (default: the config's {TEST_FREQ}, else {DEFAULT_TEST_FREQ}; 0: never)",
+    )
+    p.add_argument(
+        "--task",
+        default="copy",
+        choices=("copy", "arith"),
+        help="built-in task: copy (copy 3 digits) or arith (rollout/tasks/arith.py: "
+        "GSM8K-format word problems scored by verl's gsm8k reward, with its own "
+        "BPE tokenizer and tiny model)",
+    )
     p.add_argument("--digits", type=int, default=3, help="copy task: digits per prompt")
-    p.add_argument("--sft-steps", type=int, default=0,
-                   help="first warm-start the model with this many SFT steps (python -m trainer.sft) "
-                        "on the built-in task's (question, answer) pairs; RL then starts from "
-                        "ROOT/sft/hf (default 0: no SFT)")
-    p.add_argument("--sft", action="append", default=[], metavar="KEY=VALUE",
-                   help="extra trainer.sft override, repeatable (e.g. optim.lr=3e-4)")
-    p.add_argument("--trainer", action="append", default=[], metavar="KEY=VALUE",
-                   help="extra trainer override, repeatable (e.g. trainer.publish_freq=2)")
-    p.add_argument("--worker", action="append", default=[], metavar="KEY=VALUE",
-                   help="extra worker override, repeatable")
-    p.add_argument("--validator", action="append", default=[], metavar="KEY=VALUE",
-                   help="extra validator override, repeatable (e.g. data.val_batch_size=64)")
-    p.add_argument("--remote-workers", action="store_true",
-                   help="run the workers and the validator as if they had no access to the "
-                        "trainer's run folder: buffer.transport=grpc (a free loopback port; a "
-                        f"random token in ${TOKEN_ENV} unless set) and each of them gets its own "
-                        "separate folder ROOT/remote/<id> as its root (weight cache, shard claim, "
-                        "log, a copy of its data files); heartbeats, weights, validation and the "
-                        "end of the run go through the trainer's run service, experience over "
-                        "gRPC, nothing by path")
+    p.add_argument(
+        "--sft-steps",
+        type=int,
+        default=0,
+        help="first warm-start the model with this many SFT steps (python -m trainer.sft) "
+        "on the built-in task's (question, answer) pairs; RL then starts from "
+        "ROOT/sft/hf (default 0: no SFT)",
+    )
+    p.add_argument(
+        "--sft-config",
+        help="YAML config of the SFT stage (verl's sft_trainer.yaml or "
+        "sft_trainer_engine.yaml shape), with --sft-steps; its model and data are the "
+        "built-in ones unless it names them",
+    )
+    p.add_argument(
+        "--sft",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="extra trainer.sft override, repeatable (e.g. optim.lr=3e-4)",
+    )
+    p.add_argument(
+        "--trainer",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="extra trainer override, repeatable (e.g. trainer.publish_freq=2)",
+    )
+    p.add_argument(
+        "--worker", action="append", default=[], metavar="KEY=VALUE", help="extra worker override, repeatable"
+    )
+    p.add_argument(
+        "--validator",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="extra validator override, repeatable (e.g. data.val_batch_size=64)",
+    )
+    p.add_argument(
+        "--remote-workers",
+        action="store_true",
+        help="run the workers and the validator as if they had no access to the "
+        "trainer's run folder: buffer.transport=grpc (a free loopback port; a "
+        f"random token in ${TOKEN_ENV} unless set) and each of them gets its own "
+        "separate folder ROOT/remote/<id> as its root (weight cache, shard claim, "
+        "log, a copy of its data files); heartbeats, weights, validation and the "
+        "end of the run go through the trainer's run service, experience over "
+        "gRPC, nothing by path",
+    )
     p.add_argument("--timeout", type=float, default=3600, help="seconds before giving up (default 3600)")
     p.add_argument("--trainer-gpus", help="CUDA_VISIBLE_DEVICES of the trainer, e.g. 0")
     p.add_argument("--worker-gpus", help="GPUs for the workers, one each in turn, e.g. 1,2")
@@ -106,14 +163,19 @@ def parse_args(argv):
         p.error("--steps, --workers and --nproc must be at least 1")
     if args.sft_steps < 0 or (args.test_freq is not None and args.test_freq < 0):
         p.error("--sft-steps and --test-freq must be at least 0")
+    if args.sft_config and not args.sft_steps:
+        p.error("--sft-config needs --sft-steps")
     return args
 
 
 def builtin_recipe(args) -> tuple[list[str], list[str]]:
     """The built-in task's trainer and worker overrides."""
     if args.task == "arith":
-        return BUILTIN_TRAINER, [*BUILTIN_WORKER, f"data.max_prompt_length={arith.MAX_PROMPT_LENGTH}",
-                                 f"data.max_response_length={arith.MAX_RESPONSE_LENGTH}"]
+        return BUILTIN_TRAINER, [
+            *BUILTIN_WORKER,
+            f"data.max_prompt_length={arith.MAX_PROMPT_LENGTH}",
+            f"data.max_response_length={arith.MAX_RESPONSE_LENGTH}",
+        ]
     return BUILTIN_TRAINER, [*BUILTIN_WORKER, f"data.max_response_length={args.digits}"]
 
 
@@ -132,10 +194,29 @@ def from_config(args, run: TrainerRun) -> dict:
     try:
         # --data replaces the file's train files for its interpolations too (val_files may be
         # ${data.train_files}, as in tests/data/verl_grpo.yaml)
-        return file_values(args.config, [MODEL, TRAIN_FILES, STEPS, VAL_FILES, TEST_FREQ, *recipe_keys],
-                           {"root": run.files.root, **({TRAIN_FILES: [args.data]} if args.data else {})})
+        values = file_values(
+            args.config,
+            [MODEL, TRAIN_FILES, STEPS, VAL_FILES, TEST_FREQ, *recipe_keys],
+            {"root": run.files.root, **({TRAIN_FILES: [args.data]} if args.data else {})},
+        )
     except ConfigError as e:
         raise SystemExit(f"launch.local: {e}") from None
+    for key in (TRAIN_FILES, VAL_FILES):  # verl's own default is one path, not a list
+        if isinstance(values.get(key), str):
+            values[key] = [values[key]]
+    for key in (STEPS, TEST_FREQ):
+        if key in values:
+            values[key] = _as_int(values[key], f"{key} in --config {args.config}")
+    return values
+
+
+def _as_int(value, what: str) -> int:
+    try:
+        if isinstance(value, (bool, float)):
+            raise ValueError
+        return int(value)
+    except (TypeError, ValueError):
+        raise SystemExit(f"launch.local: {what}: expected an integer, got {value!r}") from None
 
 
 def prepare(run: TrainerRun, args, config: dict) -> tuple[str, str | None, list[str] | None]:
@@ -164,17 +245,19 @@ def prepare(run: TrainerRun, args, config: dict) -> tuple[str, str | None, list[
         else:
             builtin_task.write_sft_and_rl(paths, digits=args.digits)
     data = args.data or (run.files.prepared_parquet("rl", "train") if builtin else None)
-    val = ([args.val_data] if args.val_data else config.get(VAL_FILES)
-           or ([run.files.prepared_parquet("rl", "val")] if builtin else None))
+    val = (
+        [args.val_data]
+        if args.val_data
+        else config.get(VAL_FILES) or ([run.files.prepared_parquet("rl", "val")] if builtin else None)
+    )
     if args.test_freq is None:
-        args.test_freq = int(config.get(TEST_FREQ, DEFAULT_TEST_FREQ))
+        args.test_freq = config.get(TEST_FREQ, DEFAULT_TEST_FREQ)
     return model, data, (val if args.test_freq > 0 else None)
 
 
 def recipe(config: dict, args) -> tuple[list[str], list[str]]:
     """The built-in recipe's trainer and worker overrides, less the keys the config sets."""
-    trainer, worker = ([a for a in part if a.split("=", 1)[0] not in config]
-                       for part in builtin_recipe(args))
+    trainer, worker = ([a for a in part if a.split("=", 1)[0] not in config] for part in builtin_recipe(args))
     return trainer, worker
 
 
@@ -186,8 +269,7 @@ class Child:
         env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", TOKENIZERS_PARALLELISM="false")
         if gpus is not None:
             env["CUDA_VISIBLE_DEVICES"] = gpus
-        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, env=env,
-                                     start_new_session=True)
+        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
 
     def poll(self):
         return self.proc.poll()
@@ -216,8 +298,10 @@ class ChildFailed(RuntimeError):
 
 def _progress(total: int, desc: str):
     from tqdm import tqdm
-    return tqdm(total=total, unit="step", desc=desc, dynamic_ncols=True,
-                mininterval=1.0 if sys.stderr.isatty() else 15.0)
+
+    return tqdm(
+        total=total, unit="step", desc=desc, dynamic_ncols=True, mininterval=1.0 if sys.stderr.isatty() else 15.0
+    )
 
 
 def _advance(bar, rows: list[dict], postfix) -> None:
@@ -227,18 +311,49 @@ def _advance(bar, rows: list[dict], postfix) -> None:
         bar.update(rows[-1]["step"] - bar.n)  # redraws at most every `mininterval`
 
 
-def run_sft(run: TrainerRun, args, model: str, signals: "Signals") -> str:
+def sft_args(run: TrainerRun, args, model: str) -> list[str]:
+    """trainer.sft's config arguments: --sft-config, then the built-in model, data and recipe
+    for what that file does not set."""
+    given: set[str] = set()
+    if args.sft_config:
+        try:
+            given = set(_flatten(_read_yaml(args.sft_config), set()))
+        except ConfigError as e:
+            raise SystemExit(f"launch.local: --sft-config: {e}") from None
+    builtin = [
+        f"data.train_files=[{run.files.prepared_parquet('sft', 'train')}]",
+        f"data.val_files=[{run.files.prepared_parquet('sft', 'val')}]",
+        f"data.max_length={sft_max_length(args)}",
+        *BUILTIN_SFT,
+    ]
+    if not given & {"model.partial_pretrain", "model.path"}:
+        builtin.append(f"model.partial_pretrain={model}")
+    return ([f"--config={os.path.abspath(args.sft_config)}"] if args.sft_config else []) + [
+        a for a in builtin if a.split("=", 1)[0] not in given
+    ]
+
+
+def run_sft(run: TrainerRun, args, model: str, signals: Signals) -> str:
     """Run trainer.sft to completion (a bar from its metrics); returns its final HF folder."""
     out = setup_trainer_run(run.files.sft_dir).files
-    child = Child("sft", [sys.executable, "-m", "torch.distributed.run", "--standalone",
-                          f"--nproc_per_node={args.nproc}", "-m", "trainer.sft",
-                          f"data.train_files=[{run.files.prepared_parquet('sft', 'train')}]",
-                          f"data.val_files=[{run.files.prepared_parquet('sft', 'val')}]",
-                          f"model.partial_pretrain={model}", f"trainer.default_local_dir={out.root}",
-                          f"trainer.total_training_steps={args.sft_steps}",
-                          f"data.max_length={sft_max_length(args)}",
-                          *BUILTIN_SFT, *args.sft],
-                  run.files.log("sft"), args.trainer_gpus)
+    child = Child(
+        "sft",
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            f"--nproc_per_node={args.nproc}",
+            "-m",
+            "trainer.sft",
+            *sft_args(run, args, model),
+            f"trainer.default_local_dir={out.root}",
+            f"trainer.total_training_steps={args.sft_steps}",
+            *args.sft,
+        ],
+        run.files.log("sft"),
+        args.trainer_gpus,
+    )
     deadline = time.monotonic() + args.timeout
     bar = _progress(args.sft_steps, "sft")
     try:
@@ -255,39 +370,70 @@ def run_sft(run: TrainerRun, args, model: str, signals: "Signals") -> str:
         raise ChildFailed(f"sft exited with code {code}; see {child.log_path}. Last lines:\n{child.tail()}")
     rows = read_metrics(out.metrics)
     val = next((r["val/loss"] for r in reversed(rows) if "val/loss" in r), float("nan"))
-    print(f"sft: {len(rows)} steps, train loss {rows[0]['train/loss']:.3f} -> "
-          f"{rows[-1]['train/loss']:.3f}, held-out loss {val:.3f}; RL starts from {out.hf_model}")
+    print(
+        f"sft: {len(rows)} steps, train loss {rows[0]['train/loss']:.3f} -> "
+        f"{rows[-1]['train/loss']:.3f}, held-out loss {val:.3f}; RL starts from {out.hf_model}"
+    )
     return out.hf_model
 
 
-def role_args(run: TrainerRun, args, model: str, data: str | None, config: dict,
-              val: list[str] | None) -> tuple[list[str], list[str], list[str] | None]:
+def role_args(
+    run: TrainerRun, args, model: str, data: str | None, config: dict, val: list[str] | None
+) -> tuple[list[str], list[str], list[str] | None]:
     """The trainer's, the workers' (each adds its id and seed) and the validator's config
     arguments; no validator without `val`, and then the trainer requests no validation."""
     common = ["--config", os.path.abspath(args.config)] if args.config else []
     common.append(f"root={run.files.root}")
     trainer_recipe, worker_recipe = recipe(config, args)
-    trainer = [*common, f"{MODEL}={model}", f"{STEPS}={args.steps}", *trainer_recipe,
-               f"{TEST_FREQ}={args.test_freq if val else -1}", *args.trainer]
+    trainer = [
+        *common,
+        f"{MODEL}={model}",
+        f"{STEPS}={args.steps}",
+        *trainer_recipe,
+        f"{TEST_FREQ}={args.test_freq if val else -1}",
+        *args.trainer,
+    ]
     data_arg = [f"{TRAIN_FILES}=[{data}]"] if data else []
-    validator = [*common, f"{VAL_FILES}=[{','.join(val)}]",
-                 *[a for a in worker_recipe if a.startswith("data.max_response_length=")],
-                 "validator.poll_interval_s=0.5", *args.validator] if val else None
+    validator = (
+        [
+            *common,
+            f"{VAL_FILES}=[{','.join(val)}]",
+            *[a for a in worker_recipe if a.startswith("data.max_response_length=")],
+            "validator.poll_interval_s=0.5",
+            *args.validator,
+        ]
+        if val
+        else None
+    )
     return trainer, [*common, *data_arg, *worker_recipe, *args.worker], validator
 
 
-def check_config(trainer_args: list[str], worker_args: list[str],
-                 validator_args: list[str] | None) -> None:
-    """Build the roles' configs now, so that a bad key stops the run before any process starts;
-    print each line about verl keys that do not apply once (the roles' logs have them too)."""
+def check_config(
+    trainer_args: list[str], worker_args: list[str], validator_args: list[str] | None, sft: list[str] | None = None
+) -> None:
+    """Build the roles' configs (and SFT's, `sft`) now, so that a bad key or an engine that
+    cannot start stops the run before any process starts; print each line about verl keys that
+    do not apply once (the roles' logs have them too)."""
     from rollout.config import ValidatorConfig, WorkerConfig
-    from trainer.config import TrainerConfig
+    from rollout.engine import engine_problem
+    from trainer.config import TrainerConfig, device_problem
+    from trainer.sft_config import SFTConfig
+
     lines: list[str] = []
     roles = [(TrainerConfig, trainer_args), (WorkerConfig, worker_args)]
-    for cls, argv in roles + ([(ValidatorConfig, validator_args)] if validator_args else []):
+    roles += [(ValidatorConfig, validator_args)] if validator_args else []
+    for cls, argv in roles + ([(SFTConfig, sft)] if sft else []):
         try:
             overrides, yaml_file, _ = split_argv(argv)
-            lines += [w for w in load(cls, overrides, yaml_file)[1] if w not in lines]
+            cfg, warnings = load(cls, overrides, yaml_file)
+            lines += [w for w in warnings if w not in lines]
+            problem = (
+                engine_problem(cfg.actor_rollout_ref.rollout.name)
+                if cls in (WorkerConfig, ValidatorConfig)
+                else device_problem(cfg.trainer.device)
+            )
+            if problem:
+                raise ConfigError(problem)
         except ConfigError as e:
             print(f"launch.local: config error: {e}", file=sys.stderr)
             raise SystemExit(2) from None
@@ -295,8 +441,7 @@ def check_config(trainer_args: list[str], worker_args: list[str],
         print(f"config: {line}", file=sys.stderr)
 
 
-def remote(run: TrainerRun, role: str, argv: list[str], grpc: list[str],
-           user: list[str]) -> tuple[list[str], str]:
+def remote(run: TrainerRun, role: str, argv: list[str], grpc: list[str], user: list[str]) -> tuple[list[str], str]:
     """--remote-workers: `argv` of a worker or the validator with its own root
     ROOT/remote/<role> (its data files copied there) and the gRPC settings `grpc` (the user's
     overrides `user` still win); and its log file, in that folder."""
@@ -310,8 +455,11 @@ def remote(run: TrainerRun, role: str, argv: list[str], grpc: list[str],
             os.makedirs(os.path.dirname(own.train_parquet), exist_ok=True)
             copies = []
             for i, path in enumerate(value.strip("[]").split(",")):
-                copies.append(os.path.join(os.path.dirname(own.train_parquet),
-                                           f"{key.rsplit('.', 1)[1]}-{i}-{os.path.basename(path)}"))
+                copies.append(
+                    os.path.join(
+                        os.path.dirname(own.train_parquet), f"{key.rsplit('.', 1)[1]}-{i}-{os.path.basename(path)}"
+                    )
+                )
                 shutil.copyfile(path, copies[-1])
             arg = f"{key}=[{','.join(copies)}]"
         out.append(arg)
@@ -326,35 +474,57 @@ def remote_settings(args) -> tuple[list[str], list[str]]:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    return ([*REMOTE, f"buffer.grpc_bind=127.0.0.1:{port}", *args.trainer],
-            [*REMOTE, f"buffer.grpc_address=127.0.0.1:{port}"])
+    return (
+        [*REMOTE, f"buffer.grpc_bind=127.0.0.1:{port}", *args.trainer],
+        [*REMOTE, f"buffer.grpc_address=127.0.0.1:{port}"],
+    )
 
 
-def start_children(run: TrainerRun, args, trainer_args: list[str], worker_args: list[str],
-                   validator_args: list[str] | None) -> tuple[Child, list[Child]]:
+def start_children(
+    run: TrainerRun, args, trainer_args: list[str], worker_args: list[str], validator_args: list[str] | None
+) -> tuple[Child, list[Child]]:
     """The trainer, and the other children: the workers, then the validator if it has args.
     With --remote-workers each of the others runs in its own folder (`remote`)."""
     py = sys.executable
-    grpc = []
+    grpc: list[str] = []
     if args.remote_workers:
         trainer_extra, grpc = remote_settings(args)
         trainer_args = [*trainer_args, *trainer_extra]
-    place = ((lambda role, argv, log, user: remote(run, role, argv, grpc, user))
-             if args.remote_workers else (lambda role, argv, log, user: (argv, log)))
-    trainer = Child("trainer", [py, "-m", "torch.distributed.run", "--standalone",
-                                f"--nproc_per_node={args.nproc}", "-m", "trainer.main", *trainer_args],
-                    run.files.log("trainer"), args.trainer_gpus)
+    place = (
+        (lambda role, argv, log, user: remote(run, role, argv, grpc, user))
+        if args.remote_workers
+        else (lambda role, argv, log, user: (argv, log))
+    )
+    trainer = Child(
+        "trainer",
+        [
+            py,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            f"--nproc_per_node={args.nproc}",
+            "-m",
+            "trainer.main",
+            *trainer_args,
+        ],
+        run.files.log("trainer"),
+        args.trainer_gpus,
+    )
     worker_gpus = args.worker_gpus.split(",") if args.worker_gpus else None
     workers = []
     for i in range(args.workers):
         argv, log = place(f"w{i}", worker_args, run.files.log(f"worker-w{i}"), args.worker)
-        workers.append(Child(f"worker w{i}", [py, "-m", "rollout.worker", f"worker.id=w{i}",
-                                              f"worker.seed={i}", *argv], log,
-                             worker_gpus[i % len(worker_gpus)] if worker_gpus else None))
+        workers.append(
+            Child(
+                f"worker w{i}",
+                [py, "-m", "rollout.worker", f"worker.id=w{i}", f"worker.seed={i}", *argv],
+                log,
+                worker_gpus[i % len(worker_gpus)] if worker_gpus else None,
+            )
+        )
     if validator_args is not None:
         argv, log = place("validator", validator_args, run.files.log("validator"), args.validator)
-        workers.append(Child("validator", [py, "-m", "rollout.validate", *argv], log,
-                             args.validator_gpu))
+        workers.append(Child("validator", [py, "-m", "rollout.validate", *argv], log, args.validator_gpu))
     return trainer, workers
 
 
@@ -380,8 +550,11 @@ def supervise(trainer: Child, workers: list[Child], run: TrainerRun, args) -> Ch
         while True:
             rows, vals = rl_metrics(run)
             val = {"val": f"{min(vals.items())[1][-1][2]:.3f}"} if vals else {}
-            _advance(bar, rows, lambda m: {"reward": f"{m['reward/mean']:.3f}",
-                                           "version": m["weights/version"], **val})
+            _advance(
+                bar,
+                rows,
+                lambda m, val=val: {"reward": f"{m['reward/mean']:.3f}", "version": m["weights/version"], **val},
+            )
             code = trainer.poll()
             if code is not None:
                 return None if code == 0 else trainer
@@ -410,8 +583,7 @@ class Signals:
         if not self.cleaning:
             self.cleaning = True
             raise KeyboardInterrupt
-        print(f"launch.local: {signal.Signals(signum).name} again: killing what is left now",
-              file=sys.stderr)
+        print(f"launch.local: {signal.Signals(signum).name} again: killing what is left now", file=sys.stderr)
         self.hurry.set()
 
 
@@ -430,8 +602,7 @@ def stop_all(children: list[Child], grace_s: float, signals: Signals) -> None:
     for child in children:
         if child.poll() is None:
             if not hurry.is_set():
-                print(f"launch.local: {child.name} ignored SIGTERM for {grace_s:.0f} s; killing it",
-                      file=sys.stderr)
+                print(f"launch.local: {child.name} ignored SIGTERM for {grace_s:.0f} s; killing it", file=sys.stderr)
             child.signal_group(signal.SIGKILL)
             child.proc.wait(timeout=30)
         child.log.close()
@@ -446,15 +617,21 @@ def summarize(run: TrainerRun) -> None:
     k = min(10, len(rows))
     first = sum(r["reward/mean"] for r in rows[:k]) / k
     last = sum(r["reward/mean"] for r in rows[-k:]) / k
-    print(f"reward/mean: first {k} steps {first:.3f} -> last {k} steps {last:.3f}; "
-          f"final weights v{rows[-1]['weights/version'] + 1} in {run.files.weights_dir}")
+    print(
+        f"reward/mean: first {k} steps {first:.3f} -> last {k} steps {last:.3f}; "
+        f"final weights v{rows[-1]['weights/version'] + 1} in {run.files.weights_dir}"
+    )
     for name, points in sorted(vals.items()):
         (first_step, _, first), (last_step, _, last) = points[0], points[-1]
-        print(f"validation (held-out prompts) {name}: step {first_step} {first:.3f} "
-              f"-> step {last_step} {last:.3f} ({len(points)} results)")
+        print(
+            f"validation (held-out prompts) {name}: step {first_step} {first:.3f} "
+            f"-> step {last_step} {last:.3f} ({len(points)} results)"
+        )
     for beat in run.heartbeats.all():
-        print(f"worker {beat['worker_id']}: {beat['samples_written']} samples, "
-              f"{len(set(beat['versions_loaded']))} weight versions loaded")
+        print(
+            f"worker {beat['worker_id']}: {beat['samples_written']} samples, "
+            f"{len(set(beat['versions_loaded']))} weight versions loaded"
+        )
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -463,10 +640,20 @@ def main(argv: list[str] | None = None) -> int:
     config = from_config(args, run)
     args.steps = int(args.steps or config.get(STEPS) or DEFAULT_STEPS)
     model, data, val = prepare(run, args, config)
-    check_config(*role_args(run, args, model, data, config, val))  # before SFT: fail fast
-    print(f"launch.local: run folder {run.files.root}; logs in {os.path.dirname(run.files.log('x'))}"
-          + (f"; workers and validator in their own folders {run.files.remote_root('x')[:-2]}<id> "
-             "(--remote-workers)" if args.remote_workers else ""))
+    sft = (
+        [*sft_args(run, args, model), f"trainer.default_local_dir={run.files.sft_dir}", *args.sft]
+        if args.sft_steps
+        else None
+    )
+    check_config(*role_args(run, args, model, data, config, val), sft)  # before SFT: fail fast
+    print(
+        f"launch.local: run folder {run.files.root}; logs in {os.path.dirname(run.files.log('x'))}"
+        + (
+            f"; workers and validator in their own folders {run.files.remote_root('x')[:-2]}<id> (--remote-workers)"
+            if args.remote_workers
+            else ""
+        )
+    )
     signals = Signals()
     if args.sft_steps:
         try:
@@ -487,12 +674,16 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         stop_all([*workers, trainer], grace_s=60, signals=signals)
     if failed is not None:
-        print(f"launch.local: {failed.name} exited with code {failed.proc.returncode}; "
-              f"see {failed.log_path}. Last lines:\n{failed.tail()}", file=sys.stderr)
+        print(
+            f"launch.local: {failed.name} exited with code {failed.proc.returncode}; "
+            f"see {failed.log_path}. Last lines:\n{failed.tail()}",
+            file=sys.stderr,
+        )
         return 1
     if code == 0:
         summarize(run)
         from launch.report import write_report
+
         print(f"report: {write_report(run.files.root)} (live view of a run: python -m launch.status RUN)")
     return code
 

@@ -10,14 +10,17 @@ given by its last part (`--flush_interval=30`) when exactly one key of the schem
 
 The role schemas (protocol/verl_keys.ROLES: trainer, rollout worker, validator) share one file:
 each reads its own keys, accepts the other roles' keys silently, and treats verl's keys as protocol/verl_keys.py
-classifies them (one warning line, an alias, or a refusal with the reason). A bad type or bound, a
+classifies them (one warning line, an alias, or a refusal with the reason); the SFT schema treats
+verl's SFT keys the same way (protocol/verl_keys.SFT_RULES). A bad type or bound, a
 required key left unset, and a key in no schema stop the process at start, naming the field.
 """
+
 from __future__ import annotations
 
 import copy
 import dataclasses
 import difflib
+import functools
 import math
 import os
 import sys
@@ -31,8 +34,7 @@ from omegaconf import MISSING, DictConfig, ListConfig, OmegaConf
 from omegaconf.errors import MissingMandatoryValue, OmegaConfBaseException
 
 from protocol import verl_keys
-from protocol.fields import (ConfigError, F, _fields, _flatten, _is_config, _read_yaml, leaves,  # noqa: F401
-                             yaml_leaves)
+from protocol.fields import ConfigError, F, _fields, _flatten, _is_config, _read_yaml, leaves, yaml_leaves  # noqa: F401
 
 
 def _unwrap(tp) -> tuple[Any, bool]:
@@ -48,6 +50,7 @@ def _type_name(tp) -> str:
 
 
 # --- reading: a YAML file and the command line ---------------------------------------------------
+
 
 def _cli_value(text: str, tp):
     """A command-line string for a field of type `tp` (None: a key of no own field). Lists are
@@ -79,16 +82,21 @@ def _suggest(key: str, candidates) -> str:
 @dataclasses.dataclass
 class _Schema:
     """The keys one build knows: its own leaves (name -> type) and, for a role, the others'."""
+
     own: dict[str, Any]
     others: set[str]
-    shared: bool  # a role: reads a file shared with the other roles and with verl
+    shared: bool  # reads verl's files: a role (shared with the other roles too) or SFT
+    sft: bool = False  # verl's SFT keys (protocol/verl_keys.SFT_RULES), not its RL ones
 
     @classmethod
-    def of(cls, config_cls) -> "_Schema":
+    def of(cls, config_cls) -> _Schema:
         roles = verl_keys.role_schemas()
-        shared = config_cls in roles
-        others = {n for r in roles if r is not config_cls for n, _, _ in leaves(r)} if shared else set()
-        return cls({n: tp for n, _, tp in leaves(config_cls)}, others, shared)
+        rules = verl_keys.rules_of(config_cls)
+        others = {n for r in roles if r is not config_cls for n, _, _ in leaves(r)} if config_cls in roles else set()
+        return cls({n: tp for n, _, tp in leaves(config_cls)}, others, rules is not None, bool(rules and rules[1]))
+
+    def rules(self) -> list:
+        return (verl_keys.SFT_RULES if self.sft else verl_keys.RULES) if self.shared else []
 
     def leaf_of(self, key: str) -> str | None:
         """The own field `key` sets: itself, or the dict-typed field it is an entry of."""
@@ -98,10 +106,10 @@ class _Schema:
         return any(n.startswith(key + ".") for n in (*self.own, *self.others))
 
     def known_elsewhere(self, key: str) -> bool:
-        return self.shared and (key in self.others or verl_keys.rule_for(key) is not None)
+        return self.shared and (key in self.others or verl_keys.rule_for(key, self.sft) is not None)
 
     def candidates(self) -> list[str]:
-        literal = [r.pattern for r in verl_keys.RULES if "*" not in r.pattern] if self.shared else []
+        literal = [r.pattern for r in self.rules() if "*" not in r.pattern]
         return [*self.own, *sorted(self.others), *literal]
 
     def resolve_cli_key(self, key: str) -> str:
@@ -119,6 +127,7 @@ class _Schema:
 
 # --- the untyped tree that interpolations resolve against ----------------------------------------
 
+
 def _merge(base: dict, top: dict) -> dict:
     """`top` over `base`, recursively; an unset value ('???') in `top` keeps `base`'s."""
     out = dict(base)
@@ -130,12 +139,20 @@ def _merge(base: dict, top: dict) -> dict:
     return out
 
 
+@functools.cache
+def _defaults(cls) -> dict:
+    """A schema's defaults as a plain dict (built once per process: each build merges them)."""
+    tree = OmegaConf.to_container(OmegaConf.structured(cls))
+    assert isinstance(tree, dict)  # a dataclass's container is a dict
+    return tree
+
+
 def _tree(schemas: list[type], file: dict, over: dict[str, Any]) -> DictConfig:
     """Defaults of the schemas, then the file, then the overrides; untyped, so that `${...}` may
     name any key: of this role, of another, or one accepted only to be ignored."""
     merged: dict = {}
     for cls in schemas:  # the building role last: its defaults win
-        merged = _merge(merged, OmegaConf.to_container(OmegaConf.structured(cls)))
+        merged = _merge(merged, copy.deepcopy(_defaults(cls)))
     merged = _merge(merged, file)
     for key, value in over.items():
         for part in reversed(key.split(".")):
@@ -160,36 +177,45 @@ def _value(tree: DictConfig, key: str):
 
 # --- keys of no own field: other roles' keys, verl's keys, unknown keys --------------------------
 
-def _accepts(rule: verl_keys.Rule, value) -> bool:
-    try:
-        return rule.need is None or bool(rule.need(value))
-    except TypeError:  # e.g. a string where a number is compared
-        return False
+
+def _names(keys: list[str]) -> str:
+    return ", ".join(keys) if len(keys) <= 8 else f"{', '.join(keys[:3])} and {len(keys) - 3} more"
 
 
-def _names(keys: list[str], pattern: str) -> str:
-    return ", ".join(keys) if len(keys) <= 8 else f"{', '.join(keys[:2])} and {len(keys) - 2} more ({pattern})"
-
-
-def _foreign(schema: _Schema, keys: dict[str, str], tree) -> tuple[dict[str, tuple], list[str]]:
-    """Apply protocol/verl_keys to `keys` (key -> where it was given). Returns the aliases
-    ({verl key: (rule, value)}) and one warning line per WARN rule; raises for a refused value or
-    a key in no schema."""
-    aliases, warned = {}, {}
-    for key, where in keys.items():
+def _treat(schema: _Schema, keys: dict[str, str], tree) -> dict[str, verl_keys.Treatment]:
+    """protocol/verl_keys' treatment of each of `keys` (key -> where given) that is no field of
+    this schema; the other roles' fields are left out (they accept them silently)."""
+    out = {}
+    for key in keys:
         if schema.is_node(key) or (schema.shared and key in schema.others):
             continue
-        rule = verl_keys.rule_for(key) if schema.shared else None
-        if rule is None:
-            raise ConfigError(f"unknown config key {key!r} ({where}){_suggest(key, schema.candidates())}")
-        value = _value(tree, key) if rule.need or rule.kind == verl_keys.ALIAS else None
-        if not _accepts(rule, value):
-            raise ConfigError(f"{key}={value!r} ({where}): not supported: {rule.reason}")
-        if rule.kind == verl_keys.WARN:
-            warned.setdefault(rule, []).append(key)
-        elif rule.kind == verl_keys.ALIAS and value is not None:
-            aliases[key] = (rule, value)
-    return aliases, [f"ignored {_names(ks, r.pattern)}: {r.reason}" for r, ks in warned.items()]
+        if not schema.shared:
+            out[key] = verl_keys.Treatment(verl_keys.UNKNOWN)
+            continue
+
+        def value(k: str = key):
+            return _value(tree, k)
+
+        out[key] = verl_keys.treat(key, value, value, schema.sft)
+    return out
+
+
+def _foreign(schema: _Schema, keys: dict[str, str], treated: dict) -> tuple[dict[str, tuple], list[str]]:
+    """Act on the treatments `treated` of `keys` (key -> where it was given). Returns the
+    aliases ({verl key: (rule, value)}) and one line per reason a key is ignored; raises for a
+    refused value or a key in no schema."""
+    aliases: dict[str, tuple] = {}
+    ignored: dict = {}
+    for key, t in treated.items():
+        if t.verdict == verl_keys.UNKNOWN:
+            raise ConfigError(f"unknown config key {key!r} ({keys[key]}){_suggest(key, schema.candidates())}")
+        if t.verdict == verl_keys.REFUSED:
+            raise ConfigError(f"{key}={t.value!r} ({keys[key]}): not supported: {t.reason}")
+        if t.verdict == verl_keys.IGNORED and not t.quiet:
+            ignored.setdefault(t.reason, []).append(key)
+        elif t.verdict == verl_keys.APPLIED and t.value is not None:
+            aliases[key] = (t.rule, t.value)
+    return aliases, [f"ignored {_names(ks)}: {why}" for why, ks in ignored.items()]
 
 
 def _set(schema: DictConfig, key: str, value, tp, name: str | None = None) -> None:
@@ -206,15 +232,20 @@ def _set(schema: DictConfig, key: str, value, tp, name: str | None = None) -> No
         raise ConfigError(f"{name or key}: expected {_type_name(tp)}, got {value!r}") from None
 
 
-def _apply_aliases(schema: DictConfig, aliases: dict[str, tuple], given: dict[str, Any],
-                   own: dict[str, Any]) -> list[str]:
+def _apply_aliases(
+    schema: DictConfig, aliases: dict[str, tuple], given: dict[str, Any], own: dict[str, Any]
+) -> list[str]:
     """Set each tandem key from its verl spelling unless it is given itself (then it wins, with a
     line if they differ) or is given as the verl placeholder the alias replaces."""
     notes = []
     for key, (rule, value) in aliases.items():
         target = rule.to
-        if target not in own:
+        if rule.convert is not None:
+            value = rule.convert(value)
+        if target not in own or value is None:
             continue
+        if rule.convert is not None:  # a deprecated spelling: say what it became
+            notes.append(f"{key} is deprecated: read as {target}={value!r}, as verl does")
         current = given.get(target)
         if current is None if rule.replaces is None else current == rule.replaces:
             _set(schema, target, value, own[target], key)
@@ -227,6 +258,7 @@ def _apply_aliases(schema: DictConfig, aliases: dict[str, tuple], given: dict[st
 
 
 # --- the typed config ------------------------------------------------------------------------------
+
 
 def _typed(cls, values: dict[str, Any], own: dict[str, Any], aliases: dict[str, tuple]):
     """The dataclass instance from the given values and verl aliases; (config, alias notes)."""
@@ -272,8 +304,9 @@ def validate(cfg, prefix: str = "") -> None:
 
 # --- entry points -------------------------------------------------------------------------------------
 
-def load(cls, overrides: dict[str, Any] | None = None, yaml_file: str | Path | None = None):
-    """Build and validate a config; returns (config, warning lines), printing nothing."""
+
+def _inputs(cls, overrides: dict[str, Any] | None, yaml_file: str | Path | None):
+    """(the schema, the untyped tree, every key given -> where it was given)."""
     schema = _Schema.of(cls)
     file = _read_yaml(yaml_file) if yaml_file is not None else {}
     over = {}
@@ -284,11 +317,50 @@ def load(cls, overrides: dict[str, Any] | None = None, yaml_file: str | Path | N
     tree = _tree([*roles, cls], file, over)
     where = {k: f"--config {yaml_file}" for k in _flatten(file, {*schema.own, *schema.others})}
     where.update({schema.leaf_of(k) or k: "command line" for k in over})
+    return schema, tree, where
+
+
+def load(
+    cls, overrides: dict[str, Any] | None = None, yaml_file: str | Path | None = None, verdicts: dict | None = None
+):
+    """Build and validate a config; returns (config, warning lines), printing nothing.
+    `verdicts`: merge this build's treatment of every key given into it (see `treatments`)."""
+    schema, tree, where = _inputs(cls, overrides, yaml_file)
     values = {k: _value(tree, k) for k in where if k in schema.own}
-    aliases, warnings = _foreign(schema, {k: w for k, w in where.items() if k not in schema.own}, tree)
+    foreign = {k: w for k, w in where.items() if k not in schema.own}
+    treated = _treat(schema, foreign, tree)
+    if verdicts is not None:
+        _merge_verdicts(verdicts, schema, where, treated)
+    aliases, warnings = _foreign(schema, foreign, treated)
     cfg, notes = _typed(cls, values, schema.own, aliases)
     validate(cfg)
     return cfg, warnings + notes
+
+
+_PRIORITY = (verl_keys.UNKNOWN, verl_keys.IGNORED, verl_keys.APPLIED, verl_keys.REFUSED)
+
+
+def treatments(
+    schemas: list[type], yaml_file: str | Path | None, overrides: dict[str, Any] | None = None
+) -> dict[str, verl_keys.Treatment]:
+    """How the schemas that read one file (the RL roles, or SFT) treat each key it and the
+    overrides give: refused if any refuses it, else applied if any applies it (a field or an
+    alias), else ignored (with the reason) or unknown. Raises nothing for a refused key."""
+    out: dict[str, verl_keys.Treatment] = {}
+    for cls in schemas:
+        schema, tree, where = _inputs(cls, overrides, yaml_file)
+        _merge_verdicts(
+            out, schema, where, _treat(schema, {k: w for k, w in where.items() if k not in schema.own}, tree)
+        )
+    return out
+
+
+def _merge_verdicts(out: dict, schema: _Schema, where: dict, foreign: dict) -> None:
+    found = {k: verl_keys.Treatment(verl_keys.APPLIED) for k in where if k in schema.own}
+    found.update(foreign)
+    for key, t in found.items():
+        if key not in out or _PRIORITY.index(t.verdict) > _PRIORITY.index(out[key].verdict):
+            out[key] = t
 
 
 def build(cls, overrides: dict[str, Any] | None = None, yaml_file: str | Path | None = None):
@@ -322,14 +394,20 @@ def _default(f) -> Any:
 
 
 def usage(cls, prog: str, description: str) -> str:
-    lines = [f"usage: {prog} [--config FILE.yaml] [key=value | --key=value | --key value ...]", "",
-             description, "",
-             "Keys are dotted as in verl. On the command line a key may be given by its last part "
-             "(--flush_interval=30) only where exactly one key below ends with it; YAML files use "
-             "full names and ${...} interpolation. A verl config file works as is: keys of the "
-             "other role are accepted silently, verl keys that do not apply with one warning line "
-             "each, and settings tandem cannot honour are refused (python -m protocol.verl_keys "
-             "lists them).", "", "Keys:"]
+    lines = [
+        f"usage: {prog} [--config FILE.yaml] [key=value | --key=value | --key value ...]",
+        "",
+        description,
+        "",
+        "Keys are dotted as in verl. On the command line a key may be given by its last part "
+        "(--flush_interval=30) only where exactly one key below ends with it; YAML files use "
+        "full names and ${...} interpolation. A verl config file works as is: keys of the "
+        "other role are accepted silently, verl keys that do not apply with one warning line "
+        "each, and settings tandem cannot honour are refused (python -m protocol.verl_keys "
+        "lists them).",
+        "",
+        "Keys:",
+    ]
     for name, f, tp in leaves(cls):
         m = f.metadata
         bounds = [f"{w}{m[b]}" for b, w in (("ge", ">="), ("gt", ">"), ("le", "<=")) if m.get(b) is not None]

@@ -2,31 +2,32 @@
 `F` declares a documented field, `leaves` walks a schema, `yaml_leaves` a YAML file. A module of
 its own so that protocol/verl_keys.py can walk schemas without importing protocol/config.py,
 which imports it."""
+
 from __future__ import annotations
 
+import copy
 import dataclasses
+import functools
+import os
 import typing
 from typing import Any
 
 import yaml
-from omegaconf import MISSING, DictConfig, OmegaConf
-from omegaconf.errors import OmegaConfBaseException
+from omegaconf import MISSING
 
 
 class ConfigError(ValueError):
     """A config value or key is invalid; the message names the field."""
 
 
-def F(default: Any = dataclasses.MISSING, doc: str = "", *, ge=None, gt=None, le=None,
-      choices=None, factory=None):
+def F(default: Any = dataclasses.MISSING, doc: str = "", *, ge=None, gt=None, le=None, choices=None, factory=None):
     """A documented config field with optional bounds (ge/gt/le) or a set of choices. Without a
     default it is required: OmegaConf's MISSING ('???'), so that a section with a required field
     can still be built empty as its parent's default."""
     meta = {"doc": doc, "ge": ge, "gt": gt, "le": le, "choices": choices}
     if factory is not None:
         return dataclasses.field(default_factory=factory, metadata=meta)
-    return dataclasses.field(default=MISSING if default is dataclasses.MISSING else default,
-                             metadata=meta)
+    return dataclasses.field(default=MISSING if default is dataclasses.MISSING else default, metadata=meta)
 
 
 def _fields(cls_or_obj):
@@ -48,17 +49,47 @@ def leaves(cls, prefix: str = ""):
             yield name, f, tp
 
 
+@functools.lru_cache(maxsize=1)
+def _loader() -> type:
+    """OmegaConf's YAML dialect (its float and no-timestamp resolvers, duplicate keys refused)
+    on libyaml's parser where installed: verl's full configs have ~900 keys, which the pure
+    Python parser takes most of a second for, in every process."""
+    from omegaconf._utils import get_yaml_loader
+
+    base: Any = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
+
+    class Loader(base):
+        yaml_implicit_resolvers = get_yaml_loader().yaml_implicit_resolvers
+
+        def construct_mapping(self, node, deep=False):
+            keys = [k.value for k, _ in node.value if k.tag == yaml.resolver.BaseResolver.DEFAULT_SCALAR_TAG]
+            if len(keys) != len(set(keys)):
+                dup = next(k for k in keys if keys.count(k) > 1)
+                raise yaml.constructor.ConstructorError(
+                    "while constructing a mapping", node.start_mark, f"found duplicate key {dup}"
+                )
+            return super().construct_mapping(node, deep=deep)
+
+    return Loader
+
+
+@functools.lru_cache(maxsize=16)
+def _parse_yaml(path: str, _stamp) -> Any:
+    with open(path) as f:
+        return yaml.load(f, Loader=_loader())
+
+
 def _read_yaml(path) -> dict:
-    """The file as a plain dict, its interpolations unresolved."""
+    """The file as a plain dict, its interpolations unresolved (parsed once per version of the
+    file: every role schema reads it)."""
     try:
-        loaded = OmegaConf.load(path)
-    except (OSError, yaml.YAMLError, OmegaConfBaseException) as e:
+        st = os.stat(path)
+        loaded = _parse_yaml(os.path.abspath(path), (st.st_mtime_ns, st.st_size))
+    except (OSError, yaml.YAMLError) as e:
         raise ConfigError(f"--config {path}: cannot read: {e}") from None
-    if not isinstance(loaded, DictConfig):
+    if not isinstance(loaded, dict):
         raise ConfigError(f"--config {path}: top level must be a mapping")
-    tree = OmegaConf.to_container(loaded, resolve=False)
-    assert isinstance(tree, dict)  # a DictConfig's container is a dict
-    return tree
+    return copy.deepcopy(loaded)
 
 
 def _flatten(d: dict, stops: set[str], prefix: str = "") -> dict[str, Any]:

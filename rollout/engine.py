@@ -4,9 +4,10 @@ embedded default, here) and vLLM (rollout/vllm_engine.py); `build_engine` picks 
 An engine samples `n` completions per prompt with the log-probability of every sampled token
 under the sampling distribution (temperature applied), and loads new HF-named weights in place.
 """
+
 from __future__ import annotations
 
-from typing import Iterable
+from collections.abc import Iterable
 
 import torch
 
@@ -14,8 +15,7 @@ from rollout.engine_types import Completion, Engine, SamplingSettings
 
 
 def _dtype(name: str):
-    return {"auto": None, "float32": torch.float32, "bfloat16": torch.bfloat16,
-            "float16": torch.float16}[name]
+    return {"auto": None, "float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[name]
 
 
 class HFEngine:
@@ -23,6 +23,7 @@ class HFEngine:
 
     def __init__(self, model_dir: str, dtype: str = "auto", device: str = "auto"):
         from transformers import AutoModelForCausalLM, AutoTokenizer
+
         if device == "auto":
             device = "cuda" if torch.cuda.is_available() else "cpu"
         self.device = torch.device(device)
@@ -38,24 +39,32 @@ class HFEngine:
         ids = torch.full((len(prompts), width), self.pad_id, dtype=torch.long)
         mask = torch.zeros((len(prompts), width), dtype=torch.long)
         for i, p in enumerate(prompts):
-            ids[i, width - len(p):] = torch.tensor(p)
-            mask[i, width - len(p):] = 1
+            ids[i, width - len(p) :] = torch.tensor(p)
+            mask[i, width - len(p) :] = 1
         return ids.to(self.device), mask.to(self.device)
 
     @torch.no_grad()
     def generate(self, prompts: list[list[int]], params: SamplingSettings) -> list[list[Completion]]:
         from transformers import GenerationConfig
+
         torch.manual_seed(params.seed)
         ids, mask = self._left_pad(prompts)
-        sampling = (dict(do_sample=True, temperature=params.temperature, top_p=params.top_p,
-                         top_k=max(params.top_k, 0)) if params.temperature > 0
-                    else dict(do_sample=False))  # greedy (validation)
-        gen = GenerationConfig(**sampling, max_new_tokens=params.max_tokens,
-                               num_return_sequences=params.n, eos_token_id=self.eos_id,
-                               pad_token_id=self.pad_id, output_scores=True,
-                               return_dict_in_generate=True)
+        sampling = (
+            dict(do_sample=True, temperature=params.temperature, top_p=params.top_p, top_k=max(params.top_k, 0))
+            if params.temperature > 0
+            else dict(do_sample=False)
+        )  # greedy (validation)
+        gen = GenerationConfig(
+            **sampling,
+            max_new_tokens=params.max_tokens,
+            num_return_sequences=params.n,
+            eos_token_id=self.eos_id,
+            pad_token_id=self.pad_id,
+            output_scores=True,
+            return_dict_in_generate=True,
+        )
         out = self.model.generate(input_ids=ids, attention_mask=mask, generation_config=gen)
-        new_tokens = out.sequences[:, ids.shape[1]:]
+        new_tokens = out.sequences[:, ids.shape[1] :]
         # out.scores are the processed logits the sampler drew from (temperature/top-p applied),
         # so their log-softmax is the behaviour policy mu of each token.
         logprobs = torch.stack(out.scores, dim=1).float().log_softmax(-1)
@@ -68,13 +77,13 @@ class HFEngine:
                 toks = new_tokens[row].tolist()
                 hit = self.eos_id in toks
                 stop = toks.index(self.eos_id) + 1 if hit else len(toks)
-                group.append(Completion(toks[:stop], token_lp[row, :stop].tolist(),
-                                        "stop" if hit else "length"))
+                group.append(Completion(toks[:stop], token_lp[row, :stop].tolist(), "stop" if hit else "length"))
             results.append(group)
         return results
 
     def load_files(self, paths: list[str]) -> int:
         from buffer.weights.fs import read_tensors
+
         return self.load_weights(read_tensors(paths))
 
     @torch.no_grad()
@@ -95,9 +104,24 @@ class HFEngine:
         self.model = None
 
 
+def engine_problem(name: str) -> str | None:
+    """Why the engine `name` (actor_rollout_ref.rollout.name) cannot start here, if it cannot:
+    said at start, not after the trainer's first weight version has been waited for."""
+    import importlib.util
+
+    if name == "vllm" and importlib.util.find_spec("vllm") is None:
+        return (
+            "actor_rollout_ref.rollout.name=vllm: vLLM is not installed in this Python "
+            "environment (pip install -e '.[gpu]' on a GPU node), or use "
+            "actor_rollout_ref.rollout.name=hf"
+        )
+    return None
+
+
 def build_engine(model_dir: str, cfg, device: str) -> Engine:
     """`cfg` is the worker's actor_rollout_ref.rollout section."""
     if cfg.name == "hf":
         return HFEngine(model_dir, cfg.dtype, device)
     from rollout.vllm_engine import VLLMEngine
+
     return VLLMEngine(model_dir, cfg)

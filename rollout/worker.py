@@ -11,6 +11,7 @@ the groups it claimed of the version it holds, flushes them, and waits for the n
 (buffer/control/sync.py). SIGTERM/SIGINT (what SLURM sends first) finish the current batch, flush, and
 exit 0.
 """
+
 from __future__ import annotations
 
 import concurrent.futures
@@ -36,7 +37,7 @@ from protocol.weights import ManifestError
 from rollout import reward
 from rollout.config import WorkerConfig
 from rollout.dataset import DatasetError, Prompt, PromptStream, data_sources, load_prompts
-from rollout.engine import Completion, SamplingSettings, build_engine
+from rollout.engine import Completion, SamplingSettings, build_engine, engine_problem
 
 log = logging.getLogger("rollout.worker")
 
@@ -52,8 +53,7 @@ def _bounded(rows: list, row: list) -> list:
     return rows[::2] + rows[-1:] if len(rows) >= HISTORY_ROWS else rows
 
 
-def start_engine(store: WeightSource, rollout_cfg, device: str, timeout_s: float, who: str,
-                 should_stop=lambda: False):
+def start_engine(store: WeightSource, rollout_cfg, device: str, timeout_s: float, who: str, should_stop=lambda: False):
     """(engine, version): an engine built from the newest published version, waiting up to
     `timeout_s` for the trainer's first one; (None, None) when `should_stop()` says so first."""
     for attempt in range(5):
@@ -90,8 +90,9 @@ class RolloutWorker:
         # Before writing anything, waiting for weights or loading an engine: every row can be scored.
         reward.check_data_sources(data_sources(cfg.data.train_files), cfg.custom_reward_function.path)
         self.store = self.stores.weights
-        self.writer = ShardWriter(self.stores.sink(self.id), self.id, cfg.buffer,
-                                  resume=self.stores.heartbeats.read(self.id))
+        self.writer = ShardWriter(
+            self.stores.sink(self.id), self.id, cfg.buffer, resume=self.stores.heartbeats.read(self.id)
+        )
         self.stopping = False
         self.version: int | None = None
         self.versions_loaded: list[int] = []
@@ -123,25 +124,37 @@ class RolloutWorker:
         """Wait for weights, load the engine and the prompts; False when a signal came first."""
         signal.signal(signal.SIGTERM, self._on_signal)
         signal.signal(signal.SIGINT, self._on_signal)
-        self.engine, self.version = start_engine(self.store, self.cfg.actor_rollout_ref.rollout,
-                                                 self.cfg.worker.device,
-                                                 self.cfg.worker.weights_timeout_s, f"worker {self.id}",
-                                                 should_stop=lambda: self.stopping)
+        self.engine, self.version = start_engine(
+            self.store,
+            self.cfg.actor_rollout_ref.rollout,
+            self.cfg.worker.device,
+            self.cfg.worker.weights_timeout_s,
+            f"worker {self.id}",
+            should_stop=lambda: self.stopping,
+        )
         if self.engine is None:
             return False
         self.versions_loaded.append(self.version)
         self.loads = _bounded(self.loads, [self.version, time.time()])
         self.writer.run_id = self.stores.state.run_id()  # written before the first version
         if self.writer.run_id is None:
-            log.warning("%s: the run has weight versions but no run id (a trainer older than "
-                        "this worker?): a trainer that checks run ids refuses these shards",
-                        self.stores.state.where())
+            log.warning(
+                "%s: the run has weight versions but no run id (a trainer older than "
+                "this worker?): a trainer that checks run ids refuses these shards",
+                self.stores.state.where(),
+            )
         # a newer version already named: claim nothing of the one loaded, the loop reloads first
         self.rounds.follow(self.store.pointer() or {}, self.version)
         self.prompts = PromptStream(
-            load_prompts(self.cfg.data.train_files, self.engine.tokenizer, self.cfg.data.prompt_key,
-                         self.cfg.data.max_prompt_length),
-            self.cfg.data.shuffle, self.seed)
+            load_prompts(
+                self.cfg.data.train_files,
+                self.engine.tokenizer,
+                self.cfg.data.prompt_key,
+                self.cfg.data.max_prompt_length,
+            ),
+            self.cfg.data.shuffle,
+            self.seed,
+        )
         return True
 
     def maybe_reload(self) -> bool:
@@ -171,12 +184,17 @@ class RolloutWorker:
         t2 = time.monotonic()
         self.reload_seconds += t2 - t0
         self.reloads += 1
-        log.info("loaded weights v%d in place: %d tensors in %.3f s (checksums %.3f s, load %.3f s)",
-                 latest, count, t2 - t0, t1 - t0, t2 - t1)
+        log.info(
+            "loaded weights v%d in place: %d tensors in %.3f s (checksums %.3f s, load %.3f s)",
+            latest,
+            count,
+            t2 - t0,
+            t1 - t0,
+            t2 - t1,
+        )
         return True
 
-    def _samples(self, prompt: Prompt, group: list[Completion], versions: list[int],
-                 started: float) -> list[Sample]:
+    def _samples(self, prompt: Prompt, group: list[Completion], versions: list[int], started: float) -> list[Sample]:
         """Scored samples of one group; the shard writer assigns their group and sample ids."""
         out = []
         for c, version in zip(group, versions):
@@ -185,25 +203,41 @@ class RolloutWorker:
                 r = self.score(prompt.data_source, text, prompt.ground_truth, prompt.extra_info)
             except reward.RewardError as e:  # one bad value costs one sample, not the run
                 self.rewards_dropped += 1
-                log.warning("dropped a sample of prompt %s: %s (%d dropped so far)",
-                            prompt.prompt_id, e, self.rewards_dropped)
+                log.warning(
+                    "dropped a sample of prompt %s: %s (%d dropped so far)", prompt.prompt_id, e, self.rewards_dropped
+                )
                 continue
-            out.append(Sample(
-                sample_id="", group_id="", prompt_id=prompt.prompt_id,
-                worker_id=self.id, weight_version=version, prompt_ids=prompt.token_ids,
-                response_ids=c.token_ids, behaviour_logprobs=c.logprobs, reward=r,
-                finish_reason=c.finish_reason,
-                temperature=self.cfg.actor_rollout_ref.rollout.temperature,
-                data_source=prompt.data_source, created_at=started, finished_at=time.time()))
+            out.append(
+                Sample(
+                    sample_id="",
+                    group_id="",
+                    prompt_id=prompt.prompt_id,
+                    worker_id=self.id,
+                    weight_version=version,
+                    prompt_ids=prompt.token_ids,
+                    response_ids=c.token_ids,
+                    behaviour_logprobs=c.logprobs,
+                    reward=r,
+                    finish_reason=c.finish_reason,
+                    temperature=self.cfg.actor_rollout_ref.rollout.temperature,
+                    data_source=prompt.data_source,
+                    created_at=started,
+                    finished_at=time.time(),
+                )
+            )
         return out
 
     def generate_batch(self, count: int | None = None) -> GeneratedBatch:
         """`count` prompts (default: prompts_per_batch), n responses each."""
         rc = self.cfg.actor_rollout_ref.rollout
         prompts = self.prompts.take(count or rc.prompts_per_batch)
-        params = SamplingSettings(n=rc.n, temperature=rc.temperature, top_p=rc.top_p,
-                                  max_tokens=self.cfg.data.max_response_length,
-                                  seed=self.seed + self.batches)
+        params = SamplingSettings(
+            n=rc.n,
+            temperature=rc.temperature,
+            top_p=rc.top_p,
+            max_tokens=self.cfg.data.max_response_length,
+            seed=self.seed + self.batches,
+        )
         started = time.time()
         t0 = time.monotonic()
         reloading = self.reload_seconds  # interruptible: loads between segments are not generating
@@ -218,12 +252,14 @@ class RolloutWorker:
         self.gen_seconds += seconds
         self.tokens += tokens
         self.batches += 1
-        self.history = _bounded(self.history, [round(time.time(), 3), version,
-                                               sum(map(len, groups)), tokens, round(seconds, 4)])
+        self.history = _bounded(
+            self.history, [round(time.time(), 3), version, sum(map(len, groups)), tokens, round(seconds, 4)]
+        )
         return GeneratedBatch(prompts, groups, versions, started)
 
-    def _generate_interruptible(self, prompts: list[Prompt], params: SamplingSettings,
-                                segment: int) -> tuple[list[list[Completion]], list[list[int]]]:
+    def _generate_interruptible(
+        self, prompts: list[Prompt], params: SamplingSettings, segment: int
+    ) -> tuple[list[list[Completion]], list[list[int]]]:
         """Generate in segments of `segment` tokens; between segments, load new weights and
         resume every unfinished response on them (the prefix is re-prefilled). Each token keeps
         the logprob of the policy that sampled it; a sample is tagged with its oldest version."""
@@ -231,20 +267,22 @@ class RolloutWorker:
         groups = self.engine.generate([p.token_ids for p in prompts], first)
         versions = [[self.version] * len(g) for g in groups]
         for round_ in range(1, -(-params.max_tokens // segment)):
-            todo = [(i, k) for i, g in enumerate(groups) for k, c in enumerate(g)
-                    if c.finish_reason == "length" and len(c.token_ids) < params.max_tokens]
+            todo = [
+                (i, k)
+                for i, g in enumerate(groups)
+                for k, c in enumerate(g)
+                if c.finish_reason == "length" and len(c.token_ids) < params.max_tokens
+            ]
             if not todo:
                 break
             if self.maybe_reload():
                 self.resumed_on_new_weights += len(todo)
             budget = min(segment, params.max_tokens - round_ * segment)
             step = dataclasses.replace(params, n=1, max_tokens=budget, seed=params.seed + round_)
-            outs = self.engine.generate(
-                [prompts[i].token_ids + groups[i][k].token_ids for i, k in todo], step)
+            outs = self.engine.generate([prompts[i].token_ids + groups[i][k].token_ids for i, k in todo], step)
             for (i, k), [more] in zip(todo, outs):
                 c = groups[i][k]
-                groups[i][k] = Completion(c.token_ids + more.token_ids, c.logprobs + more.logprobs,
-                                          more.finish_reason)
+                groups[i][k] = Completion(c.token_ids + more.token_ids, c.logprobs + more.logprobs, more.finish_reason)
         return groups, versions
 
     def finish_batch(self, batch: GeneratedBatch) -> float:
@@ -264,9 +302,14 @@ class RolloutWorker:
 
     def _log_batch(self, mean_reward: float) -> None:
         self.heartbeat("running")
-        log.info("batch %d: weights v%d, reward %.3f, %d samples written, %.0f tok/s",
-                 self.batches, self.version, mean_reward, self.writer.samples_written,
-                 self.tokens / max(self.gen_seconds, 1e-9))
+        log.info(
+            "batch %d: weights v%d, reward %.3f, %d samples written, %.0f tok/s",
+            self.batches,
+            self.version,
+            mean_reward,
+            self.writer.samples_written,
+            self.tokens / max(self.gen_seconds, 1e-9),
+        )
 
     def claim(self) -> int:
         """Synchronous mode: claim this worker's share of the loaded version's groups."""
@@ -274,8 +317,9 @@ class RolloutWorker:
 
     def wait_for_next_version(self) -> None:
         self.heartbeat("waiting")
-        self.wait_seconds += self.rounds.wait_newer(self.store.latest, self.version,
-                                                    self.cfg.buffer.backlog_timeout_s, self._stop_while_waiting)
+        self.wait_seconds += self.rounds.wait_newer(
+            self.store.latest, self.version, self.cfg.buffer.backlog_timeout_s, self._stop_while_waiting
+        )
 
     def heartbeat(self, state: str) -> None:
         try:
@@ -283,25 +327,39 @@ class RolloutWorker:
         except OSError as e:
             if not is_disk_full(e):
                 raise
-            log.warning("disk full at %s: heartbeat skipped (the next one tries again)",
-                        self.stores.heartbeats.where(self.id))
+            log.warning(
+                "disk full at %s: heartbeat skipped (the next one tries again)", self.stores.heartbeats.where(self.id)
+            )
             self._last_beat = time.monotonic()  # while held back: one try (and line) per period
 
     def _write_heartbeat(self, state: str) -> None:
-        self.stores.heartbeats.write(self.id, {
-            "worker_id": self.id, "host": socket.gethostname(), "pid": os.getpid(),
-            "state": state, "weight_version": self.version,
-            "versions_loaded": self.versions_loaded, "batches": self.batches,
-            "samples_written": self.writer.samples_written,
-            "shards_written": self.writer.shards_written, "next_seq": self.writer.seq,
-            "tokens_per_s": self.tokens / self.gen_seconds if self.gen_seconds else 0.0,
-            "generate_s": self.gen_seconds, "reload_s": self.reload_seconds,
-            "reloads": self.reloads, "wait_s": self.wait_seconds,
-            "reload_fraction": self.reload_seconds / self.gen_seconds if self.gen_seconds else 0.0,
-            "synchronous": self.rounds.on,
-            "resumed_on_new_weights": self.resumed_on_new_weights,
-            "rewards_dropped": self.rewards_dropped,
-            "loads": self.loads, "history": self.history, "last_beat": time.time()})
+        self.stores.heartbeats.write(
+            self.id,
+            {
+                "worker_id": self.id,
+                "host": socket.gethostname(),
+                "pid": os.getpid(),
+                "state": state,
+                "weight_version": self.version,
+                "versions_loaded": self.versions_loaded,
+                "batches": self.batches,
+                "samples_written": self.writer.samples_written,
+                "shards_written": self.writer.shards_written,
+                "next_seq": self.writer.seq,
+                "tokens_per_s": self.tokens / self.gen_seconds if self.gen_seconds else 0.0,
+                "generate_s": self.gen_seconds,
+                "reload_s": self.reload_seconds,
+                "reloads": self.reloads,
+                "wait_s": self.wait_seconds,
+                "reload_fraction": self.reload_seconds / self.gen_seconds if self.gen_seconds else 0.0,
+                "synchronous": self.rounds.on,
+                "resumed_on_new_weights": self.resumed_on_new_weights,
+                "rewards_dropped": self.rewards_dropped,
+                "loads": self.loads,
+                "history": self.history,
+                "last_beat": time.time(),
+            },
+        )
         self._last_beat = time.monotonic()
 
     def _stop_while_waiting(self) -> bool:
@@ -340,9 +398,11 @@ class RolloutWorker:
                 if not self.rounds.on:
                     self.wait_seconds += self.writer.sink.wait_for_room(
                         self.cfg.buffer.max_backlog_samples,
-                        self.cfg.buffer.backlog_timeout_s, self._stop_while_waiting,
+                        self.cfg.buffer.backlog_timeout_s,
+                        self._stop_while_waiting,
                         on_wait=self._flush_while_waiting,
-                        group_size=self.cfg.actor_rollout_ref.rollout.n)
+                        group_size=self.cfg.actor_rollout_ref.rollout.n,
+                    )
                 if self.should_stop():
                     break
                 self.maybe_reload()
@@ -363,23 +423,35 @@ class RolloutWorker:
             finisher.shutdown(wait=True)
             self.writer.close()  # flush, also on failure; over gRPC wait for the acknowledgements
         self.heartbeat("stopped")
-        log.info("worker %s stopped: %d samples in %d shards; weight versions loaded: %s",
-                 self.id, self.writer.samples_written, self.writer.shards_written,
-                 self.versions_loaded)
+        log.info(
+            "worker %s stopped: %d samples in %d shards; weight versions loaded: %s",
+            self.id,
+            self.writer.samples_written,
+            self.writer.shards_written,
+            self.versions_loaded,
+        )
         self.engine.close()
 
 
-def run_role(role, config_cls, argv: list[str] | None, prog: str, description: str,
-             tag: str) -> int:
+def run_role(role, config_cls, argv: list[str] | None, prog: str, description: str, tag: str) -> int:
     """Entry point of a process with an engine: config from the command line, logs to stdout
     tagged `tag`, torch threads from OMP_NUM_THREADS, then `role(cfg).run()`."""
     cfg = parse_cli(config_cls, argv, prog, description)
-    logging.basicConfig(level=logging.INFO, stream=sys.stdout,
-                        format=f"%(asctime)s %(levelname)s {tag}[%(process)d] %(message)s")
+    if problem := engine_problem(cfg.actor_rollout_ref.rollout.name):
+        print(f"{prog}: config error: {problem}", file=sys.stderr)
+        return 2
+    logging.basicConfig(
+        level=logging.INFO, stream=sys.stdout, format=f"%(asctime)s %(levelname)s {tag}[%(process)d] %(message)s"
+    )
     import torch
+
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
     try:
-        role(cfg).run()
+        process = role(cfg)
+        try:
+            process.run()
+        finally:  # a clean stop (also by a signal): a background weight fetch is cancelled
+            process.stores.weights.close()
     except (DatasetError, reward.RewardError) as e:  # the dataset or the reward set-up
         print(f"{prog}: {e}", file=sys.stderr)
         return 2
@@ -387,10 +459,15 @@ def run_role(role, config_cls, argv: list[str] | None, prog: str, description: s
 
 
 def main(argv: list[str] | None = None) -> int:
-    return run_role(RolloutWorker, WorkerConfig, argv, "python -m rollout.worker",
-                    "Rollout worker: samples groups of responses, scores them, and publishes "
-                    "experience shards to the run folder; reloads new weight versions in place.",
-                    "rollout")
+    return run_role(
+        RolloutWorker,
+        WorkerConfig,
+        argv,
+        "python -m rollout.worker",
+        "Rollout worker: samples groups of responses, scores them, and publishes "
+        "experience shards to the run folder; reloads new weight versions in place.",
+        "rollout",
+    )
 
 
 if __name__ == "__main__":

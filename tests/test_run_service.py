@@ -1,17 +1,20 @@
 """The run service (buffer/control/net_server.py) and its network stores (buffer/control/net_client.py) with a
 real gRPC server on loopback: a worker-side Run whose root shares nothing with the trainer's."""
+
 import dataclasses
+import fcntl
+import os
 import threading
 import time
 
 import grpc
 import msgpack
 import pytest
+from conftest import free_port
 
+from buffer.channel import RunClient, RunServiceError
 from buffer.config import BufferConfig
 from buffer.run import setup_trainer_run, setup_worker_run
-from buffer.channel import RunClient, RunServiceError
-from conftest import free_port
 from protocol import run_service as rs
 from protocol.validation import ValidationResult
 from protocol.weights import ManifestError
@@ -24,8 +27,13 @@ TOKEN = "run-service-token"
 def _cfg(tmp_path, port, token=TOKEN, **kw) -> BufferConfig:
     path = tmp_path / f"token-{token}"
     path.write_text(token + "\n")
-    return BufferConfig(transport="grpc", grpc_bind=f"127.0.0.1:{port}",
-                        grpc_address=f"127.0.0.1:{port}", grpc_token_file=str(path), **kw)
+    return BufferConfig(
+        transport="grpc",
+        grpc_bind=f"127.0.0.1:{port}",
+        grpc_address=f"127.0.0.1:{port}",
+        grpc_token_file=str(path),
+        **kw,
+    )
 
 
 @pytest.fixture
@@ -100,17 +108,34 @@ def test_worker_side_stores_over_the_service(tmp_path, served):
     trainer.state.mark_done({"steps": 1})
     assert run.state.done()
     # the worker's folder holds only its weight cache; the trainer's only what the service wrote
-    own = [p for p in _files_under(tmp_path / "worker") if not p.endswith(".partial.lock")]
-    assert all(p.startswith("weights/v000000/") for p in own), own  # (the failed fetch's lock)
+    own = _files_under(tmp_path / "worker")
+    assert all(p.startswith("weights/v000000/") for p in own), own  # no lock of the failed fetch
     after = set(_files_under(tmp_path / "trainer")) - set(before)
-    assert after == {"workers/w0.json", "progress.json", "sync/v000000/000000", "sync/v000000/000001",
-                     "sync/v000000/000002", "validation/v000000.json", "validation/validator.json",
-                     f"control.d/{cmd.id}.json", "pool/node1.json", "DONE"}, after
+    assert after == {
+        "workers/w0.json",
+        "progress.json",
+        "sync/v000000/000000",
+        "sync/v000000/000001",
+        "sync/v000000/000002",
+        "validation/v000000.json",
+        "validation/validator.json",
+        f"control.d/{cmd.id}.json",
+        "pool/node1.json",
+        "DONE",
+    }, after
     # what only the trainer does is not offered remotely: a WorkerRun's stores have no such
     # method (and the type checker refuses a call of one: tests/test_structure.py)
-    assert not any(hasattr(store, name) for store, name in [
-        (run.state, "mark_done"), (run.progress, "write"), (run.sync, "open_version"),
-        (run.sync, "retire_before"), (run.validation, "request"), (run.validation, "result")])
+    assert not any(
+        hasattr(store, name)
+        for store, name in [
+            (run.state, "mark_done"),
+            (run.progress, "write"),
+            (run.sync, "open_version"),
+            (run.sync, "retire_before"),
+            (run.validation, "request"),
+            (run.validation, "result"),
+        ]
+    )
 
 
 def test_a_new_version_arrives_in_the_background(tmp_path, served):
@@ -129,6 +154,44 @@ def test_a_new_version_arrives_in_the_background(tmp_path, served):
     assert (cached / "manifest.json").is_file()  # complete before anyone asked for it
     assert run.weights.fetch(1) == str(cached)
     assert open(run.weights.files(1)[0], "rb").read() == open(trainer.weights.files(1)[0], "rb").read()
+
+
+def test_the_cache_bound_counts_complete_versions_and_keeps_one_partial(tmp_path, served):
+    """grpc_cache_versions (2) complete versions, and at most one partial fetch: the newest
+    above them (resumable); partials left by killed fetches of other versions go, unless a
+    fetch holds their lock."""
+    trainer, server, cfg = served
+    run = _worker_run(tmp_path, cfg)
+    cache = tmp_path / "worker" / "weights"
+    run.weights.fetch(0)
+
+    def leftover(version, locked=False):  # what a fetch killed mid-way leaves (or one running)
+        (cache / f"v{version:06d}.partial").mkdir()
+        (cache / f"v{version:06d}.partial" / "model.safetensors").write_bytes(b"half")
+        fd = os.open(cache / f"v{version:06d}.partial.lock", os.O_RDWR | os.O_CREAT)
+        if locked:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        return fd
+
+    def cached_after_fetching(version):
+        trainer.publisher.publish_hf_folder(tmp_path / "model", version, version, keep=4)
+        run.weights.fetch(version)
+        return sorted(p.name for p in cache.iterdir())
+
+    fds = [leftover(2), leftover(3), leftover(4)]
+    assert cached_after_fetching(1) == ["v000000", "v000001", "v000004.partial", "v000004.partial.lock"]
+    fds.append(leftover(3, locked=True))  # being fetched (by another thread): left alone
+    assert cached_after_fetching(2) == [
+        "v000001",
+        "v000002",
+        "v000003.partial",
+        "v000003.partial.lock",
+        "v000004.partial",
+        "v000004.partial.lock",
+    ]
+    for fd in fds:
+        os.close(fd)  # the fetch of v3 ended (killed: its lock file stays)
+    assert cached_after_fetching(5) == ["v000002", "v000005"]  # older partials: never resumed
 
 
 def test_refusals_name_what_is_wrong(tmp_path, served):
@@ -206,8 +269,9 @@ def test_the_trainer_lingers_until_workers_stopped(tmp_path):
 
 
 def test_message_codec_refuses_wrong_types():
-    assert rs.decode(rs.ClaimRequest, rs.encode(rs.ClaimRequest(1, 2, 3, "w", "r"))) == \
-        rs.ClaimRequest(1, 2, 3, "w", "r")
+    assert rs.decode(rs.ClaimRequest, rs.encode(rs.ClaimRequest(1, 2, 3, "w", "r"))) == rs.ClaimRequest(
+        1, 2, 3, "w", "r"
+    )
     with pytest.raises(rs.MessageError, match="ClaimRequest.version"):
         rs.decode(rs.ClaimRequest, msgpack.packb({"version": "1"}))
     with pytest.raises(rs.MessageError, match="ClaimRequest.want"):

@@ -1,5 +1,6 @@
 """SFT (`trainer.sft`): data checks, packing, config; then, as real processes, the warm start
 (held-out accuracy, RL reward), SIGKILL and resume on fewer ranks, and two c10d agents."""
+
 import json
 import os
 import subprocess
@@ -11,15 +12,15 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
+from conftest import REPO_ROOT, free_port, kill_tree
 from safetensors.torch import load_file
 
-from buffer.run import setup_trainer_run
+from buffer.checkpoints import FsCheckpoints
 from buffer.layout import RunLayout
-from conftest import REPO_ROOT, free_port, kill_tree
+from buffer.run import setup_trainer_run
 from launch.local import rl_metrics
 from protocol.config import ConfigError, build
 from rollout import builtin_task, preprocess
-from buffer.checkpoints import FsCheckpoints
 from trainer.sft import packed_nll
 from trainer.sft_config import SFTConfig, SFTDataConfig
 from trainer.sft_data import SFTDataError, load_sequences, micro_batches, pack, split_by_tokens
@@ -46,8 +47,7 @@ def test_missing_column_names_file_and_column(tmp_path, tok):
     assert f in msg and "'prompt'" in msg and "row 0" in msg and "data.prompt_key" in msg, msg
     assert "['answer', 'question']" in msg  # what the file does have
     with pytest.raises(SFTDataError, match=r"no column 'answer_text'"):  # the response side too
-        load_sequences([f], tok, SFTDataConfig(train_files=[f], prompt_key="question",
-                                               response_key="answer_text"))
+        load_sequences([f], tok, SFTDataConfig(train_files=[f], prompt_key="question", response_key="answer_text"))
 
 
 def test_over_long_sample_with_truncation_error_names_the_row(tmp_path, tok):
@@ -64,6 +64,7 @@ def test_over_long_sample_with_truncation_error_names_the_row(tmp_path, tok):
 def test_empty_file_and_bad_values_are_named(tmp_path, tok):
     import pyarrow as pa
     import pyarrow.parquet as pq
+
     empty = str(tmp_path / "empty.parquet")
     pq.write_table(pa.table({"prompt": pa.array([], pa.string()), "response": pa.array([], pa.string())}), empty)
     with pytest.raises(SFTDataError, match=rf"data.val_files: {empty} has no rows"):
@@ -80,10 +81,21 @@ def test_bad_file_stops_the_cli_before_training(tmp_path):
     f = _write(tmp_path / "long.parquet", [{"prompt": "1234", "response": "12345678"}])
     model = tmp_path / "model"
     builtin_task.write_model(model)
-    out = subprocess.run([sys.executable, "-m", "trainer.sft", f"data.train_files=[{f}]",
-                          f"model.partial_pretrain={model}", "data.max_length=8",
-                          f"trainer.default_local_dir={tmp_path / 'out'}"],
-                         capture_output=True, text=True, timeout=120, cwd=REPO_ROOT)
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "trainer.sft",
+            f"data.train_files=[{f}]",
+            f"model.partial_pretrain={model}",
+            "data.max_length=8",
+            f"trainer.default_local_dir={tmp_path / 'out'}",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=REPO_ROOT,
+    )
     assert out.returncode == 2 and f"{f} row 0: 14 tokens" in out.stderr, out.stderr[-2000:]
     assert not (tmp_path / "out").exists()
 
@@ -101,8 +113,12 @@ def test_truncation_left_right_and_loss_mask(tmp_path, tok):
 
 
 def test_multiturn_trains_on_assistant_turns_only(tmp_path, tok):
-    conv = [{"role": "user", "content": "12"}, {"role": "assistant", "content": "34"},
-            {"role": "user", "content": "5"}, {"role": "assistant", "content": "67"}]
+    conv = [
+        {"role": "user", "content": "12"},
+        {"role": "assistant", "content": "34"},
+        {"role": "user", "content": "5"},
+        {"role": "assistant", "content": "67"},
+    ]
     f = _write(tmp_path / "mt.parquet", [{"messages": conv}])
     cfg = SFTDataConfig(train_files=[f])
     cfg.multiturn.enable = True
@@ -115,9 +131,14 @@ def test_multiturn_trains_on_assistant_turns_only(tmp_path, tok):
 def test_packed_loss_equals_each_sequence_alone(tmp_path, tok):
     """No attention across the packed sequences: the packed nll equals the sum of each
     sequence's own, computed by a plain forward without position ids."""
-    f = _write(tmp_path / "d.parquet", [{"prompt": "1234", "response": "4321"},
-                                        {"prompt": "5", "response": "55"},
-                                        {"prompt": "01", "response": "0123456"}])
+    f = _write(
+        tmp_path / "d.parquet",
+        [
+            {"prompt": "1234", "response": "4321"},
+            {"prompt": "5", "response": "55"},
+            {"prompt": "01", "response": "0123456"},
+        ],
+    )
     seqs = load_sequences([f], tok, SFTDataConfig(train_files=[f]))
     model = builtin_task.build_model(len(tok)).eval()
     with torch.no_grad():
@@ -164,7 +185,9 @@ trainer: {default_local_dir: /out, project_name: p, experiment_name: e, total_ep
     cfg = build(SFTConfig, {"trainer.save_freq": "5"}, yaml_file)
     assert (cfg.data.prompt_key, cfg.data.max_length, cfg.trainer.save_freq) == ("question", 2048, 5)
     assert cfg.trainer.total_training_steps is None and cfg.trainer.output_dir == "/out"
-    with pytest.raises(ConfigError, match=r"model.lora_rank=8: LoRA is not supported yet"):
+    with pytest.raises(
+        ConfigError, match=r"model.lora_rank=8 \(command line\): not supported: LoRA is not supported yet"
+    ):
         build(SFTConfig, {"model.lora_rank": "8"}, yaml_file)
     with pytest.raises(ConfigError, match="max_token_len_per_gpu=512 must be at least data.max_length=2048"):
         build(SFTConfig, {"data.max_token_len_per_gpu": "512"}, yaml_file)
@@ -172,11 +195,27 @@ trainer: {default_local_dir: /out, project_name: p, experiment_name: e, total_ep
 
 def test_preprocess_holds_out_whole_questions_in_verl_rl_format(tmp_path, tok):
     from rollout.dataset import load_prompts
-    qa = _write(tmp_path / "qa.parquet", [{"question": f"q{i % 20}", "answer": f"x #### {i % 20}"}
-                                          for i in range(100)])
-    assert preprocess.main(["--input", qa, "--out-dir", str(tmp_path / "out"), "--data-source",
-                            "openai/gsm8k", "--val-fraction", "0.25",
-                            "--ground-truth-after", "####"]) == 0
+
+    qa = _write(tmp_path / "qa.parquet", [{"question": f"q{i % 20}", "answer": f"x #### {i % 20}"} for i in range(100)])
+    assert (
+        preprocess.main(
+            [
+                "--input",
+                qa,
+                "--out-dir",
+                str(tmp_path / "out"),
+                "--data-source",
+                "openai/gsm8k",
+                "--val-fraction",
+                "0.25",
+                "--instruction",
+                "",
+                "--ground-truth-after",
+                "####",
+            ]
+        )
+        == 0
+    )
     read = {(k, s): builtin_task_rows(tmp_path / "out" / f"{k}_{s}.parquet") for k, s in SPLITS}
     train_q = {r["prompt"] for r in read[("sft", "train")]}
     val_q = {r["prompt"] for r in read[("sft", "val")]}
@@ -192,8 +231,30 @@ def test_preprocess_holds_out_whole_questions_in_verl_rl_format(tmp_path, tok):
         preprocess.read_pairs(bad)
 
 
+def test_preprocess_gsm8k_writes_what_verls_gsm8k_preprocessing_writes(tmp_path):
+    """verl's examples/data_preprocess/gsm8k.py: ability math, its instruction after the
+    question, the ground truth the number after '####' without commas."""
+    qa = _write(
+        tmp_path / "qa.parquet", [{"question": f"How many? {i}", "answer": f"So.\n#### 1,00{i}"} for i in range(10)]
+    )
+    assert preprocess.main(["--input", qa, "--out-dir", str(tmp_path / "out"), "--data-source", "openai/gsm8k"]) == 0
+    row = builtin_task_rows(tmp_path / "out" / "rl_train.parquet")[0]
+    q = row["extra_info"]["question"]
+    assert row["ability"] == "math"
+    assert row["prompt"] == [
+        {"role": "user", "content": q + ' Let\'s think step by step and output the final answer after "####".'}
+    ]
+    assert row["reward_model"] == {"style": "rule", "ground_truth": "100" + q[-1]}
+    assert builtin_task_rows(tmp_path / "out" / "sft_train.parquet")[0]["prompt"] == row["prompt"][0]["content"]
+    # another data source: nothing added unless asked for
+    assert preprocess.main(["--input", qa, "--out-dir", str(tmp_path / "o2"), "--data-source", "mine"]) == 0
+    row = builtin_task_rows(tmp_path / "o2" / "rl_train.parquet")[0]
+    assert (row["ability"], row["prompt"][0]["content"]) == ("", row["extra_info"]["question"])
+
+
 def builtin_task_rows(path):
     import pyarrow.parquet as pq
+
     return pq.read_table(path).to_pylist()
 
 
@@ -201,23 +262,50 @@ def builtin_task_rows(path):
 def greedy_accuracy(model_dir, sft_parquet) -> float:
     """Exact-match rate of greedy answers over the distinct questions of an SFT file."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
+
     tok = AutoTokenizer.from_pretrained(model_dir)
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     pairs = sorted({(r["prompt"], r["response"]) for r in builtin_task_rows(sft_parquet)})
-    texts = [tok.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True,
-                                     tokenize=False) for q, _ in pairs]
+    texts = [
+        tok.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True, tokenize=False)
+        for q, _ in pairs
+    ]
     ids = torch.tensor(tok(texts, add_special_tokens=False)["input_ids"])  # all the same length
     with torch.no_grad():
-        out = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
-                             max_new_tokens=len(pairs[0][1]) + 1, pad_token_id=tok.pad_token_id)
-    answers = tok.batch_decode(out[:, ids.shape[1]:], skip_special_tokens=True)
+        out = model.generate(
+            ids,
+            attention_mask=torch.ones_like(ids),
+            do_sample=False,
+            max_new_tokens=len(pairs[0][1]) + 1,
+            pad_token_id=tok.pad_token_id,
+        )
+    answers = tok.batch_decode(out[:, ids.shape[1] :], skip_special_tokens=True)
     return sum(a == r for a, (_, r) in zip(answers, pairs)) / len(pairs)
 
 
 def _local(root, *args):
-    out = subprocess.run([sys.executable, "-m", "launch.local", "--root", str(root), "--steps", "3",
-                          "--nproc", "1", "--workers", "1", "--timeout", "600", *args],
-                         capture_output=True, text=True, timeout=700, cwd=REPO_ROOT)
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "launch.local",
+            "--root",
+            str(root),
+            "--steps",
+            "3",
+            "--nproc",
+            "1",
+            "--workers",
+            "1",
+            "--timeout",
+            "600",
+            *args,
+        ],
+        capture_output=True,
+        text=True,
+        timeout=700,
+        cwd=REPO_ROOT,
+    )
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     rows, _ = rl_metrics(setup_trainer_run(str(root)))  # the trainer's rows (not the validator's)
     return sum(r["reward/mean"] for r in rows) / len(rows)
@@ -241,17 +329,27 @@ def test_sft_warm_start_raises_held_out_accuracy_and_the_first_rl_rewards(tmp_pa
     # random init a digit is right by chance (measured 0.06; README's pipeline table: 0.09);
     # after SFT the sampled answers are near-certain copies (measured 0.97). 0.3 and 0.8 sit
     # far from both.
-    print(f"held-out greedy accuracy {before:.2f} -> {after:.2f}; first RL rewards from random "
-          f"init {cold_reward:.3f}, after SFT {warm_reward:.3f}")
+    print(
+        f"held-out greedy accuracy {before:.2f} -> {after:.2f}; first RL rewards from random "
+        f"init {cold_reward:.3f}, after SFT {warm_reward:.3f}"
+    )
     assert cold_reward < 0.3 and warm_reward > 0.8, (cold_reward, warm_reward)
 
 
 # SIGKILL/resume and c10d: one small SFT (196 train pairs, 8 per step: 24 steps per epoch, 2
 # epochs; micro-batches of 2 sequences, so 2 per rank on 2 ranks and 4 on one)
-SMALL = ["data.train_batch_size=8", "trainer.total_epochs=2", "optim.lr=3e-3",
-         "optim.lr_scheduler=constant", "optim.warmup_steps_ratio=0", "optim.weight_decay=0",
-         "model.enable_gradient_checkpointing=false", "data.max_length=16",
-         "data.max_token_len_per_gpu=16", "trainer.test_freq=4"]
+SMALL = [
+    "data.train_batch_size=8",
+    "trainer.total_epochs=2",
+    "optim.lr=3e-3",
+    "optim.lr_scheduler=constant",
+    "optim.warmup_steps_ratio=0",
+    "optim.weight_decay=0",
+    "model.enable_gradient_checkpointing=false",
+    "data.max_length=16",
+    "data.max_token_len_per_gpu=16",
+    "trainer.test_freq=4",
+]
 TOTAL = 48
 
 
@@ -267,12 +365,28 @@ def small(tmp_path_factory):
 def sft_proc(small, out, nproc, *extra, rendezvous=("--standalone",)):
     base, paths = small
     return subprocess.Popen(
-        [sys.executable, "-m", "torch.distributed.run", *rendezvous, f"--nproc_per_node={nproc}",
-         "-m", "trainer.sft", f"data.train_files=[{paths[('sft', 'train')]}]",
-         f"data.val_files=[{paths[('sft', 'val')]}]", f"model.partial_pretrain={base / 'model'}",
-         f"trainer.default_local_dir={out}", *SMALL, *extra],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,
-        cwd=REPO_ROOT, env=dict(os.environ, OMP_NUM_THREADS="1"))
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            *rendezvous,
+            f"--nproc_per_node={nproc}",
+            "-m",
+            "trainer.sft",
+            f"data.train_files=[{paths[('sft', 'train')]}]",
+            f"data.val_files=[{paths[('sft', 'val')]}]",
+            f"model.partial_pretrain={base / 'model'}",
+            f"trainer.default_local_dir={out}",
+            *SMALL,
+            *extra,
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+        cwd=REPO_ROOT,
+        env=dict(os.environ, OMP_NUM_THREADS="1"),
+    )
 
 
 def _finish(p) -> str:
@@ -343,6 +457,7 @@ def test_sigkill_mid_epoch_and_resume_on_one_rank_matches_uninterrupted(small, r
     assert sorted(os.listdir(layout.weights_dir)) == ["LATEST", "v000045", "v000048"]  # keep 2
     # a checkpoint exports (launch.export) to the same weights as the HF folder of its step
     from launch.export import export
+
     exported = weights(export(layout.checkpoint(45), str(tmp_path / "exported")))
     saved = weights(layout.version_dir(45))
     assert saved.keys() <= exported.keys() and all(torch.equal(saved[k], exported[k]) for k in saved)
@@ -351,15 +466,20 @@ def test_sigkill_mid_epoch_and_resume_on_one_rank_matches_uninterrupted(small, r
 @pytest.mark.slow
 def test_two_c10d_agents_train_like_two_ranks_on_one_node(small, reference, tmp_path):
     out = tmp_path / "out"
-    rendezvous = ("--nnodes=2", "--rdzv_backend=c10d", f"--rdzv_endpoint=127.0.0.1:{free_port()}",
-                  "--rdzv_id=tandem-sft-test")
+    rendezvous = (
+        "--nnodes=2",
+        "--rdzv_backend=c10d",
+        f"--rdzv_endpoint=127.0.0.1:{free_port()}",
+        "--rdzv_id=tandem-sft-test",
+    )
     agents = [sft_proc(small, out, 1, rendezvous=rendezvous) for _ in range(2)]
     for a in agents:
         _finish(a)
     layout = RunLayout(str(out))
     assert len(Path(layout.metrics).read_text().splitlines()) == TOTAL  # rank 0 alone writes
-    diff = relative_difference(weights(layout.hf_model), weights(RunLayout(str(reference)).hf_model),
-                               weights(small[0] / "model"))
+    diff = relative_difference(
+        weights(layout.hf_model), weights(RunLayout(str(reference)).hf_model), weights(small[0] / "model")
+    )
     print(f"2 c10d agents vs 2 ranks on one node: relative difference {diff:.2e}")
     assert diff < TOLERANCE, diff
 
@@ -367,10 +487,27 @@ def test_two_c10d_agents_train_like_two_ranks_on_one_node(small, reference, tmp_
 @pytest.mark.slow
 def test_benchmark_script_runs_on_cpu_with_the_tiny_shape(tmp_path):
     out = tmp_path / "bench.json"
-    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
-                           "--nproc_per_node=1", "benchmarks/sft_bench.py", "--tiny", "--device", "cpu",
-                           "--work", str(tmp_path / "work"), "--out", str(out)],
-                          capture_output=True, text=True, timeout=300, cwd=REPO_ROOT)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc_per_node=1",
+            "benchmarks/sft_bench.py",
+            "--tiny",
+            "--device",
+            "cpu",
+            "--work",
+            str(tmp_path / "work"),
+            "--out",
+            str(out),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=REPO_ROOT,
+    )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     result = json.loads(out.read_text())
     assert result["tokens_per_s"] > 0 and 0 < result["mfu"] < 1 and 0 < result["budget_fill"] <= 1

@@ -1,17 +1,18 @@
 """Trainer options on real processes: micro- and mini-batches, epochs and the clip, every
 advantage estimator, the GAE critic, KL in the reward, uneven shares, KL/entropy loss, lr."""
+
 import json
 import subprocess
 import sys
 
 import pytest
 import torch
+from conftest import REORDER_REL_BOUND, final_weights, run_folder, trainer_proc, weight_distances
 from safetensors.torch import load_file
+from test_sync import FP32_MISMATCH_BOUND
 
 from buffer.run import setup_trainer_run
 from launch.local import rl_metrics
-from conftest import REORDER_REL_BOUND, final_weights, run_folder, trainer_proc, weight_distances
-from test_sync import FP32_MISMATCH_BOUND
 
 
 def _run(experience, name, nproc, *extra, steps=2, groups=4):
@@ -24,8 +25,13 @@ def _run(experience, name, nproc, *extra, steps=2, groups=4):
 
 def test_token_budget_micro_batches_give_the_same_update(experience):
     fixed = _run(experience, "fixed", 2, "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=64")
-    dynamic = _run(experience, "dynamic", 2, "actor_rollout_ref.actor.use_dynamic_bsz=true",
-                   "actor_rollout_ref.actor.ppo_max_token_len_per_gpu=12")  # about 2 rows each
+    dynamic = _run(
+        experience,
+        "dynamic",
+        2,
+        "actor_rollout_ref.actor.use_dynamic_bsz=true",
+        "actor_rollout_ref.actor.ppo_max_token_len_per_gpu=12",
+    )  # about 2 rows each
     a, b = final_weights(fixed), final_weights(dynamic)
     init = load_file(str(experience / "model" / "model.safetensors"))
     # Norms over all weights: Adam turns float-order noise in near-zero gradients into single
@@ -37,11 +43,19 @@ def test_token_budget_micro_batches_give_the_same_update(experience):
 
 def test_uneven_shares_kl_entropy_and_cosine_warmup(experience):
     # 3 groups over 2 ranks: one rank has twice the micro-batches of the other.
-    root = _run(experience, "options", 2, "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=2",
-                "actor_rollout_ref.actor.use_kl_loss=true", "actor_rollout_ref.actor.entropy_coeff=0.01",
-                "actor_rollout_ref.actor.optim.lr_warmup_steps_ratio=0.5",
-                "actor_rollout_ref.actor.optim.warmup_style=cosine",
-                "actor_rollout_ref.model.enable_gradient_checkpointing=true", steps=4, groups=3)
+    root = _run(
+        experience,
+        "options",
+        2,
+        "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=2",
+        "actor_rollout_ref.actor.use_kl_loss=true",
+        "actor_rollout_ref.actor.entropy_coeff=0.01",
+        "actor_rollout_ref.actor.optim.lr_warmup_steps_ratio=0.5",
+        "actor_rollout_ref.actor.optim.warmup_style=cosine",
+        "actor_rollout_ref.model.enable_gradient_checkpointing=true",
+        steps=4,
+        groups=3,
+    )
     rows = [json.loads(line) for line in (root / "metrics.jsonl").read_text().splitlines()]
     assert [r["actor/lr"] for r in rows] == pytest.approx([5e-3, 1e-2, 5e-3, 0.0], abs=1e-9)
     assert all(r["samples/step"] == 12 for r in rows)
@@ -55,11 +69,22 @@ def test_uneven_shares_kl_entropy_and_cosine_warmup(experience):
     assert all("rollout/mismatch_kl" not in r and r["rollout/mismatch_tokens"] == 0 for r in rows[1:])
 
 
-def test_tensorboard_logger_through_verl_tracking(experience):
+def test_tensorboard_logger_through_verl_tracking_with_verls_metric_names(experience):
     root = _run(experience, "tb", 1, "trainer.logger=[console,tensorboard]", steps=2)
+    for r in _rows(root):  # verl's metric_utils names, entropy_coeff=0 (the default)
+        assert all(
+            r[f"timing_s/{phase}"] > 0 for phase in ("old_log_prob", "adv", "update_actor", "update_weights", "step")
+        ), r
+        assert r["actor/entropy"] > 0.1  # the real entropy: a near-uniform tiny model
+        assert r["perf/total_num_tokens"] > r["tokens/step"]  # prompts and responses
+        assert r["perf/throughput"] == pytest.approx(r["perf/total_num_tokens"] / r["perf/time_per_step"])
+        assert r["perf/mfu/actor"] >= 0 and r["perf/cpu_memory_used_gb"] > 0
+        assert 0 < r["prompt_length/min"] <= r["prompt_length/mean"] <= r["prompt_length/max"]
+        assert 0 <= r["prompt_length/clip_ratio"] <= 1
     events = list((root / "tensorboard").glob("events.out.tfevents.*"))
     assert events and events[0].stat().st_size > 0
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
     acc = EventAccumulator(str(root / "tensorboard"))
     acc.Reload()
     assert [e.step for e in acc.Scalars("reward/mean")] == [1, 2]
@@ -72,8 +97,11 @@ def _rows(root):
 def test_clip_acts_over_mini_batches_and_epochs(experience):
     # 4 groups, 1 per mini-batch, 2 epochs: 8 optimizer steps per trainer step; pi_old stays
     # at the step's start, so from the second optimizer step on the ratio leaves 1 and clips.
-    clip = ("actor_rollout_ref.actor.ppo_mini_batch_size=1", "actor_rollout_ref.actor.ppo_epochs=2",
-            "actor_rollout_ref.actor.shuffle=true")
+    clip = (
+        "actor_rollout_ref.actor.ppo_mini_batch_size=1",
+        "actor_rollout_ref.actor.ppo_epochs=2",
+        "actor_rollout_ref.actor.shuffle=true",
+    )
     wide = _rows(_run(experience, "clip_wide", 1, *clip, "actor_rollout_ref.actor.clip_ratio=0.2"))
     narrow = _rows(_run(experience, "clip_narrow", 1, *clip, "actor_rollout_ref.actor.clip_ratio=0.02"))
     assert all(r["actor/optimizer_steps"] == 8 for r in wide + narrow)
@@ -86,16 +114,20 @@ def test_clip_acts_over_mini_batches_and_epochs(experience):
 def test_two_ranks_update_as_one_over_mini_batches_and_batch_whitening(experience):
     # reinforce_plus_plus whitens advantages over the whole batch, which only the gather of
     # every rank's rows gets right; 2 mini-batches x 2 epochs, each mini-batch split over ranks.
-    keys = ("algorithm.adv_estimator=reinforce_plus_plus", "actor_rollout_ref.actor.ppo_mini_batch_size=2",
-            "actor_rollout_ref.actor.ppo_epochs=2")
+    keys = (
+        "algorithm.adv_estimator=reinforce_plus_plus",
+        "actor_rollout_ref.actor.ppo_mini_batch_size=2",
+        "actor_rollout_ref.actor.ppo_epochs=2",
+    )
     one, two = (final_weights(_run(experience, f"ranks{n}", n, *keys)) for n in (1, 2))
     differ, moved, worst = weight_distances(one, two, experience / "model")
     # Only the order of fp32 sums differs between 1 and 2 ranks (bound justified in conftest).
     assert moved > 1e-2 and differ < REORDER_REL_BOUND * moved, (differ, moved, worst)
 
 
-@pytest.mark.parametrize("estimator", ["grpo", "rloo", "reinforce_plus_plus",
-                                       "reinforce_plus_plus_baseline", "opo", "grpo_passk"])
+@pytest.mark.parametrize(
+    "estimator", ["grpo", "rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline", "opo", "grpo_passk"]
+)
 def test_each_estimator_runs_a_step(experience, estimator):
     root = _run(experience, f"adv_{estimator}", 1, f"algorithm.adv_estimator={estimator}", steps=1)
     row = _rows(root)[0]
@@ -105,18 +137,35 @@ def test_each_estimator_runs_a_step(experience, estimator):
 
 
 def test_gae_critic_warmup_and_adaptive_kl_in_reward(experience):
-    root = _run(experience, "gae", 2, "algorithm.adv_estimator=gae", "critic.optim.lr=1e-2",
-                "trainer.critic_warmup=2", "algorithm.use_kl_in_reward=true",
-                "algorithm.kl_ctrl.type=adaptive", "algorithm.kl_ctrl.kl_coef=0.1",
-                "algorithm.kl_ctrl.horizon=10", "critic.ppo_mini_batch_size=2",
-                "trainer.keep_versions=4", steps=3)
+    root = _run(
+        experience,
+        "gae",
+        2,
+        "algorithm.adv_estimator=gae",
+        "critic.optim.lr=1e-2",
+        "trainer.critic_warmup=2",
+        "algorithm.use_kl_in_reward=true",
+        "algorithm.kl_ctrl.type=adaptive",
+        "algorithm.kl_ctrl.kl_coef=0.1",
+        "algorithm.kl_ctrl.horizon=10",
+        "critic.ppo_mini_batch_size=2",
+        "trainer.keep_versions=4",
+        steps=3,
+    )
     rows = _rows(root)
     for r in rows:
-        assert {"critic/vf_loss", "critic/vf_clipfrac", "critic/vpred_mean", "critic/values/mean",
-                "critic/returns/mean", "critic/grad_norm"} <= set(r)
+        assert {
+            "critic/vf_loss",
+            "critic/vf_clipfrac",
+            "critic/vpred_mean",
+            "critic/values/mean",
+            "critic/returns/mean",
+            "critic/grad_norm",
+        } <= set(r)
     # Step 1 is warmup: only the critic trains, so the version published after it is v0.
     assert "actor/pg_loss" not in rows[0] and "actor/pg_loss" in rows[1]
     from buffer.weights.fs import WeightStore
+
     store = WeightStore(str(root))
     v0, v1 = dict(store.tensors(0)), dict(store.tensors(1))
     assert all(torch.equal(v0[k], v1[k]) for k in v0)
@@ -131,9 +180,24 @@ def test_gae_with_a_critic_learns_the_builtin_task(tmp_path):
     # The built-in recipe with GAE: 0.08 -> 1.0 in 200 steps (3.5 min on the loaded 2-core
     # box), past 0.5 near step 60; 100 steps leave margin for the last-10 mean to pass 0.5.
     root = tmp_path / "run"
-    proc = subprocess.run([sys.executable, "-m", "launch.local", "--root", str(root), "--steps", "100",
-                           "--timeout", "1200", "--trainer", "algorithm.adv_estimator=gae"],
-                          capture_output=True, text=True, timeout=1500)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "launch.local",
+            "--root",
+            str(root),
+            "--steps",
+            "100",
+            "--timeout",
+            "1200",
+            "--trainer",
+            "algorithm.adv_estimator=gae",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=1500,
+    )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     rows, _ = rl_metrics(setup_trainer_run(str(root)))  # the trainer's rows, not the validator's
     first = sum(r["reward/mean"] for r in rows[:10]) / 10

@@ -1,6 +1,7 @@
 """Weight versions over the network (buffer/weights/net_client.py, net_server.py), with real files, the trainer's real
 experience gRPC server carrying the weight service, real fetchers with their peer servers on
 loopback, and a real worker process killed mid-download."""
+
 import json
 import os
 import signal
@@ -13,17 +14,25 @@ import grpc
 import msgpack
 import pytest
 import torch
+from conftest import free_port, subprocess_env
 from safetensors.torch import save_file
 
 from buffer.config import BufferConfig
 from buffer.experience.net_server import ShardServer
 from buffer.weights.fs import WeightStore
-from buffer.weights.net_client import WeightFetcher
+from buffer.weights.net_client import FetchCancelled, WeightFetcher
 from buffer.weights.net_server import add_weight_service
-from conftest import free_port, subprocess_env
 from protocol.weights import verify_files
-from protocol.weights_wire import (CHUNK_LIST_METHOD, CHUNK_METHOD, PEERS_METHOD, ChunkList,
-                                   ChunkRequest, FileChunks, WireError, from_bitmap)
+from protocol.weights_wire import (
+    CHUNK_LIST_METHOD,
+    CHUNK_METHOD,
+    PEERS_METHOD,
+    ChunkList,
+    ChunkRequest,
+    FileChunks,
+    WireError,
+    from_bitmap,
+)
 
 TOKEN = "weights-token"
 CHUNK_KB = 64  # 64 KiB chunks: a 3 MB version is ~50 chunks, enough to interrupt mid-way
@@ -31,10 +40,17 @@ CHUNK_KB = 64  # 64 KiB chunks: a 3 MB version is ~50 chunks, enough to interrup
 
 def _cfg(tmp_path, port, **kw):
     (tmp_path / "token").write_text(TOKEN)
-    base = dict(grpc_bind=f"127.0.0.1:{port}", grpc_address=f"127.0.0.1:{port}", transport="grpc",
-                grpc_token_file=str(tmp_path / "token"), weights_chunk_kb=CHUNK_KB,
-                weights_peer_host="127.0.0.1", weights_peer_refresh_s=0.2,
-                weights_chunk_timeout_s=30.0, weights_stall_timeout_s=120.0)
+    base = dict(
+        grpc_bind=f"127.0.0.1:{port}",
+        grpc_address=f"127.0.0.1:{port}",
+        transport="grpc",
+        grpc_token_file=str(tmp_path / "token"),
+        weights_chunk_kb=CHUNK_KB,
+        weights_peer_host="127.0.0.1",
+        weights_peer_refresh_s=0.2,
+        weights_chunk_timeout_s=30.0,
+        weights_stall_timeout_s=120.0,
+    )
     return BufferConfig(**{**base, **kw})
 
 
@@ -79,6 +95,7 @@ def trainer(tmp_path):
         t = _Trainer(tmp_path, _cfg(tmp_path, port, **kw))
         made.append(t)
         return t
+
     yield start
     for t in made:
         t.stop()
@@ -100,6 +117,21 @@ def _wait(cond, timeout_s, what):
     while not cond():
         assert time.monotonic() < deadline, f"timed out after {timeout_s} s waiting for {what}"
         time.sleep(0.05)
+
+
+def _background_fetch(f, dest):
+    """f.fetch(1, dest) in a thread: (the thread, {"dest": ...} or {"error": ...} when done)."""
+    result = {}
+
+    def run():
+        try:
+            result["dest"] = f.fetch(1, dest)
+        except BaseException as e:  # reported by the caller's assertions
+            result["error"] = e
+
+    th = threading.Thread(target=run)
+    th.start()
+    return th, result
 
 
 def test_full_fetch_verified(tmp_path, trainer):
@@ -134,11 +166,15 @@ def test_bad_token_refused(tmp_path, trainer):
         with grpc.insecure_channel(good.peer_address) as ch:
             call = ch.unary_unary(CHUNK_METHOD)
             with pytest.raises(grpc.RpcError) as e:
-                call(ChunkRequest(1, "intruder", index=0).encode(), timeout=30,
-                     metadata=[("authorization", "Bearer wrong")])
+                call(
+                    ChunkRequest(1, "intruder", index=0).encode(),
+                    timeout=30,
+                    metadata=[("authorization", "Bearer wrong")],
+                )
             assert e.value.code() == grpc.StatusCode.UNAUTHENTICATED
-            assert call(ChunkRequest(1, "friend", index=0).encode(), timeout=30,
-                        metadata=[("authorization", f"Bearer {TOKEN}")])
+            assert call(
+                ChunkRequest(1, "friend", index=0).encode(), timeout=30, metadata=[("authorization", f"Bearer {TOKEN}")]
+            )
     finally:
         bad.close()
         good.close()
@@ -175,8 +211,14 @@ def test_worker_killed_mid_download_resumes(tmp_path, trainer):
                 return len(from_bitmap(fh.read(), 10**6))
         except FileNotFoundError:
             return 0
-    proc = subprocess.Popen([sys.executable, "-c", script], env=subprocess_env(),
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+    proc = subprocess.Popen(
+        [sys.executable, "-c", script],
+        env=subprocess_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     try:
         _wait(lambda: durable() >= 3 or proc.poll() is not None, 120, "3 chunks made durable")
         assert proc.poll() is None, proc.stdout.read()
@@ -188,13 +230,50 @@ def test_worker_killed_mid_download_resumes(tmp_path, trainer):
     kept = durable()
     total = t.service._holding(1).chunks.total
     assert 3 <= kept < total
-    out = subprocess.run([sys.executable, "-c", script], env=subprocess_env(), text=True,
-                         capture_output=True, timeout=300)
+    out = subprocess.run(
+        [sys.executable, "-c", script], env=subprocess_env(), text=True, capture_output=True, timeout=300
+    )
     assert out.returncode == 0, out.stdout + out.stderr
     line = [s for s in out.stdout.splitlines() if s.startswith("STATS")][0]
     resumed, fetched, chunks = map(int, line.split()[1:])
     assert (resumed, fetched, chunks) == (kept, total - kept, total)
     assert _verified(dest, t.store)
+
+
+def test_close_mid_download_cancels_and_keeps_a_resumable_partial(tmp_path, trainer):
+    """A clean stop (the worker's close()) while a fetch runs in the background: the fetch
+    ends with FetchCancelled, every chunk it verified is in the durable bitmap, its lock file
+    is gone, and the next fetch takes exactly the chunks that were not verified."""
+    t = trainer(weights_upload_mb_s=0.5)  # 0.5 MB/s: the 3 MB version takes ~6 s at least
+    cfg = t.shards.servicer.cfg
+    dest = str(tmp_path / "w" / "weights" / "v000001")
+    f = WeightFetcher(cfg.grpc_address, TOKEN, cfg, "w-stopped")
+    th, result = _background_fetch(f, dest)
+    try:
+        _wait(lambda: 1 in f.stats and f.stats[1].from_trainer >= 3, 120, "3 chunks verified")
+        f.close()
+        # once the channels are closed the fetch ends within a loop tick (1 s); 30 s leaves
+        # room for a loaded 2-core box and is below weights_chunk_timeout_s, close()'s bound
+        th.join(timeout=30)
+        assert not th.is_alive(), "the fetch still runs after close()"
+    finally:
+        f.close()
+        th.join(timeout=60)
+    assert isinstance(result.get("error"), FetchCancelled), result
+    verified = f.stats[1].from_trainer
+    total = t.service._holding(1).chunks.total
+    assert 3 <= verified < total and not os.path.exists(dest)
+    with open(os.path.join(dest + ".partial", ".tandem-verified"), "rb") as fh:
+        assert len(from_bitmap(fh.read(), total)) == verified  # none lost since the last save
+    assert not os.path.exists(dest + ".partial.lock")  # only a killed fetch leaves its lock
+    again = WeightFetcher(cfg.grpc_address, TOKEN, cfg, "w-restarted")
+    try:
+        assert again.fetch(1, dest) == dest
+        s = again.stats[1]
+        assert (s.resumed, s.from_trainer + s.from_peers) == (verified, total - verified)
+        assert _verified(dest, t.store)
+    finally:
+        again.close()
 
 
 _PEER = """
@@ -218,8 +297,14 @@ def test_peer_dying_mid_transfer(tmp_path, trainer):
     fields = {k: getattr(cfg, k) for k in cfg.__dataclass_fields__}
     fields["weights_upload_mb_s"] = 0.5  # the peer's uplink: ~6 s for the version
     script = _PEER.format(cfg=fields, token=TOKEN, dest=str(tmp_path / "peer" / "v1"))
-    peer = subprocess.Popen([sys.executable, "-c", script], env=subprocess_env(), text=True,
-                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
+    peer = subprocess.Popen(
+        [sys.executable, "-c", script],
+        env=subprocess_env(),
+        text=True,
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+    )
     q = WeightFetcher(cfg.grpc_address, TOKEN, cfg, "survivor")
     result = {}
     try:
@@ -274,15 +359,7 @@ def test_trainer_restart_mid_transfer_loses_nothing(tmp_path, trainer):
     t = trainer(weights_upload_mb_s=0.5)
     cfg = t.shards.servicer.cfg
     f = WeightFetcher(cfg.grpc_address, TOKEN, cfg, "w0")
-    result = {}
-
-    def run():
-        try:
-            result["dest"] = f.fetch(1, str(tmp_path / "w0" / "v1"))
-        except BaseException as e:  # reported by the assertion below
-            result["error"] = e
-    th = threading.Thread(target=run)
-    th.start()
+    th, result = _background_fetch(f, str(tmp_path / "w0" / "v1"))
     try:
         _wait(lambda: 1 in f.stats and f.stats[1].from_trainer >= 3, 120, "3 chunks fetched")
         t.stop()
@@ -313,6 +390,7 @@ def test_peer_fanout_used(tmp_path, trainer):
             dests[i] = fetchers[i].fetch(1, str(tmp_path / f"w{i}" / "v1"))
         except BaseException as e:
             errors.append(e)
+
     threads = [threading.Thread(target=run, args=(i,)) for i in range(4)]
     try:
         for th in threads:
@@ -340,8 +418,12 @@ def test_malformed_messages_refused(tmp_path, trainer):
     with grpc.insecure_channel(t.shards.servicer.cfg.grpc_address) as ch:
         for method in (CHUNK_METHOD, CHUNK_LIST_METHOD, PEERS_METHOD):
             call = ch.unary_unary(method)
-            for raw in (b"\xc1garbage", msgpack.packb([1, 2]), msgpack.packb({"version": "1"}),
-                        ChunkRequest(1, "x", avoid=[7]).encode()):
+            for raw in (
+                b"\xc1garbage",
+                msgpack.packb([1, 2]),
+                msgpack.packb({"version": "1"}),
+                ChunkRequest(1, "x", avoid=[7]).encode(),
+            ):
                 with pytest.raises(grpc.RpcError) as e:
                     call(raw, timeout=30, metadata=[("authorization", f"Bearer {TOKEN}")])
                 assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT, (method, raw)

@@ -12,6 +12,7 @@ no gradient through w (Yao et al., truncated IS).
 Shapes: B rows (sequences), R response positions; (B, R) tensors are response-aligned, zero past
 a row's response (see trainer/batch.py).
 """
+
 from __future__ import annotations
 
 import math
@@ -22,11 +23,11 @@ import torch
 from trainer.batch import Batch
 
 
-def response_logprobs(model, batch: Batch, with_entropy: bool = False):
+def response_logprobs(model, batch: Batch, with_entropy: bool = False, entropy_grad: bool = True):
     """log pi(response token) at the sampling temperature, shape (B, R); with the entropy of
-    each position's distribution as well when asked (else None)."""
-    logits = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask,
-                   use_cache=False).logits
+    each position's distribution as well when asked (else None), differentiable or, for a
+    metric only, not (`entropy_grad`: no graph kept for it)."""
+    logits = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask, use_cache=False).logits
     rows = torch.arange(logits.shape[0], device=logits.device).unsqueeze(1)
     # Only response positions, upcast once; log pi = logit - logsumexp, without materialising a
     # full (B, R, vocab) log-softmax (the largest tensor of the step for a 150k vocabulary).
@@ -36,34 +37,41 @@ def response_logprobs(model, batch: Batch, with_entropy: bool = False):
     entropy = None
     if with_entropy:
         from verl.utils.torch_functional import entropy_from_logits
-        entropy = entropy_from_logits(picked) * batch.response_mask
+
+        entropy = entropy_from_logits(picked if entropy_grad else picked.detach()) * batch.response_mask
     return logprobs * batch.response_mask, entropy
 
 
 def response_values(critic, batch: Batch) -> torch.Tensor:
     """V(s_j) for each response position j, shape (B, R): the value head's output at the
     position that predicts token j (the state before it), as verl's critic reads values[:, -R-1:-1]."""
-    out = critic(input_ids=batch.input_ids, attention_mask=batch.attention_mask,
-                 use_cache=False).logits.squeeze(-1)  # (B, T)
+    out = critic(input_ids=batch.input_ids, attention_mask=batch.attention_mask, use_cache=False).logits.squeeze(
+        -1
+    )  # (B, T)
     rows = torch.arange(out.shape[0], device=out.device).unsqueeze(1)
     return out[rows, batch.logit_index].float() * batch.response_mask
 
 
-def kl_and_entropy_terms(logprobs, ref_logprobs, entropy, mask, kl_type: str, loss_agg_mode: str,
-                         loss_cfg) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+def kl_and_entropy_terms(
+    logprobs, ref_logprobs, entropy, mask, kl_type: str, loss_agg_mode: str, loss_cfg
+) -> tuple[torch.Tensor | None, torch.Tensor | None]:
     """verl's KL penalty against the reference policy and the entropy, aggregated like the loss."""
     from verl.trainer.ppo import core_algos
+
     kl = ent = None
     if ref_logprobs is not None:
-        kl = core_algos.agg_loss(core_algos.kl_penalty(logprobs, ref_logprobs, kl_penalty=kl_type),
-                                 mask, loss_agg_mode, **loss_cfg.global_batch_info)
+        kl = core_algos.agg_loss(
+            core_algos.kl_penalty(logprobs, ref_logprobs, kl_penalty=kl_type),
+            mask,
+            loss_agg_mode,
+            **loss_cfg.global_batch_info,
+        )
     if entropy is not None:
         ent = core_algos.agg_loss(entropy, mask, loss_agg_mode, **loss_cfg.global_batch_info)
     return kl, ent
 
 
-def lr_at(step: int, total: int, base_lr: float, warmup_ratio: float, style: str,
-          min_lr_ratio: float) -> float:
+def lr_at(step: int, total: int, base_lr: float, warmup_ratio: float, style: str, min_lr_ratio: float) -> float:
     """Linear warmup over warmup_ratio*total steps, then constant or cosine down to min_lr_ratio."""
     warmup = int(warmup_ratio * total)
     if warmup and step <= warmup:
@@ -74,13 +82,13 @@ def lr_at(step: int, total: int, base_lr: float, warmup_ratio: float, style: str
     return base_lr * (min_lr_ratio + (1 - min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress)))
 
 
-def kl_in_reward(scores, old_logprobs, ref_logprobs, mask, kl_penalty: str,
-                 kl_ctrl) -> tuple[torch.Tensor, dict]:
+def kl_in_reward(scores, old_logprobs, ref_logprobs, mask, kl_penalty: str, kl_ctrl) -> tuple[torch.Tensor, dict]:
     """verl's apply_kl_penalty: token rewards = scores - beta * KL(pi_old || ref) per token,
     then the controller sees the batch's KL (mean over sequences of the per-token mean).
     All (B, R) over the whole batch (all ranks); kl_ctrl: verl's Fixed/AdaptiveKLController."""
     from verl.trainer.ppo import core_algos
     from verl.utils.torch_functional import masked_mean
+
     kld = core_algos.kl_penalty(old_logprobs, ref_logprobs, kl_penalty=kl_penalty) * mask
     beta = kl_ctrl.value
     rewards = scores - beta * kld
@@ -95,15 +103,25 @@ def compute_advantage(algorithm, rewards, mask, index: np.ndarray, values=None):
     reinforce_plus_plus pair whiten over the batch, the others over each group (`index`)."""
     from verl.trainer.config import AlgoConfig
     from verl.trainer.ppo import core_algos
+
     fn = core_algos.get_adv_estimator_fn(algorithm.adv_estimator)
     if algorithm.adv_estimator == "gae":
-        return fn(token_level_rewards=rewards, values=values, response_mask=mask,
-                  gamma=algorithm.gamma, lam=algorithm.lam)
-    config = AlgoConfig(gamma=algorithm.gamma, lam=algorithm.lam,
-                        adv_estimator=algorithm.adv_estimator,
-                        norm_adv_by_std_in_grpo=algorithm.norm_adv_by_std_in_grpo)
-    return fn(token_level_rewards=rewards, response_mask=mask, index=index, config=config,
-              norm_adv_by_std_in_grpo=algorithm.norm_adv_by_std_in_grpo)
+        return fn(
+            token_level_rewards=rewards, values=values, response_mask=mask, gamma=algorithm.gamma, lam=algorithm.lam
+        )
+    config = AlgoConfig(
+        gamma=algorithm.gamma,
+        lam=algorithm.lam,
+        adv_estimator=algorithm.adv_estimator,
+        norm_adv_by_std_in_grpo=algorithm.norm_adv_by_std_in_grpo,
+    )
+    return fn(
+        token_level_rewards=rewards,
+        response_mask=mask,
+        index=index,
+        config=config,
+        norm_adv_by_std_in_grpo=algorithm.norm_adv_by_std_in_grpo,
+    )
 
 
 def data_metrics(scores, rewards, adv, returns, values, mask) -> dict:
@@ -111,28 +129,36 @@ def data_metrics(scores, rewards, adv, returns, values, mask) -> dict:
     valid = mask.bool()
     out: dict[str, float] = {}
     for name, seq in (("score", scores.sum(-1)), ("rewards", rewards.sum(-1))):
-        out |= {f"critic/{name}/mean": seq.mean().item(), f"critic/{name}/max": seq.max().item(),
-                f"critic/{name}/min": seq.min().item()}
+        out |= {
+            f"critic/{name}/mean": seq.mean().item(),
+            f"critic/{name}/max": seq.max().item(),
+            f"critic/{name}/min": seq.min().item(),
+        }
     tensors = {"advantages": adv, "returns": returns, **({"values": values} if values is not None else {})}
     for name, t in tensors.items():
         v = torch.masked_select(t, valid)
-        out |= {f"critic/{name}/mean": v.mean().item(), f"critic/{name}/max": v.max().item(),
-                f"critic/{name}/min": v.min().item()}
+        out |= {
+            f"critic/{name}/mean": v.mean().item(),
+            f"critic/{name}/max": v.max().item(),
+            f"critic/{name}/min": v.min().item(),
+        }
     if values is not None:
         ret, val = torch.masked_select(returns, valid), torch.masked_select(values, valid)
         out["critic/vf_explained_var"] = (1.0 - (ret - val).var() / (ret.var() + 1e-5)).item()
     return out
 
 
-def truncated_is_weights(old_logprobs: torch.Tensor, behaviour_logprobs: torch.Tensor,
-                         mask: torch.Tensor, cap: float) -> torch.Tensor:
+def truncated_is_weights(
+    old_logprobs: torch.Tensor, behaviour_logprobs: torch.Tensor, mask: torch.Tensor, cap: float
+) -> torch.Tensor:
     """w = min(pi_old/mu, C) per token; computed in log space, clamped against overflow."""
     log_ratio = (old_logprobs - behaviour_logprobs).clamp(max=20.0)
     return torch.exp(log_ratio).clamp(max=cap).detach() * mask
 
 
-def mismatch_sums(old_logprobs: torch.Tensor, behaviour_logprobs: torch.Tensor,
-                  mask: torch.Tensor, fresh: torch.Tensor, cap: float) -> torch.Tensor:
+def mismatch_sums(
+    old_logprobs: torch.Tensor, behaviour_logprobs: torch.Tensor, mask: torch.Tensor, fresh: torch.Tensor, cap: float
+) -> torch.Tensor:
     """Sums over this rank's tokens for the rollout metrics, summed over ranks by the caller:
     [k3 over staleness-0 tokens, staleness-0 tokens, tokens whose IS weight was truncated,
     tokens], float64.
@@ -147,16 +173,21 @@ def mismatch_sums(old_logprobs: torch.Tensor, behaviour_logprobs: torch.Tensor,
     log_ratio = (old_logprobs - behaviour_logprobs).double() * mask
     k3 = torch.expm1(log_ratio) - log_ratio  # expm1: no cancellation for |l| ~ 1e-7
     rows = mask * fresh.to(mask.dtype).unsqueeze(1)
-    return torch.stack([(k3 * rows).sum(), rows.sum().double(),
-                        ((log_ratio > math.log(cap)) * mask).sum().double(), mask.sum().double()])
+    return torch.stack(
+        [
+            (k3 * rows).sum(),
+            rows.sum().double(),
+            ((log_ratio > math.log(cap)) * mask).sum().double(),
+            mask.sum().double(),
+        ]
+    )
 
 
 def mismatch_metrics(sums: list[float]) -> dict:
     """`mismatch_sums` over all ranks -> metrics; rollout/mismatch_kl is absent (not NaN) when the
     step had no staleness-0 token (or the trainer's weights were not a published version)."""
     k3, fresh, truncated, tokens = sums
-    out = {"rollout_corr/rollout_is_ratio_fraction_high": truncated / tokens,
-           "rollout/mismatch_tokens": int(fresh)}
+    out = {"rollout_corr/rollout_is_ratio_fraction_high": truncated / tokens, "rollout/mismatch_tokens": int(fresh)}
     if fresh:
         out["rollout/mismatch_kl"] = k3 / fresh
     return out
@@ -167,30 +198,65 @@ def actor_loss_config(actor, dp_size: int, batch_num_tokens: int, global_batch_s
     verl's vanilla loss reads them) and the mini-batch's global sizes agg_loss normalises by.
     `actor`: our actor section (trainer.config.ActorConfig)."""
     from verl.workers.config.actor import ActorConfig
+
     low = actor.clip_ratio_low if actor.clip_ratio_low is not None else actor.clip_ratio
     high = actor.clip_ratio_high if actor.clip_ratio_high is not None else actor.clip_ratio
-    return ActorConfig(strategy="fsdp", clip_ratio=actor.clip_ratio, clip_ratio_low=low,
-                       clip_ratio_high=high, clip_ratio_c=actor.clip_ratio_c,
-                       loss_agg_mode=actor.loss_agg_mode, ppo_mini_batch_size=1,
-                       ppo_micro_batch_size_per_gpu=1, rollout_n=1,
-                       global_batch_info={"dp_size": dp_size, "batch_num_tokens": batch_num_tokens,
-                                          "global_batch_size": global_batch_size})
+    return ActorConfig(
+        strategy="fsdp",
+        clip_ratio=actor.clip_ratio,
+        clip_ratio_low=low,
+        clip_ratio_high=high,
+        clip_ratio_c=actor.clip_ratio_c,
+        loss_agg_mode=actor.loss_agg_mode,
+        ppo_mini_batch_size=1,
+        ppo_micro_batch_size_per_gpu=1,
+        rollout_n=1,
+        global_batch_info={
+            "dp_size": dp_size,
+            "batch_num_tokens": batch_num_tokens,
+            "global_batch_size": global_batch_size,
+        },
+    )
 
 
 def policy_loss(old_logprobs, logprobs, adv, mask, is_weights, loss_cfg):
     """verl's vanilla (dual-)clipped PPO loss; metrics actor/pg_clipfrac, ppo_kl, pg_clipfrac_lower."""
     from verl.trainer.ppo import core_algos
+
     return core_algos.get_policy_loss_fn("vanilla")(
-        old_log_prob=old_logprobs, log_prob=logprobs, advantages=adv, response_mask=mask,
-        loss_agg_mode=loss_cfg.loss_agg_mode, config=loss_cfg, rollout_is_weights=is_weights)
+        old_log_prob=old_logprobs,
+        log_prob=logprobs,
+        advantages=adv,
+        response_mask=mask,
+        loss_agg_mode=loss_cfg.loss_agg_mode,
+        config=loss_cfg,
+        rollout_is_weights=is_weights,
+    )
 
 
-def value_loss(vpreds, returns, old_values, mask, cliprange_value: float, loss_agg_mode: str,
-               dp_size: int, batch_num_tokens: int, global_batch_size: int):
+def value_loss(
+    vpreds,
+    returns,
+    old_values,
+    mask,
+    cliprange_value: float,
+    loss_agg_mode: str,
+    dp_size: int,
+    batch_num_tokens: int,
+    global_batch_size: int,
+):
     """verl's clipped value loss 0.5 * max((V - G)^2, (clip(V, V_old +- c) - G)^2), aggregated
     like the actor's loss; returns (loss, clip fraction)."""
     from verl.trainer.ppo import core_algos
+
     return core_algos.compute_value_loss(
-        vpreds=vpreds, returns=returns, values=old_values, response_mask=mask,
-        cliprange_value=cliprange_value, loss_agg_mode=loss_agg_mode, dp_size=dp_size,
-        batch_num_tokens=batch_num_tokens, global_batch_size=global_batch_size)
+        vpreds=vpreds,
+        returns=returns,
+        values=old_values,
+        response_mask=mask,
+        cliprange_value=cliprange_value,
+        loss_agg_mode=loss_agg_mode,
+        dp_size=dp_size,
+        batch_num_tokens=batch_num_tokens,
+        global_batch_size=global_batch_size,
+    )

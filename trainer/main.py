@@ -8,6 +8,7 @@ as verl's, see trainer/update.py); with GAE a critic trains beside the actor (tr
 Weight versions of the actor are gathered and written by rank 0. One console line and one JSON
 line per step.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -24,19 +25,19 @@ import torch
 import torch.distributed as dist
 
 from buffer.control import backpressure, sync
-from buffer.ledger import Ledger
-from buffer.run import setup_trainer_run
 from buffer.experience import retention
 from buffer.experience.reader import Group
+from buffer.ledger import Ledger
+from buffer.run import setup_trainer_run
 from buffer.storage import DISK_FULL_TIMEOUT_S, is_disk_full
 from buffer.weights.fs import hf_folder_problem
 from protocol.config import parse_cli, to_dict
 from trainer import algo, checkpoint, update
 from trainer.batch import collate
-from trainer.config import TrainerConfig
+from trainer.config import TrainerConfig, device_problem
 from trainer.critic import Critic
 from trainer.lifeline import die_with_agent
-from trainer.metrics import MetricsLog
+from trainer.metrics import MetricsLog, length_metrics, memory_metrics, mfu, timed
 from trainer.model import build_actor
 from trainer.publish import publish_version
 from trainer.run_lock import RunLock, RunLocked
@@ -53,17 +54,21 @@ def _free_port() -> int:
 
 def init_distributed(device_pref: str, timeout_s: float) -> torch.device:
     """Join the torchrun job (or form a 1-rank job when started without torchrun)."""
+    if problem := device_problem(device_pref):  # one line, not CUDA's traceback
+        if os.environ.get("RANK", "0") == "0":
+            print(f"config error: {problem}", file=sys.stderr)
+        raise SystemExit(2)
     if "RANK" not in os.environ:
-        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()),
-                          RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
+        os.environ.update(
+            MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()), RANK="0", WORLD_SIZE="1", LOCAL_RANK="0"
+        )
     use_cuda = device_pref == "cuda" or (device_pref == "auto" and torch.cuda.is_available())
     if use_cuda:
         device = torch.device("cuda", int(os.environ["LOCAL_RANK"]))
         torch.cuda.set_device(device)
     else:
         device = torch.device("cpu")
-    dist.init_process_group("nccl" if use_cuda else "gloo",
-                            timeout=datetime.timedelta(seconds=timeout_s))
+    dist.init_process_group("nccl" if use_cuda else "gloo", timeout=datetime.timedelta(seconds=timeout_s))
     return device
 
 
@@ -73,8 +78,7 @@ class StopRequested(Exception):
 
 def publishes_at(tc, step: int) -> bool:
     """Whether a version is published after `step` (`tc`: the trainer section)."""
-    return (step % tc.publish_freq == 0 or step == tc.total_training_steps
-            or validation_due(tc, step, first=False))
+    return step % tc.publish_freq == 0 or step == tc.total_training_steps or validation_due(tc, step, first=False)
 
 
 def sync_groups(tc, train_batch_size: int, step: int) -> int:
@@ -91,8 +95,10 @@ class Trainer:
         self.device = device
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
         if cfg.data.train_batch_size < self.world:
-            raise ValueError(f"data.train_batch_size={cfg.data.train_batch_size} must be at least "
-                             f"the number of ranks ({self.world}): groups are not split")
+            raise ValueError(
+                f"data.train_batch_size={cfg.data.train_batch_size} must be at least "
+                f"the number of ranks ({self.world}): groups are not split"
+            )
         torch.manual_seed(cfg.trainer.seed)
         self.model_path = os.path.expanduser(cfg.actor_rollout_ref.model.path)  # verl writes ~/models/...
         grad_ckpt = cfg.actor_rollout_ref.model.enable_gradient_checkpointing
@@ -100,17 +106,20 @@ class Trainer:
         use_ref = cfg.actor_rollout_ref.actor.use_kl_loss or cfg.algorithm.use_kl_in_reward
         self.ref_model = build_actor(self.model_path, device, trainable=False) if use_ref else None
         optim = cfg.actor_rollout_ref.actor.optim
-        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=optim.lr,
-                                           weight_decay=optim.weight_decay, betas=tuple(optim.betas))
+        self.optimizer = torch.optim.AdamW(
+            self.model.parameters(), lr=optim.lr, weight_decay=optim.weight_decay, betas=tuple(optim.betas)
+        )
         self.critic = Critic(cfg.critic, device) if cfg.use_critic else None
         from verl.trainer.ppo.core_algos import get_kl_controller
+
         self.kl_ctrl = get_kl_controller(cfg.algorithm.kl_ctrl)  # used with use_kl_in_reward
         self.pad_id = self.model.config.pad_token_id or 0
         self.stores = setup_trainer_run(cfg.root)  # the trainer's own run folder (it serves it to others)
         self.store = self.stores.publisher
         # trainer.max_staleness=0: synchronous rollouts (buffer/control/sync.py)
-        self.rounds = sync.TrainerRounds(self.stores.sync, cfg.trainer.max_staleness == 0,
-                                         self.stores.is_local(), cfg.root)
+        self.rounds = sync.TrainerRounds(
+            self.stores.sync, cfg.trainer.max_staleness == 0, self.stores.is_local(), cfg.root
+        )
         self.at_published = True  # the model holds exactly the weights of `self.version`
         self.version = 0
         self.step = 0
@@ -120,37 +129,55 @@ class Trainer:
         resume = self._resume_path()
         if resume is None and self.store.versions():
             if cfg.trainer.resume_mode != "auto":
-                raise FileExistsError(f"{self.store.dir} already holds weight "
-                                      "versions and trainer.resume_mode=disable: start with a new "
-                                      "run folder")
+                raise FileExistsError(
+                    f"{self.store.dir} already holds weight "
+                    "versions and trainer.resume_mode=disable: start with a new "
+                    "run folder"
+                )
             # Killed before its first checkpoint: start over (no shard was pruned yet, so all
             # are read again); versions keep counting, so workers see the restart as new weights.
             self.version = max(self.store.versions()) + 1
-            log.warning("no complete checkpoint in %s: starting again from step 0 and the initial "
-                        "model; weight versions continue at v%d", self.stores.checkpoints.dir,
-                        self.version)
+            log.warning(
+                "no complete checkpoint in %s: starting again from step 0 and the initial "
+                "model; weight versions continue at v%d",
+                self.stores.checkpoints.dir,
+                self.version,
+            )
         if self.rank == 0:
             self.store.remove_debris()  # staging folders of killed publishes (we hold the run)
             if os.path.exists(self.stores.files.trainer_stop):  # addressed to an earlier trainer
                 os.remove(self.stores.files.trainer_stop)
-            self.reader = self.stores.reader(cfg.buffer, cfg.trainer.max_staleness,
-                                          vocab_size=self.model.config.vocab_size,
-                                          run_id=self.stores.state.run_id())
-            self.metrics = MetricsLog(self.stores.files.metrics, cfg.trainer.total_training_steps,
-                                      cfg.trainer.logger, cfg.trainer.project_name,
-                                      cfg.trainer.experiment_name, to_dict(cfg),
-                                      self.stores.files.tensorboard_dir,
-                                      self.stores.files.swanlab_dir)
-        self.validation = (ValidationLog(self.stores.validation, self.metrics)
-                           if self.rank == 0 and cfg.trainer.test_freq > 0 else None)
+            self.reader = self.stores.reader(
+                cfg.buffer,
+                cfg.trainer.max_staleness,
+                vocab_size=self.model.config.vocab_size,
+                run_id=self.stores.state.run_id(),
+            )
+            self.metrics = MetricsLog(
+                self.stores.files.metrics,
+                cfg.trainer.total_training_steps,
+                cfg.trainer.logger,
+                cfg.trainer.project_name,
+                cfg.trainer.experiment_name,
+                to_dict(cfg),
+                self.stores.files.tensorboard_dir,
+                self.stores.files.swanlab_dir,
+            )
+        self.validation = (
+            ValidationLog(self.stores.validation, self.metrics)
+            if self.rank == 0 and cfg.trainer.test_freq > 0
+            else None
+        )
         if resume is not None:
             self._resume(resume)
         self.server = None
         if self.rank == 0:  # the run folder served to the workers, if they do not share it
             self.server = self.stores.serve(
-                cfg.buffer, consumed=lambda: self.reader.consumed,
+                cfg.buffer,
+                consumed=lambda: self.reader.consumed,
                 retired=lambda: backpressure.retired(self.reader.stats),
-                step_samples=lambda: cfg.data.train_batch_size * self.reader.stats["group_size"])
+                step_samples=lambda: cfg.data.train_batch_size * self.reader.stats["group_size"],
+            )
 
     def _resume_path(self) -> str | None:
         return checkpoint.resume_path(self.cfg.trainer.resume_mode, self.stores.checkpoints)
@@ -171,22 +198,35 @@ class Trainer:
             self.reader.consumed = state["consumed"]  # the reader reads both ledger formats
             self.reader.stats.update(state["stats"])
             self.reader.pool.extend(pool)
-        log.info("resumed from %s at step %d; publishing the restored weights as v%d",
-                 path, self.step, self.version)
+        log.info("resumed from %s at step %d; publishing the restored weights as v%d", path, self.step, self.version)
 
     def save_checkpoint(self) -> str | None:
         state = pool = None
         if self.rank == 0:
-            state = {"step": self.step, "version": self.version, "model_path": self.model_path,
-                     "rng": {"cpu": torch.get_rng_state().tolist(),
-                             "cuda": (torch.cuda.get_rng_state().tolist()
-                                      if self.device.type == "cuda" else None)},
-                     "consumed": self.reader.consumed.to_json(), "stats": dict(self.reader.stats),
-                     "kl_coef": self.kl_ctrl.value}
+            state = {
+                "step": self.step,
+                "version": self.version,
+                "model_path": self.model_path,
+                "rng": {
+                    "cpu": torch.get_rng_state().tolist(),
+                    "cuda": (torch.cuda.get_rng_state().tolist() if self.device.type == "cuda" else None),
+                },
+                "consumed": self.reader.consumed.to_json(),
+                "stats": dict(self.reader.stats),
+                "kl_coef": self.kl_ctrl.value,
+            }
             pool = list(self.reader.pool)
         t0 = time.monotonic()
-        path = checkpoint.save(self.model, self.optimizer, self.stores.checkpoints, self.step, state, pool,
-                               self.cfg.trainer.max_ckpt_to_keep, self.critic)
+        path = checkpoint.save(
+            self.model,
+            self.optimizer,
+            self.stores.checkpoints,
+            self.step,
+            state,
+            pool,
+            self.cfg.trainer.max_ckpt_to_keep,
+            self.critic,
+        )
         if path is None:  # disk full: skipped, nothing new is covered
             return None
         log.info("checkpoint %s written in %.2f s", path, time.monotonic() - t0)
@@ -219,8 +259,11 @@ class Trainer:
         try:
             self._check_stop()
             groups: list[Group] = self.reader.next_batch(
-                self.cfg.data.train_batch_size, self.version, self.cfg.trainer.data_timeout_s,
-                on_wait=self._report_and_check)
+                self.cfg.data.train_batch_size,
+                self.version,
+                self.cfg.trainer.data_timeout_s,
+                on_wait=self._report_and_check,
+            )
         except TimeoutError as e:
             return [{"error": f"rank 0: {e}{self.rounds.why_missing(self.version)}"}] * self.world
         except StopRequested as e:  # also while waiting for experience
@@ -228,10 +271,12 @@ class Trainer:
         self._report_progress(force=True)
         samples = [s for g in groups for s in g.samples]
         info: dict[str, Any] = {"sample_ids": [s.sample_id for s in samples]} if self.cfg.trainer.log_sample_ids else {}
+        info |= length_metrics("prompt_length", [len(s.prompt_ids) for s in samples], self.cfg.data.max_prompt_length)
         info |= {
             "wait_s": time.monotonic() - t0,
             "seqs": len(samples),
             "tokens": sum(len(s.response_ids) for s in samples),
+            "perf/total_num_tokens": sum(len(s.prompt_ids) + len(s.response_ids) for s in samples),
             "reward/mean": sum(s.reward for s in samples) / len(samples),
             "staleness/mean": sum(self.version - s.weight_version for s in samples) / len(samples),
             "staleness/max": max(self.version - s.weight_version for s in samples),
@@ -241,9 +286,14 @@ class Trainer:
             "response_length/clip_ratio": sum(s.finish_reason == "length" for s in samples) / len(samples),
         }
         # Group i goes to rank i % world; its number i places it in mini-batch i // mini_size.
-        return [{"samples": [s for g in groups[r::self.world] for s in g.samples],
-                 "groups": [i for i in range(r, len(groups), self.world) for _ in groups[i].samples],
-                 "info": info} for r in range(self.world)]
+        return [
+            {
+                "samples": [s for g in groups[r :: self.world] for s in g.samples],
+                "groups": [i for i in range(r, len(groups), self.world) for _ in groups[i].samples],
+                "info": info,
+            }
+            for r in range(self.world)
+        ]
 
     def _report_and_check(self) -> None:
         """While waiting for experience: report progress (workers' backpressure), then stop if asked."""
@@ -263,9 +313,12 @@ class Trainer:
         if self.rank == 0:
             with contextlib.suppress(FileNotFoundError):
                 os.remove(self.stores.files.trainer_stop)
-        log.info("%s; %s; exiting, a restart with trainer.resume_mode=auto resumes at step %d",
-                 why, f"checkpoint {path} written" if path else "NO checkpoint (disk full)",
-                 self.step + 1)
+        log.info(
+            "%s; %s; exiting, a restart with trainer.resume_mode=auto resumes at step %d",
+            why,
+            f"checkpoint {path} written" if path else "NO checkpoint (disk full)",
+            self.step + 1,
+        )
 
     def _report_progress(self, force: bool = False) -> None:
         """progress.json for the workers' backpressure: at every step, and while waiting
@@ -273,14 +326,21 @@ class Trainer:
         retired_now = backpressure.retired(self.reader.stats)
         if force or retired_now != self._reported[0] or time.monotonic() - self._reported[1] > 10:
             try:
-                self.stores.progress.write(backpressure.progress_report(
-                    self.reader.stats, self.version, self.cfg.data.train_batch_size, self.step,
-                    self.cfg.trainer.total_training_steps))
+                self.stores.progress.write(
+                    backpressure.progress_report(
+                        self.reader.stats,
+                        self.version,
+                        self.cfg.data.train_batch_size,
+                        self.step,
+                        self.cfg.trainer.total_training_steps,
+                    )
+                )
             except OSError as e:
                 if not is_disk_full(e):
                     raise
-                log.warning("disk full at %s: progress not reported (the next report tries "
-                            "again)", self.stores.progress.where())
+                log.warning(
+                    "disk full at %s: progress not reported (the next report tries again)", self.stores.progress.where()
+                )
                 return
             self._reported = (retired_now, time.monotonic())
 
@@ -296,30 +356,55 @@ class Trainer:
 
         # 1. The step's anchors at its starting weights, before any update: pi_old, pi_ref, V_old.
         actor = self.cfg.actor_rollout_ref.actor
+        timing: dict[str, float] = {}
         passes = update.plan([torch.arange(len(batch))], batch, actor)[0].passes
-        old = update.infer(lambda c: algo.response_logprobs(self.model, c)[0], batch, passes)
-        ref = (update.infer(lambda c: algo.response_logprobs(self.ref_model, c)[0], batch, passes)
-               if self.ref_model is not None else None)
-        values = self.critic.values(batch) if self.critic is not None else None
+        with timed(timing, "old_log_prob"):
+            old = update.infer(lambda c: algo.response_logprobs(self.model, c)[0], batch, passes)
+        ref = values = None
+        if self.ref_model is not None:
+            with timed(timing, "ref"):
+                ref = update.infer(lambda c: algo.response_logprobs(self.ref_model, c)[0], batch, passes)
+        if self.critic is not None:
+            with timed(timing, "values"):
+                values = self.critic.values(batch)
         # Engine/trainer mismatch on the samples of the version pi_old holds; truncated IS share.
         fresh = torch.tensor([self.at_published and s.weight_version == self.version for s in samples])
-        sums = algo.mismatch_sums(old, batch.behaviour_logprobs, batch.response_mask,
-                                  fresh.to(self.device), self.cfg.algorithm.rollout_is_threshold)
+        sums = algo.mismatch_sums(
+            old,
+            batch.behaviour_logprobs,
+            batch.response_mask,
+            fresh.to(self.device),
+            self.cfg.algorithm.rollout_is_threshold,
+        )
         rollout = algo.mismatch_metrics(update.all_sum(sums, self.device).tolist())
 
         # 2. Rewards (optionally KL-penalised) and advantages over the whole batch of all ranks.
-        adv, returns, metrics = self.advantages(batch, groups, old, ref, values)
+        with timed(timing, "adv"):
+            adv, returns, metrics = self.advantages(batch, groups, old, ref, values)
         metrics |= rollout
 
         # 3. The critic, then (after trainer.critic_warmup) the actor, as verl's fit loop.
         seed = [self.cfg.trainer.seed, self.step, self.rank]
         num_groups = self.cfg.data.train_batch_size
         if self.critic is not None:
-            metrics |= self.critic.update(batch, groups, num_groups, values, returns, self.step,
-                                          self.cfg.trainer.total_training_steps, seed + [1])
+            with timed(timing, "update_critic"):
+                metrics |= self.critic.update(
+                    batch,
+                    groups,
+                    num_groups,
+                    values,
+                    returns,
+                    self.step,
+                    self.cfg.trainer.total_training_steps,
+                    seed + [1],
+                )
         if self.step >= self.cfg.trainer.critic_warmup:
-            metrics |= self.update_actor(batch, groups, old, ref, adv, seed + [0])
-        return metrics
+            with timed(timing, "update_actor"):
+                metrics |= self.update_actor(batch, groups, old, ref, adv, seed + [0])
+            seqlens = [len(s.prompt_ids) + len(s.response_ids) for s in samples]
+            mine = mfu(self.model.config, seqlens, timing["timing_s/update_actor"], actor.ppo_epochs, self.device)
+            metrics["perf/mfu/actor"] = float(update.all_sum(torch.tensor([mine]), self.device)) / self.world
+        return metrics | timing
 
     def advantages(self, batch, groups, old, ref, values) -> tuple:
         """(advantages, returns) of this rank's rows, (B, R) each, and verl's data metrics.
@@ -327,20 +412,23 @@ class Trainer:
         inputs of every rank are gathered and each rank computes the same global result."""
         alg = self.cfg.algorithm
         mask = batch.response_mask
-        local = {"scores": batch.token_level_rewards, "mask": mask, "old": old, "ref": ref,
-                 "values": values}
-        names = ["scores", "mask", *(["old", "ref"] if alg.use_kl_in_reward else []),
-                 *(["values"] if values is not None else [])]
+        local = {"scores": batch.token_level_rewards, "mask": mask, "old": old, "ref": ref, "values": values}
+        names = [
+            "scores",
+            "mask",
+            *(["old", "ref"] if alg.use_kl_in_reward else []),
+            *(["values"] if values is not None else []),
+        ]
         glob, first = update.gather_rows(torch.stack([local[n] for n in names]))
         g = dict(zip(names, glob))
         index, _ = update.gather_rows(groups.to(self.device).view(1, -1, 1))
         metrics: dict[str, Any] = {}
         rewards = g["scores"]
         if alg.use_kl_in_reward:
-            rewards, metrics = algo.kl_in_reward(g["scores"], g["old"], g["ref"], g["mask"],
-                                                 alg.kl_penalty, self.kl_ctrl)
-        adv, returns = algo.compute_advantage(alg, rewards, g["mask"],
-                                              index.flatten().cpu().numpy(), g.get("values"))
+            rewards, metrics = algo.kl_in_reward(
+                g["scores"], g["old"], g["ref"], g["mask"], alg.kl_penalty, self.kl_ctrl
+            )
+        adv, returns = algo.compute_advantage(alg, rewards, g["mask"], index.flatten().cpu().numpy(), g.get("values"))
         metrics |= algo.data_metrics(g["scores"], rewards, adv, returns, g.get("values"), g["mask"])
         rows, r = slice(first, first + len(batch)), mask.shape[1]
         return adv[rows, :r], returns[rows, :r], metrics
@@ -349,8 +437,9 @@ class Trainer:
         """Clipped policy gradient per mini-batch and epoch, truncated-IS weighted, plus the
         optional KL and entropy terms; verl's actor/* metrics."""
         actor = self.cfg.actor_rollout_ref.actor
-        rows = update.epochs(groups, actor.ppo_mini_batch_size, self.cfg.data.train_batch_size,
-                             actor.ppo_epochs, actor.shuffle, seed)
+        rows = update.epochs(
+            groups, actor.ppo_mini_batch_size, self.cfg.data.train_batch_size, actor.ppo_epochs, actor.shuffle, seed
+        )
         minibatches = update.plan(rows, batch, actor)
 
         def loss_fn(idx, mb):
@@ -358,40 +447,68 @@ class Trainer:
             r = c.response_mask.shape[1]
             old_lp = old[idx, :r]
             loss_cfg = algo.actor_loss_config(actor, self.world, mb.tokens, mb.seqs)
-            lp, entropy = algo.response_logprobs(self.model, c, with_entropy=actor.entropy_coeff > 0)
-            w = algo.truncated_is_weights(old_lp, c.behaviour_logprobs, c.response_mask,
-                                          self.cfg.algorithm.rollout_is_threshold)
+            # verl logs the entropy whatever entropy_coeff; it enters the loss only with a coeff
+            lp, entropy = algo.response_logprobs(self.model, c, with_entropy=True, entropy_grad=actor.entropy_coeff > 0)
+            w = algo.truncated_is_weights(
+                old_lp, c.behaviour_logprobs, c.response_mask, self.cfg.algorithm.rollout_is_threshold
+            )
             pg, m = algo.policy_loss(old_lp, lp, adv[idx, :r], c.response_mask, w, loss_cfg)
-            kl, ent = algo.kl_and_entropy_terms(lp, ref[idx, :r] if ref is not None else None,
-                                                entropy, c.response_mask, actor.kl_loss_type,
-                                                actor.loss_agg_mode, loss_cfg)
-            loss = pg + (actor.kl_loss_coef * kl if kl is not None else 0.0) \
-                - (actor.entropy_coeff * ent if ent is not None else 0.0)
+            kl, ent = algo.kl_and_entropy_terms(
+                lp,
+                ref[idx, :r] if ref is not None else None,
+                entropy,
+                c.response_mask,
+                actor.kl_loss_type,
+                actor.loss_agg_mode,
+                loss_cfg,
+            )
+            loss = (
+                pg
+                + (actor.kl_loss_coef * kl if kl is not None else 0.0)
+                - (actor.entropy_coeff * ent if actor.entropy_coeff > 0 else 0.0)
+            )
             n = float(c.response_mask.sum())
-            return loss, [pg.item(), m["actor/ppo_kl"] * n, m["actor/pg_clipfrac"] * n,
-                          m["actor/pg_clipfrac_lower"] * n, float(w.sum()),
-                          kl.item() if kl is not None else 0.0,
-                          ent.item() if ent is not None else 0.0, n]
+            return loss, [
+                pg.item(),
+                m["actor/ppo_kl"] * n,
+                m["actor/pg_clipfrac"] * n,
+                m["actor/pg_clipfrac_lower"] * n,
+                float(w.sum()),
+                kl.item() if kl is not None else 0.0,
+                ent.item() if ent is not None else 0.0,
+                n,
+            ]
 
         # The schedule counts the trainer steps that updated the actor (verl steps it once per
         # update_actor call), so critic warmup does not eat the actor's lr warmup.
         updates = self.step - max(self.cfg.trainer.critic_warmup, 1) + 1
-        lr = algo.lr_at(updates, self.cfg.trainer.total_training_steps, actor.optim.lr,
-                        actor.optim.lr_warmup_steps_ratio, actor.optim.warmup_style,
-                        actor.optim.min_lr_ratio)
-        totals, norms = update.optimize(self.model, self.optimizer, minibatches, lr,
-                                        actor.grad_clip, loss_fn)
+        lr = algo.lr_at(
+            updates,
+            self.cfg.trainer.total_training_steps,
+            actor.optim.lr,
+            actor.optim.lr_warmup_steps_ratio,
+            actor.optim.warmup_style,
+            actor.optim.min_lr_ratio,
+        )
+        totals, norms = update.optimize(self.model, self.optimizer, minibatches, lr, actor.grad_clip, loss_fn)
         pg, ppo_kl, clipfrac, lower, w, kl, ent, tokens = update.all_sum(totals, self.device).tolist()
         # Loss terms: each pass is scaled by world / (mini-batch tokens), so a mini-batch's sum
         # over ranks is world x its loss; reported as the mean over optimizer steps.
         steps = self.world * len(minibatches)
-        return {"actor/pg_loss": pg / steps, "actor/ppo_kl": ppo_kl / tokens,
-                "actor/pg_clipfrac": clipfrac / tokens, "actor/pg_clipfrac_lower": lower / tokens,
-                "actor/is_weight_mean": w / tokens, "actor/kl_loss": kl / steps,
-                "actor/entropy": ent / steps, "actor/lr": lr,
-                "actor/grad_norm": sum(norms) / len(norms), "actor/optimizer_steps": len(norms),
-                # optimize() skipped these: a non-finite (global) gradient norm
-                "actor/skipped_nonfinite": sum(not math.isfinite(n) for n in norms)}
+        return {
+            "actor/pg_loss": pg / steps,
+            "actor/ppo_kl": ppo_kl / tokens,
+            "actor/pg_clipfrac": clipfrac / tokens,
+            "actor/pg_clipfrac_lower": lower / tokens,
+            "actor/is_weight_mean": w / tokens,
+            "actor/kl_loss": kl / steps,
+            "actor/entropy": ent / steps,
+            "actor/lr": lr,
+            "actor/grad_norm": sum(norms) / len(norms),
+            "actor/optimizer_steps": len(norms),
+            # optimize() skipped these: a non-finite (global) gradient norm
+            "actor/skipped_nonfinite": sum(not math.isfinite(n) for n in norms),
+        }
 
     def count_nonfinite(self, step: int, metrics: dict) -> None:
         """Count a step with skipped optimizer steps, actor's or critic's (actor/skipped_steps);
@@ -404,11 +521,17 @@ class Trainer:
             self.skipped_steps += 1
             self.nonfinite_in_row += 1
             if self.rank == 0:
-                log.warning("step %d skipped: non-finite loss or gradient (actor loss %s, grad "
-                            "norm %s; critic grad norm %s): %d optimizer steps left the weights as "
-                            "they were (%d such trainer steps in a row)", step,
-                            metrics.get("actor/pg_loss"), metrics.get("actor/grad_norm"),
-                            metrics.get("critic/grad_norm"), skipped, self.nonfinite_in_row)
+                log.warning(
+                    "step %d skipped: non-finite loss or gradient (actor loss %s, grad "
+                    "norm %s; critic grad norm %s): %d optimizer steps left the weights as "
+                    "they were (%d such trainer steps in a row)",
+                    step,
+                    metrics.get("actor/pg_loss"),
+                    metrics.get("actor/grad_norm"),
+                    metrics.get("critic/grad_norm"),
+                    skipped,
+                    self.nonfinite_in_row,
+                )
         metrics["actor/skipped_steps"] = self.skipped_steps
 
     def check_nonfinite_limit(self, step: int, metrics: dict) -> None:
@@ -420,7 +543,8 @@ class Trainer:
                 f"{metrics.get('actor/grad_norm')}, lr {metrics.get('actor/lr')}; critic grad norm "
                 f"{metrics.get('critic/grad_norm')}); the published weights are finite. Lower "
                 "actor_rollout_ref.actor.optim.lr (critic.optim.lr with a critic) or check the experience "
-                "(trainer.max_nonfinite_steps)")
+                "(trainer.max_nonfinite_steps)"
+            )
 
     def publish(self, step: int) -> dict:
         # A finite loss and gradient can still overflow the weights (an absurd lr): never
@@ -431,14 +555,18 @@ class Trainer:
             bad += (~torch.isfinite(local.detach())).sum()
         dist.all_reduce(bad)
         if bad.item():
-            raise RuntimeError(f"refusing to publish weight version {self.version} after step "
-                               f"{step}: {int(bad.item())} weights are not finite")
+            raise RuntimeError(
+                f"refusing to publish weight version {self.version} after step "
+                f"{step}: {int(bad.item())} weights are not finite"
+            )
         dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}.get(
-            self.cfg.trainer.publish_dtype, torch.bfloat16 if self.device.type == "cuda" else torch.float32)
+            self.cfg.trainer.publish_dtype, torch.bfloat16 if self.device.type == "cuda" else torch.float32
+        )
         groups = sync_groups(self.cfg.trainer, self.cfg.data.train_batch_size, step)
         announce = self.rounds.announce(self.version, groups, opener=self.rank == 0)
-        out = publish_version(self.model, self.store, self.model_path, self.version, step,
-                              self.cfg.trainer.keep_versions, dtype, announce)
+        out = publish_version(
+            self.model, self.store, self.model_path, self.version, step, self.cfg.trainer.keep_versions, dtype, announce
+        )
         self.rounds.published(self.version, opener=self.rank == 0)
         self.at_published = True
         return out
@@ -469,20 +597,31 @@ class Trainer:
             validate = validation_due(tc, step, first=False)
             if publishes_at(tc, step):
                 self.version += 1
-                metrics.update(self.publish(step))
+                with timed(metrics, "update_weights"):
+                    metrics.update(self.publish(step))
                 self.request_validation(step, validate)
             if self.rank == 0:
                 metrics.update({k: v for k, v in info.items() if k not in ("wait_s", "seqs", "tokens")})
                 if "sample_ids" in metrics:
                     metrics["samples/ids"] = metrics.pop("sample_ids")
                 step_s = time.monotonic() - t0
-                metrics.update({"samples/consumed": self.reader.stats["consumed_samples"],
-                                "samples/step": info["seqs"],
-                                "tokens/step": info["tokens"], "time/wait_s": info["wait_s"],
-                                "time/step_s": step_s, "time/wait_fraction": info["wait_s"] / step_s,
-                                "time/unix": time.time(),
-                                "buffer/dropped_stale_samples": self.reader.stats["dropped_stale_samples"],
-                                "buffer/bad_shards": self.reader.stats["bad_shards"]})
+                metrics.update(
+                    {
+                        "timing_s/step": step_s,
+                        "perf/time_per_step": step_s,
+                        "perf/throughput": info["perf/total_num_tokens"] / (step_s * self.world),
+                        **memory_metrics(self.device),
+                        "samples/consumed": self.reader.stats["consumed_samples"],
+                        "samples/step": info["seqs"],
+                        "tokens/step": info["tokens"],
+                        "time/wait_s": info["wait_s"],
+                        "time/step_s": step_s,
+                        "time/wait_fraction": info["wait_s"] / step_s,
+                        "time/unix": time.time(),
+                        "buffer/dropped_stale_samples": self.reader.stats["dropped_stale_samples"],
+                        "buffer/bad_shards": self.reader.stats["bad_shards"],
+                    }
+                )
                 self.metrics.write(metrics)
                 if self.validation is not None:
                     self.validation.collect(step)
@@ -505,17 +644,23 @@ class Trainer:
 
 def main(argv: list[str] | None = None) -> int:
     die_with_agent()
-    cfg = parse_cli(TrainerConfig, argv, "python -m trainer.main",
-                    "Trainer: consumes experience shards, runs GRPO/PPO steps on an FSDP2 actor, "
-                    "and publishes weight versions for the rollout workers. Run under torchrun.")
+    cfg = parse_cli(
+        TrainerConfig,
+        argv,
+        "python -m trainer.main",
+        "Trainer: consumes experience shards, runs GRPO/PPO steps on an FSDP2 actor, "
+        "and publishes weight versions for the rollout workers. Run under torchrun.",
+    )
     if problem := hf_folder_problem(cfg.actor_rollout_ref.model.path):  # before loading anything
         print(f"python -m trainer.main: actor_rollout_ref.model.path: {problem}", file=sys.stderr)
         return 2
     # Collectives wait out the slowest rank: one waiting for experience or for disk space.
-    device = init_distributed(cfg.trainer.device,
-                              max(cfg.trainer.data_timeout_s, DISK_FULL_TIMEOUT_S) + 600)
-    logging.basicConfig(level=logging.INFO if dist.get_rank() == 0 else logging.WARNING,
-                        stream=sys.stdout, format=f"%(asctime)s %(levelname)s trainer[{dist.get_rank()}] %(message)s")
+    device = init_distributed(cfg.trainer.device, max(cfg.trainer.data_timeout_s, DISK_FULL_TIMEOUT_S) + 600)
+    logging.basicConfig(
+        level=logging.INFO if dist.get_rank() == 0 else logging.WARNING,
+        stream=sys.stdout,
+        format=f"%(asctime)s %(levelname)s trainer[{dist.get_rank()}] %(message)s",
+    )
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
     try:
         lock = hold_run(cfg.root)

@@ -79,6 +79,11 @@ class WeightSource(abc.ABC):
         `pointer()` in the background, so a worker keeps generating while the bytes arrive."""
         return True
 
+    def close(self) -> None:
+        """A clean stop: ends background work (the network source cancels a fetch in flight).
+        The filesystem source has none."""
+        return None
+
     @abc.abstractmethod
     def exists(self, version: int) -> bool:
         """Whether `version` is still published (not pruned): tells a version pruned while it

@@ -13,6 +13,8 @@ checks each chunk's sha256 against the trainer's list before counting it, record
 chunks durably (data fsynced first, then a bitmap sidecar replaced atomically), so a killed fetch
 restarted later fetches only what is missing; when all chunks are in, every file is checked
 against the manifest's whole-file sha256 and the folder is renamed to `<dest>` (atomic).
+`close()` cancels a fetch in progress (FetchCancelled): its verified chunks are made durable and
+`<dest>.partial/` is kept for the next fetch; `discard_partial(dest)` removes one no fetch holds.
 
 Peer fan-out (a swarm): each fetcher serves the chunks it holds from its own small grpc.Server
 (same token) and reports them to the trainer every `weights_peer_refresh_s`; the trainer answers
@@ -25,6 +27,7 @@ workers' own uplinks carry the copies. A peer that fails a request is skipped fo
 the chunk goes back to the missing set, taken from another peer or the trainer.
 
 """
+
 from __future__ import annotations
 
 import collections
@@ -50,19 +53,38 @@ from buffer.weights.base import WeightSource
 from buffer.weights.net_server import OPTIONS, REDIRECT, ChunkServicer, Holding
 from protocol import run_service as rs
 from protocol.weights import ManifestError, WeightManifest, sha256_file, verify_files
-from protocol.weights_wire import (CHUNK_LIST_METHOD, CHUNK_METHOD, PEERS_METHOD, SIDECAR_PREFIX,
-                                   ChunkList, ChunkListRequest, ChunkReply, ChunkRequest, PeerInfo,
-                                   PeerList, PeerReport, WireError, from_bitmap, to_bitmap)
+from protocol.weights_wire import (
+    CHUNK_LIST_METHOD,
+    CHUNK_METHOD,
+    PEERS_METHOD,
+    SIDECAR_PREFIX,
+    ChunkList,
+    ChunkListRequest,
+    ChunkReply,
+    ChunkRequest,
+    PeerInfo,
+    PeerList,
+    PeerReport,
+    WireError,
+    from_bitmap,
+    to_bitmap,
+)
 
 log = logging.getLogger(__name__)
 NOTE_EVERY_S = 30.0  # a waiting fetch logs what it waits for this often
 _CHUNKS_FILE = SIDECAR_PREFIX + "chunks"
 _VERIFIED_FILE = SIDECAR_PREFIX + "verified"
+PARTIAL = ".partial"  # <dest>.partial/: a fetch in progress or interrupted; <dest>.partial.lock
 TRAINER = "trainer"  # the source name of chunks from the trainer in FetchStats
 
 
 class _Corrupt(Exception):
     """A chunk whose bytes do not match the chunk list's sha256."""
+
+
+class FetchCancelled(Exception):
+    """The fetcher was closed during the fetch; the verified chunks are durable in
+    `<dest>.partial/`, and the next fetch of the version resumes them."""
 
 
 class _Partial:
@@ -138,6 +160,7 @@ class _Partial:
 @dataclasses.dataclass
 class FetchStats:
     """What one fetch did: chunks by source, and what went wrong on the way."""
+
     chunks: int = 0  # in the version
     resumed: int = 0  # verified chunks found on disk from an earlier, interrupted fetch
     from_trainer: int = 0
@@ -166,31 +189,33 @@ class WeightFetcher:
         self.peer_id = peer_id or uuid.uuid4().hex[:12]
         self.metadata = [("authorization", f"Bearer {secret}")]
         self.trainer = open_channel(cfg, address, OPTIONS)
-        self._calls = {name: self.trainer.unary_unary(method) for name, method in
-                       (("ChunkList", CHUNK_LIST_METHOD), ("Chunk", CHUNK_METHOD),
-                        ("Peers", PEERS_METHOD))}
+        self._calls = {
+            name: self.trainer.unary_unary(method)
+            for name, method in (("ChunkList", CHUNK_LIST_METHOD), ("Chunk", CHUNK_METHOD), ("Peers", PEERS_METHOD))
+        }
         self.stats: dict[int, FetchStats] = {}
         self._lock = threading.Lock()  # guards _holdings, _peer_lists, _channels
         self._holdings: collections.OrderedDict[int, Holding] = collections.OrderedDict()
         self._peer_lists: dict[int, list[PeerInfo]] = {}
         self._channels: dict[str, grpc.Channel] = {}
         self._stop = threading.Event()
+        self._fetching = 0  # fetches in progress; close() waits for them to end
+        self._idle = threading.Condition(self._lock)
         self.server: grpc.Server | None = None
         self.peer_address = ""
         if cfg.weights_peer_fanout:
             self._serve()
-            self._announcer = threading.Thread(target=self._announce_loop, daemon=True,
-                                               name="weights-announce")
+            self._announcer = threading.Thread(target=self._announce_loop, daemon=True, name="weights-announce")
             self._announcer.start()
 
     # --- the peer server and the registry -------------------------------------------------
     def _serve(self) -> None:
         host = self.cfg.weights_peer_host or bind_hosts(":0")[0]
-        self.server = grpc.server(futures.ThreadPoolExecutor(self.cfg.weights_peer_threads,
-                                                             thread_name_prefix="weights-peer"),
-                                  options=OPTIONS)
-        self.servicer = ChunkServicer(self._held, self.secret, self.cfg,
-                                       max(1, self.cfg.weights_peer_threads // 2))
+        self.server = grpc.server(
+            futures.ThreadPoolExecutor(self.cfg.weights_peer_threads, thread_name_prefix="weights-peer"),
+            options=OPTIONS,
+        )
+        self.servicer = ChunkServicer(self._held, self.secret, self.cfg, max(1, self.cfg.weights_peer_threads // 2))
         self.server.add_generic_rpc_handlers([self.servicer.handlers()])
         creds = server_credentials(self.cfg)
         address = f"{host}:{self.cfg.weights_peer_port}"
@@ -199,8 +224,9 @@ class WeightFetcher:
             raise OSError(f"buffer.weights_peer_host/port: cannot listen on {address}")
         self.server.start()
         self.peer_address = f"{host}:{port}"
-        log.info("weight peer server of %s listening on %s%s", self.peer_id, self.peer_address,
-                 "" if creds else " (no TLS)")
+        log.info(
+            "weight peer server of %s listening on %s%s", self.peer_id, self.peer_address, "" if creds else " (no TLS)"
+        )
 
     def _held(self, version: int) -> Holding | None:
         with self._lock:
@@ -217,8 +243,11 @@ class WeightFetcher:
         """Tell the trainer what we hold of `version`; keep the peers it answers with."""
         with holding.lock:
             have = to_bitmap(holding.have, holding.chunks.total)
-        raw = self._calls["Peers"](PeerReport(version, self.peer_id, self.peer_address, have).encode(),
-                                   timeout=self.cfg.weights_chunk_timeout_s, metadata=self.metadata)
+        raw = self._calls["Peers"](
+            PeerReport(version, self.peer_id, self.peer_address, have).encode(),
+            timeout=self.cfg.weights_chunk_timeout_s,
+            metadata=self.metadata,
+        )
         peers = PeerList.decode(raw).peers
         with self._lock:
             self._peer_lists[version] = [p for p in peers if p.peer_id != self.peer_id]
@@ -232,15 +261,24 @@ class WeightFetcher:
                 try:
                     self._report(version, holding)
                     failing_since = None
+                except ValueError:  # "closed channel": close() ran meanwhile
+                    if self._stop.is_set():
+                        return
+                    raise
                 except (grpc.RpcError, WireError) as e:
                     if failing_since is None or time.monotonic() - failing_since > NOTE_EVERY_S:
-                        log.warning("cannot report held weight chunks to the trainer at %s "
-                                    "(%s); retrying every %.1f s", self.address, _why(e),
-                                    self.cfg.weights_peer_refresh_s)
+                        log.warning(
+                            "cannot report held weight chunks to the trainer at %s (%s); retrying every %.1f s",
+                            self.address,
+                            _why(e),
+                            self.cfg.weights_peer_refresh_s,
+                        )
                         failing_since = time.monotonic()
 
     def _peer_call(self, address: str):
         with self._lock:
+            if self._stop.is_set():  # closed: no new channel (the transfer stops at its next tick)
+                raise FetchCancelled(f"the fetcher of {self.peer_id} is closed")
             if address not in self._channels:
                 self._channels[address] = open_channel(self.cfg, address, OPTIONS)
             return self._channels[address].unary_unary(CHUNK_METHOD)
@@ -250,20 +288,50 @@ class WeightFetcher:
             return list(self._peer_lists.get(version, []))
 
     def close(self) -> None:
+        """Stop fetching and serving. A fetch in progress ends with FetchCancelled: closing the
+        channels ends its chunk requests at once, and it makes its verified chunks durable
+        before it returns. It is waited for up to weights_chunk_timeout_s (it takes a loop tick,
+        1 s, unless it is hashing the finished files); one still running when the process exits
+        leaves the partial folder as a kill -9 does, resumable from its last bitmap."""
         self._stop.set()
+        with self._lock:
+            channels = [self.trainer, *self._channels.values()]
+        for ch in channels:
+            ch.close()
+        with self._idle:
+            if not self._idle.wait_for(lambda: not self._fetching, self.cfg.weights_chunk_timeout_s):
+                log.warning(
+                    "closing the weight fetcher of %s: a fetch still runs after %.0f s "
+                    "(buffer.weights_chunk_timeout_s); its partial folder stays resumable",
+                    self.peer_id,
+                    self.cfg.weights_chunk_timeout_s,
+                )
         if self.server is not None:
             self.server.stop(1.0).wait(timeout=10)
-        with self._lock:
-            for ch in self._channels.values():
-                ch.close()
-        self.trainer.close()
 
     # --- fetching ---------------------------------------------------------------------------
     def fetch(self, version: int, dest_dir: str) -> str:
         """Version `version` as a verified folder at `dest_dir` (returned): what is there
-        already if it verifies against its manifest, else fetched, resuming `<dest>.partial/`."""
+        already if it verifies against its manifest, else fetched, resuming `<dest>.partial/`.
+        FetchCancelled once close() was called (whatever failed then: a closed channel)."""
+        with self._idle:
+            if self._stop.is_set():
+                raise FetchCancelled(f"weight version {version}: the fetcher is closed")
+            self._fetching += 1
+        try:
+            return self._fetch(version, dest_dir)
+        except Exception as e:
+            if self._stop.is_set() and not isinstance(e, FetchCancelled):
+                raise FetchCancelled(f"weight version {version}: cancelled by close() ({e!r})") from e
+            raise
+        finally:
+            with self._idle:
+                self._fetching -= 1
+                self._idle.notify_all()
+
+    def _fetch(self, version: int, dest_dir: str) -> str:
         dest = os.path.abspath(dest_dir)
-        partial = dest + ".partial"
+        partial = dest + PARTIAL
         os.makedirs(os.path.dirname(dest), exist_ok=True)
         with _flock(partial + ".lock", self.cfg.weights_stall_timeout_s):
             if os.path.isdir(dest):
@@ -284,11 +352,9 @@ class WeightFetcher:
                 self._finish(state, holding, dest)
             finally:
                 state.close()
-            if self.server is not None:
+            if self.server is not None and not self._stop.is_set():
                 with contextlib.suppress(grpc.RpcError, WireError):
                     self._report(version, holding)  # peers may take all of it from now on
-        with contextlib.suppress(FileNotFoundError):
-            os.remove(partial + ".lock")
         return dest_dir
 
     def _serve_cached(self, version: int, dest: str) -> None:
@@ -297,9 +363,11 @@ class WeightFetcher:
         if self.server is None or self._held(version) is not None:
             return
         try:
-            chunks = ChunkList.decode(self._calls["ChunkList"](
-                ChunkListRequest(version).encode(), timeout=self.cfg.weights_chunk_timeout_s,
-                metadata=self.metadata))
+            chunks = ChunkList.decode(
+                self._calls["ChunkList"](
+                    ChunkListRequest(version).encode(), timeout=self.cfg.weights_chunk_timeout_s, metadata=self.metadata
+                )
+            )
         except (grpc.RpcError, WireError) as e:
             log.info("not serving cached weight version %d to peers: %s", version, _why(e))
             return
@@ -307,10 +375,15 @@ class WeightFetcher:
 
     def _chunk_list(self, version: int) -> ChunkList:
         deadline = time.monotonic() + self.cfg.weights_stall_timeout_s
-        return _retry(lambda: ChunkList.decode(self._calls["ChunkList"](
-            ChunkListRequest(version).encode(), timeout=self.cfg.weights_chunk_timeout_s,
-            metadata=self.metadata)), deadline, f"the chunk list of weight version {version} "
-                                                f"from the trainer at {self.address}")
+        return _retry(
+            lambda: ChunkList.decode(
+                self._calls["ChunkList"](
+                    ChunkListRequest(version).encode(), timeout=self.cfg.weights_chunk_timeout_s, metadata=self.metadata
+                )
+            ),
+            deadline,
+            f"the chunk list of weight version {version} from the trainer at {self.address}",
+        )
 
     def _finish(self, state: _Partial, holding: Holding, dest: str) -> None:
         """Check every file against the manifest's sha256 (a bad one is fetched again: its
@@ -319,15 +392,16 @@ class WeightFetcher:
         chunks = state.chunks
         # one thread per file (hashlib releases the GIL): a GB of shards hashes on several cores
         with futures.ThreadPoolExecutor(max(1, min(len(chunks.files), os.cpu_count() or 1))) as pool:
-            sums = list(pool.map(sha256_file, [os.path.join(state.folder, f.name)
-                                              for f in chunks.files]))
+            sums = list(pool.map(sha256_file, [os.path.join(state.folder, f.name) for f in chunks.files]))
         bad = [i for i, (f, got) in enumerate(zip(chunks.files, sums)) if got != f.sha256]
         if bad:
             names = [chunks.files[i].name for i in bad]
             state.forget(i for pos in bad for i in chunks.chunks_of(pos))
-            raise ManifestError(f"{state.folder}: {names} do not match the manifest's sha256 "
-                                "although every chunk matched (damaged on disk?); their chunks "
-                                "are fetched again on the next fetch")
+            raise ManifestError(
+                f"{state.folder}: {names} do not match the manifest's sha256 "
+                "although every chunk matched (damaged on disk?); their chunks "
+                "are fetched again on the next fetch"
+            )
         with open(os.path.join(state.folder, "manifest.json"), "w") as f:
             f.write(chunks.manifest)
             f.flush()
@@ -350,8 +424,7 @@ class _Transfer:
     weights_trainer_streams to the trainer in flight; results verified and written by the
     request threads, counted and made durable here."""
 
-    def __init__(self, fetcher: WeightFetcher, version: int, state: _Partial, holding: Holding,
-                 stats: FetchStats):
+    def __init__(self, fetcher: WeightFetcher, version: int, state: _Partial, holding: Holding, stats: FetchStats):
         self.f, self.version, self.state, self.holding, self.stats = fetcher, version, state, holding, stats
         self.cfg = fetcher.cfg
         self.missing = set(range(state.chunks.total)) - state.durable
@@ -370,34 +443,51 @@ class _Transfer:
                 self.f._report(self.version, self.holding)  # peers before the first request
         start = last_gain = last_note = time.monotonic()
         self.pool = futures.ThreadPoolExecutor(
-            self.cfg.weights_parallel + self.cfg.weights_trainer_streams,
-            thread_name_prefix="weights-fetch")
+            self.cfg.weights_parallel + self.cfg.weights_trainer_streams, thread_name_prefix="weights-fetch"
+        )
         try:
             while self.missing:
+                self._cancelled()
                 self._launch()
-                done, _ = futures.wait(list(self.inflight), timeout=1.0,
-                                       return_when=futures.FIRST_COMPLETED)
+                done, _ = futures.wait(list(self.inflight), timeout=1.0, return_when=futures.FIRST_COMPLETED)
+                self._cancelled()  # before settling: close() made the requests fail
                 for fut in done:
                     if self._settle(fut):
                         last_gain = time.monotonic()
                 self.state.save(1.0)
                 now = time.monotonic()
                 if now - last_gain > self.cfg.weights_stall_timeout_s:
-                    raise TimeoutError(f"weight version {self.version}: no chunk verified for "
-                                       f"{now - last_gain:.0f} s (buffer.weights_stall_timeout_s); "
-                                       f"{len(self.missing)} of {self.state.chunks.total} missing, "
-                                       f"trainer at {self.f.address}")
+                    raise TimeoutError(
+                        f"weight version {self.version}: no chunk verified for "
+                        f"{now - last_gain:.0f} s (buffer.weights_stall_timeout_s); "
+                        f"{len(self.missing)} of {self.state.chunks.total} missing, "
+                        f"trainer at {self.f.address}"
+                    )
                 if now - last_note >= NOTE_EVERY_S:
-                    log.info("fetching weight version %d: %d of %d chunks verified; waiting for "
-                             "%d requests (%d to peers, %d peers known, %d bad)", self.version,
-                             self.state.chunks.total - len(self.missing), self.state.chunks.total,
-                             len(self.inflight), sum(self.peer_load.values()),
-                             len(self.f.peers(self.version)), len(self.bad))
+                    log.info(
+                        "fetching weight version %d: %d of %d chunks verified; waiting for "
+                        "%d requests (%d to peers, %d peers known, %d bad)",
+                        self.version,
+                        self.state.chunks.total - len(self.missing),
+                        self.state.chunks.total,
+                        len(self.inflight),
+                        sum(self.peer_load.values()),
+                        len(self.f.peers(self.version)),
+                        len(self.bad),
+                    )
                     last_note = now
         finally:
-            self.pool.shutdown(wait=True, cancel_futures=True)
-        self.state.save(0)
+            self.pool.shutdown(wait=True, cancel_futures=True)  # no request writes any more
+            self.state.save(0)  # the chunks verified are kept however the transfer ends
         self.stats.seconds = time.monotonic() - start
+
+    def _cancelled(self) -> None:
+        if self.f._stop.is_set():
+            raise FetchCancelled(
+                f"weight version {self.version}: fetch cancelled (the fetcher was closed) with "
+                f"{self.state.chunks.total - len(self.missing)} of {self.state.chunks.total} "
+                f"chunks verified, kept in {self.state.folder}"
+            )
 
     def _launch(self) -> None:
         """Fill the free request slots. Peers: a random missing chunk of the least busy peer
@@ -407,15 +497,25 @@ class _Transfer:
         chunk no peer had, unless every chunk has left it already (then rarely a duplicate)."""
         busy = {i for _, i in self.inflight.values() if i is not None}
         now = time.monotonic()
-        peers = [p for p in self.f.peers(self.version) if p.peer_id not in self.bad
-                 and now - self.failed.get(p.peer_id, -1e9) > self.cfg.weights_peer_ttl_s
-                 and now >= self.busy_until.get(p.peer_id, 0.0)]
+        peers = [
+            p
+            for p in self.f.peers(self.version)
+            if p.peer_id not in self.bad
+            and now - self.failed.get(p.peer_id, -1e9) > self.cfg.weights_peer_ttl_s
+            and now >= self.busy_until.get(p.peer_id, 0.0)
+        ]
         held = {p.peer_id: from_bitmap(p.have, self.state.chunks.total) for p in peers}
         n_peer = sum(1 for s, _ in self.inflight.values() if s != TRAINER)
         while n_peer < self.cfg.weights_parallel:
             order = sorted(peers, key=lambda p: (self.peer_load[p.peer_id], random.random()))
-            choice = next(((p, options) for p in order if self.peer_load[p.peer_id] < 2
-                           and (options := held[p.peer_id] & self.missing - busy)), None)
+            choice = next(
+                (
+                    (p, options)
+                    for p in order
+                    if self.peer_load[p.peer_id] < 2 and (options := held[p.peer_id] & self.missing - busy)
+                ),
+                None,
+            )
             if choice is None:
                 break
             peer, options = choice
@@ -427,8 +527,7 @@ class _Transfer:
         if n_trainer >= self.cfg.weights_trainer_streams or now < self.trainer_retry_at:
             return
         want = self.missing - busy - set().union(*held.values())
-        avoid = sorted(self.bad | {p for p, t in self.failed.items()
-                                   if now - t <= self.cfg.weights_peer_ttl_s})
+        avoid = sorted(self.bad | {p for p, t in self.failed.items() if now - t <= self.cfg.weights_peer_ttl_s})
         # no more requests than chunks: each outstanding one may be bringing one of `want`
         for _ in range(min(self.cfg.weights_trainer_streams, len(want)) - n_trainer):
             self._submit(TRAINER, None, self._from_trainer, want, avoid)
@@ -452,7 +551,9 @@ class _Transfer:
     def _from_peer(self, peer: PeerInfo, index: int) -> tuple[int, int]:
         raw = self.f._peer_call(peer.address)(
             ChunkRequest(self.version, self.f.peer_id, index=index).encode(),
-            timeout=self.cfg.weights_chunk_timeout_s, metadata=self.f.metadata)
+            timeout=self.cfg.weights_chunk_timeout_s,
+            metadata=self.f.metadata,
+        )
         reply = ChunkReply.decode(raw)
         if reply.index != index:
             raise _Corrupt(f"asked for chunk {index}, got {reply.index}")
@@ -460,9 +561,16 @@ class _Transfer:
 
     def _from_trainer(self, want: set[int], avoid: list[str]) -> tuple[int, int]:
         raw = self.f._calls["Chunk"](
-            ChunkRequest(self.version, self.f.peer_id, want=to_bitmap(want, self.state.chunks.total),
-                         peers=self.cfg.weights_peer_fanout, avoid=avoid).encode(),
-            timeout=self.cfg.weights_chunk_timeout_s, metadata=self.f.metadata)
+            ChunkRequest(
+                self.version,
+                self.f.peer_id,
+                want=to_bitmap(want, self.state.chunks.total),
+                peers=self.cfg.weights_peer_fanout,
+                avoid=avoid,
+            ).encode(),
+            timeout=self.cfg.weights_chunk_timeout_s,
+            metadata=self.f.metadata,
+        )
         reply = ChunkReply.decode(raw)
         if reply.index == REDIRECT:
             return REDIRECT, 0
@@ -482,15 +590,21 @@ class _Transfer:
             if source == TRAINER:
                 self.trainer_corrupt += 1
                 if self.trainer_corrupt > 3:
-                    raise ManifestError(f"weight version {self.version}: the trainer at "
-                                        f"{self.f.address} sent {self.trainer_corrupt} chunks "
-                                        f"that do not match its own chunk list ({e})") from None
+                    raise ManifestError(
+                        f"weight version {self.version}: the trainer at "
+                        f"{self.f.address} sent {self.trainer_corrupt} chunks "
+                        f"that do not match its own chunk list ({e})"
+                    ) from None
                 log.warning("a chunk from the trainer failed its check (%s); fetching it again", e)
             else:
                 self.bad.add(source)
                 self.stats.bad_peers.append(source)
-                log.warning("weight version %d: peer %s sent a damaged chunk (%s); not using it "
-                            "again for this version", self.version, source, e)
+                log.warning(
+                    "weight version %d: peer %s sent a damaged chunk (%s); not using it again for this version",
+                    self.version,
+                    source,
+                    e,
+                )
             return False
         except (grpc.RpcError, WireError) as e:
             self._failed(source, e)
@@ -528,17 +642,27 @@ class _Transfer:
         if source != TRAINER:
             self.stats.peer_failures += 1
             self.failed[source] = time.monotonic()
-            log.info("weight peer %s failed a chunk request (%s); skipping it for %.0f s",
-                     source, _why(e), self.cfg.weights_peer_ttl_s)
+            log.info(
+                "weight peer %s failed a chunk request (%s); skipping it for %.0f s",
+                source,
+                _why(e),
+                self.cfg.weights_peer_ttl_s,
+            )
             return
         self.stats.trainer_failures += 1
         if code == grpc.StatusCode.UNAUTHENTICATED:
-            raise PermissionError(f"the trainer at {self.f.address} refused the token "
-                                  f"(buffer.grpc_token_file or $TANDEM_GRPC_TOKEN): {_why(e)}")
+            raise PermissionError(
+                f"the trainer at {self.f.address} refused the token "
+                f"(buffer.grpc_token_file or $TANDEM_GRPC_TOKEN): {_why(e)}"
+            )
         if code == grpc.StatusCode.NOT_FOUND and "not published" in _why(e):
             raise ManifestError(f"weight version {self.version}: {_why(e)}")
-        log.warning("a chunk request to the trainer at %s failed (%s); retrying in %.1f s",
-                    self.f.address, _why(e), self.trainer_backoff)
+        log.warning(
+            "a chunk request to the trainer at %s failed (%s); retrying in %.1f s",
+            self.f.address,
+            _why(e),
+            self.trainer_backoff,
+        )
         self.trainer_retry_at = time.monotonic() + self.trainer_backoff
         self.trainer_backoff = min(self.trainer_backoff * 2, 5.0)
 
@@ -558,13 +682,13 @@ def _retry(call, deadline: float, what: str):
             return call()
         except grpc.RpcError as e:
             if e.code() == grpc.StatusCode.UNAUTHENTICATED:
-                raise PermissionError(f"{what}: token refused (buffer.grpc_token_file or "
-                                      f"$TANDEM_GRPC_TOKEN): {_why(e)}") from None
+                raise PermissionError(
+                    f"{what}: token refused (buffer.grpc_token_file or $TANDEM_GRPC_TOKEN): {_why(e)}"
+                ) from None
             if e.code() == grpc.StatusCode.NOT_FOUND:
                 raise ManifestError(f"{what}: {_why(e)}") from None
             if time.monotonic() + backoff > deadline:
-                raise TimeoutError(f"{what}: gave up after buffer.weights_stall_timeout_s "
-                                   f"({_why(e)})") from None
+                raise TimeoutError(f"{what}: gave up after buffer.weights_stall_timeout_s ({_why(e)})") from None
             log.warning("waiting for %s (%s); retrying in %.1f s", what, _why(e), backoff)
             time.sleep(backoff)
             backoff = min(backoff * 2, 5.0)
@@ -573,7 +697,8 @@ def _retry(call, deadline: float, what: str):
 @contextlib.contextmanager
 def _flock(path: str, timeout_s: float):
     """One fetch per destination (another process fetching it holds the lock; a killed one
-    released it). Waits up to `timeout_s`, saying so."""
+    released it, and left the file). Waits up to `timeout_s`, saying so. The holder removes the
+    file before it lets go, however it ends, so that only a killed fetch leaves one."""
     fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
     try:
         start, noted = time.monotonic(), -NOTE_EVERY_S
@@ -583,16 +708,32 @@ def _flock(path: str, timeout_s: float):
                 break
             except BlockingIOError:
                 waited = time.monotonic() - start
-                if waited > timeout_s:
-                    raise TimeoutError(f"{path}: another fetch of this version held the lock "
-                                       f"for {waited:.0f} s") from None
+                if waited >= timeout_s:
+                    raise TimeoutError(
+                        f"{path}: another fetch of this version held the lock for {waited:.0f} s"
+                    ) from None
                 if waited - noted >= NOTE_EVERY_S:
                     log.info("waiting for another fetch into %s to finish (%.0f s)", path, waited)
                     noted = waited
                 time.sleep(0.2)
-        yield
+        try:
+            yield
+        finally:
+            with contextlib.suppress(FileNotFoundError):
+                os.remove(path)
     finally:
         os.close(fd)
+
+
+def discard_partial(dest: str) -> bool:
+    """Remove `<dest>.partial/` and its lock file unless a fetch (of this process or another)
+    holds the lock; False when one does."""
+    try:
+        with _flock(dest + PARTIAL + ".lock", timeout_s=0):
+            shutil.rmtree(dest + PARTIAL, ignore_errors=True)
+    except TimeoutError:
+        return False
+    return True
 
 
 def _folder_problem(folder: str) -> str | None:
@@ -610,14 +751,16 @@ class NetWeightSource(WeightSource):
     """LATEST from the run service; versions fetched into the process's own folder's weights/
     (`layout`, its weight cache) by a WeightFetcher (chunked, verified, resumable, from peers
     too), made on the first fetch (its peer server is of no use to a process that never
-    fetches). The newest `keep` versions (buffer.grpc_cache_versions) are kept."""
+    fetches). The newest `keep` complete versions (buffer.grpc_cache_versions) are kept, and at
+    most one partial fetch (`_prune`)."""
 
     def __init__(self, client: RunClient, layout: RunLayout, keep: int):
         self.client, self.layout, self.keep = client, layout, keep
         self._fetcher: WeightFetcher | None = None
         self._verified: set[int] = set()  # cache folders this process fetched or checked
         # (version, thread, errors) of the one background fetch. A daemon thread: a process
-        # that exits mid-fetch leaves a resumable partial folder (the next fetch continues it).
+        # killed mid-fetch leaves a resumable partial folder (the next fetch continues it);
+        # close() cancels it on a clean stop and keeps the folder (see close).
         self._background: tuple[int, threading.Thread, list[BaseException]] | None = None
 
     def pointer(self) -> dict | None:
@@ -646,8 +789,7 @@ class NetWeightSource(WeightSource):
 
     def ready(self, version: int) -> bool:
         bg = self._background
-        return version in self._verified or (bg is not None and bg[0] == version
-                                              and not bg[1].is_alive())
+        return version in self._verified or (bg is not None and bg[0] == version and not bg[1].is_alive())
 
     def exists(self, version: int) -> bool:
         return self.client.call("VersionExists", rs.VersionRef(version)).value
@@ -677,21 +819,26 @@ class NetWeightSource(WeightSource):
         self._prune()
         return folder
 
+    def close(self) -> None:
+        """A clean stop cancels the fetch in flight and KEEPS its partial folder, as a kill -9
+        does: its verified chunks are durable, and a worker restarted on this folder (SLURM
+        requeue after preemption, a pool growing again) resumes it instead of fetching a
+        model's worth again. Its disk is bounded (one partial, `_prune`); its lock file goes."""
+        if self._fetcher is not None:
+            self._fetcher.close()
+
     def _prune(self) -> None:
-        """Keep the newest `keep` versions of the cache, and the partial fetches of newer ones."""
+        """The cache bound: the newest `keep` complete versions and at most one partial fetch,
+        that of the newest version above them (in flight, or left by a stop: resumed by the
+        next fetch of it). Older partials go: a worker fetches the newest version, so it would
+        not resume them. A partial that a fetch is writing (it holds the lock) is left alone."""
         names = os.listdir(self.layout.weights_dir)
-        versions = sorted(v for v in map(RunLayout.version_of, names) if v is not None)
-        if len(versions) <= self.keep:
-            return
-        oldest_kept = versions[-self.keep]
-        for name in names:
-            version = RunLayout.version_of(name.split(".", 1)[0])  # also v<N>.partial(.lock)
-            if version is None or version >= oldest_kept:
-                continue
-            path = os.path.join(self.layout.weights_dir, name)
-            if os.path.isdir(path):
-                shutil.rmtree(path, ignore_errors=True)
-            else:
-                with contextlib.suppress(FileNotFoundError):
-                    os.remove(path)
+        complete = sorted(v for v in map(RunLayout.version_of, names) if v is not None)
+        partials = {RunLayout.version_of(n.split(".", 1)[0]) for n in names if PARTIAL in n}
+        newest = max(complete, default=-1)
+        resumable = max((v for v in partials if v is not None and v > newest), default=None)
+        for version in complete[: -self.keep]:
+            shutil.rmtree(self.layout.version_dir(version), ignore_errors=True)
             self._verified.discard(version)
+        for version in partials - {None, resumable}:
+            discard_partial(self.layout.version_dir(version))

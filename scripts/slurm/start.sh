@@ -51,6 +51,10 @@ SlurmctldHost=$NODE(127.0.0.1)
 SlurmUser=root
 SlurmdUser=root
 AuthType=auth/munge
+# cred_expire (default 120 s) is also how long a requeued job waits before it may start again
+# (slurm.conf(5)); tests/test_slurm.py requeues the trainer job. 30 s still gives a job's
+# credential 30x the time slurmd on this host needs to take the launch, even on a loaded box.
+AuthInfo=cred_expire=30
 MpiDefault=none
 ProctrackType=proctrack/linuxproc
 TaskPlugin=task/none
