@@ -190,7 +190,14 @@ def test_experiment_script_runs_every_step_on_cpu(tmp_path):
     plots = tmp_path / "c"
     out = _step(plots, "plot", "--import", str(hand2))
     names = {p.name for p in (plots / "plots").iterdir()}
-    assert {"accuracy_time.png", "accuracy_samples.png", "throughput.png", "busy.png", "summary.md"} <= names, out
+    assert {
+        "accuracy_time.png",
+        "accuracy_samples.png",
+        "throughput.png",
+        "busy.png",
+        "staleness.png",
+        "summary.md",
+    } <= names, out
     [row] = json.loads((plots / "plots" / "summary.json").read_text())
     assert row["run"] == "s1" and row["samples"] == 48 and row["metric"] == key
     assert 0 <= row["trainer_idle"] <= 1 and 0 < row["worker_busy"] <= 1 and row["ideal_speedup"] <= 2
