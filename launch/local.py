@@ -28,6 +28,7 @@ import subprocess
 import sys
 import threading
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 from buffer.channel import TOKEN_ENV
@@ -333,8 +334,20 @@ def sft_args(run: TrainerRun, args, model: str) -> list[str]:
     ]
 
 
-def run_sft(run: TrainerRun, args, model: str, signals: Signals) -> str:
-    """Run trainer.sft to completion (a bar from its metrics); returns its final HF folder."""
+def sft_command(run: TrainerRun, args, model: str) -> list[str]:
+    """trainer.sft's whole argument list: its config, its output folder ROOT/sft and step count,
+    then --sft's overrides."""
+    return [
+        *sft_args(run, args, model),
+        f"trainer.default_local_dir={run.files.sft_dir}",
+        f"trainer.total_training_steps={args.sft_steps}",
+        *args.sft,
+    ]
+
+
+def run_sft(run: TrainerRun, args, argv: list[str], signals: Signals) -> str:
+    """Run trainer.sft with `argv` to completion (a bar from its metrics); returns its final HF
+    folder."""
     out = setup_trainer_run(run.files.sft_dir).files
     child = Child(
         "sft",
@@ -346,10 +359,7 @@ def run_sft(run: TrainerRun, args, model: str, signals: Signals) -> str:
             f"--nproc_per_node={args.nproc}",
             "-m",
             "trainer.sft",
-            *sft_args(run, args, model),
-            f"trainer.default_local_dir={out.root}",
-            f"trainer.total_training_steps={args.sft_steps}",
-            *args.sft,
+            *argv,
         ],
         run.files.log("sft"),
         args.trainer_gpus,
@@ -480,6 +490,11 @@ def remote_settings(args) -> tuple[list[str], list[str]]:
     )
 
 
+def worker_command(i: int, argv: list[str]) -> list[str]:
+    """Worker i's whole argument list: its id and seed, then the workers' config arguments."""
+    return [f"worker.id=w{i}", f"worker.seed={i}", *argv]
+
+
 def start_children(
     run: TrainerRun, args, trainer_args: list[str], worker_args: list[str], validator_args: list[str] | None
 ) -> tuple[Child, list[Child]]:
@@ -517,7 +532,7 @@ def start_children(
         workers.append(
             Child(
                 f"worker w{i}",
-                [py, "-m", "rollout.worker", f"worker.id=w{i}", f"worker.seed={i}", *argv],
+                [py, "-m", "rollout.worker", *worker_command(i, argv)],
                 log,
                 worker_gpus[i % len(worker_gpus)] if worker_gpus else None,
             )
@@ -634,18 +649,34 @@ def summarize(run: TrainerRun) -> None:
         )
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = parse_args(argv)
+@dataclass
+class Plan:
+    """What launch.local settled before starting any process (see `plan`)."""
+
+    run: TrainerRun
+    config: dict  # the --config file's values of the keys launch.local chooses (from_config)
+    model: str  # the RL stage's initial model (before SFT, if any)
+    data: str | None  # None: the config names the train files
+    val: list[str] | None  # None: no validation
+    sft: list[str] | None  # trainer.sft's arguments; None: no SFT stage
+
+
+def plan(args) -> Plan:
+    """The run folder, inputs and every role's arguments; each role's config is built here so
+    that a bad key stops the run before SFT or any process starts."""
     run = setup_trainer_run(os.path.abspath(args.root))
     config = from_config(args, run)
     args.steps = int(args.steps or config.get(STEPS) or DEFAULT_STEPS)
     model, data, val = prepare(run, args, config)
-    sft = (
-        [*sft_args(run, args, model), f"trainer.default_local_dir={run.files.sft_dir}", *args.sft]
-        if args.sft_steps
-        else None
-    )
-    check_config(*role_args(run, args, model, data, config, val), sft)  # before SFT: fail fast
+    sft = sft_command(run, args, model) if args.sft_steps else None
+    check_config(*role_args(run, args, model, data, config, val), sft)
+    return Plan(run, config, model, data, val, sft)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    p = plan(args)
+    run, model = p.run, p.model
     print(
         f"launch.local: run folder {run.files.root}; logs in {os.path.dirname(run.files.log('x'))}"
         + (
@@ -655,13 +686,13 @@ def main(argv: list[str] | None = None) -> int:
         )
     )
     signals = Signals()
-    if args.sft_steps:
+    if p.sft is not None:
         try:
-            model = run_sft(run, args, model, signals)
+            model = run_sft(run, args, p.sft, signals)
         except (KeyboardInterrupt, TimeoutError, ChildFailed) as e:
             print(f"launch.local: SFT stopped: {e or 'interrupted'}", file=sys.stderr)
             return 130 if isinstance(e, KeyboardInterrupt) else 1
-    trainer, workers = start_children(run, args, *role_args(run, args, model, data, config, val))
+    trainer, workers = start_children(run, args, *role_args(run, args, model, p.data, p.config, p.val))
     failed, code = None, 0
     try:
         failed = supervise(trainer, workers, run, args)

@@ -90,6 +90,24 @@ def test_tensorboard_logger_through_verl_tracking_with_verls_metric_names(experi
     assert [e.step for e in acc.Scalars("reward/mean")] == [1, 2]
 
 
+def test_timing_gen_is_the_generation_time_of_the_steps_worker_batches():
+    from dataclasses import replace
+
+    from conftest import make_group
+
+    from trainer.metrics import generation_seconds
+
+    def batch(worker, start, first_scored):  # a batch's samples share created_at; scored in turn
+        return [
+            replace(s, created_at=start, finished_at=first_scored + k)
+            for k, s in enumerate(make_group(worker, start, 0, 0, 3))
+        ]
+
+    # w0's batches took 3 s and 1 s, w1's (started at the same time as w0's first) 5 s
+    samples = batch("w0", 100.0, 103.0) + batch("w0", 110.0, 111.0) + batch("w1", 100.0, 105.0)
+    assert generation_seconds(samples[::-1]) == pytest.approx(3.0)
+
+
 def _rows(root):
     return [json.loads(line) for line in (root / "metrics.jsonl").read_text().splitlines()]
 

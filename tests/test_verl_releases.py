@@ -12,6 +12,7 @@ import pytest
 import yaml
 from conftest import REPO_ROOT, subprocess_env
 
+from buffer.run import setup_trainer_run
 from protocol import verl_keys
 from protocol.config import ConfigError, load
 from protocol.verl_keys.__main__ import main as verl_keys_main
@@ -389,6 +390,11 @@ def tiny_ppo(tmp_path, tiny, release, adv) -> str:
     )
 
 
+def tiny_sft(tmp_path, tiny, release: str, shape: str) -> str:
+    paths = (str(tiny / "model"), str(tiny / "sft_train.parquet"), str(tiny / "sft_val.parquet"))
+    return _with(sft_yaml(tmp_path, release, shape, *paths), TINY_SFT)
+
+
 def _rows(path) -> list[dict]:
     return [json.loads(line) for line in open(path).read().splitlines()]
 
@@ -402,17 +408,7 @@ def test_release_configs_run_through_launch_local(tmp_path, tiny, release, adv, 
     """The release's PPO config and its SFT config, as they are but for the tiny model, its
     data and tiny sizes: SFT warm start, then RL, through `launch.local --config`."""
     ppo = tiny_ppo(tmp_path, tiny, release, adv)
-    sft = _with(
-        sft_yaml(
-            tmp_path,
-            sft_release,
-            shape,
-            str(tiny / "model"),
-            str(tiny / "sft_train.parquet"),
-            str(tiny / "sft_val.parquet"),
-        ),
-        TINY_SFT,
-    )
+    sft = tiny_sft(tmp_path, tiny, sft_release, shape)
     root = tmp_path / "run"
     proc = subprocess.run(
         [
@@ -450,54 +446,119 @@ def test_release_configs_run_through_launch_local(tmp_path, tiny, release, adv, 
     assert all(("critic/vf_loss" in r) == (adv == "gae") for r in rows)
 
 
-def test_release_config_runs_through_the_roles_by_hand(tmp_path, tiny):
-    """verl 0.5's GRPO config to a 1-rank trainer and a worker started by hand, 2 steps."""
-    ppo, root = tiny_ppo(tmp_path, tiny, "0.5", "grpo"), tmp_path / "run"
-    common = ["--config", ppo, f"root={root}", "trainer.total_training_steps=2"]
-    env = dict(subprocess_env(), OMP_NUM_THREADS="1")
-    trainer = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--standalone",
-            "--nproc_per_node=1",
-            "-m",
-            "trainer.main",
-            *common,
-        ],
-        cwd=REPO_ROOT,
-        env=env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-    )
-    worker = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "rollout.worker",
-            *common,
-            "worker.id=w0",
-            "buffer.flush_samples=16",
-            "buffer.flush_interval=1",
-        ],
-        cwd=REPO_ROOT,
-        env=env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-    )
+# --- every release through the roles' entry points, in this process: one step each -----------
+# The roles' main() with the arguments a user (or launch.local) gives them, in the pytest process
+# so that no interpreter starts and imports torch again (~10 s a process): the trainer in a
+# thread as rank 0 of a 1-rank gloo job (torchrun's environment, set here), the worker in the
+# main thread (it installs its signal handlers) with worker.max_batches=1, exactly one step's
+# groups, so it ends by itself whatever the trainer does.
+
+ONE_STEP = ["actor_rollout_ref.rollout.prompts_per_batch=4", "worker.max_batches=1", "buffer.flush_interval=1"]
+# the trainer: left without experience it fails, not hangs; it looks for shards every 0.1 s
+BOUNDED = ["trainer.data_timeout_s=120", "buffer.poll_interval=0.1"]
+ROLE_TIMEOUT_S = 240  # 1 step of the tiny model takes ~2 s; the rest is margin for a loaded box
+
+
+def _as_rank0(monkeypatch) -> None:
+    from conftest import free_port
+
+    for key, value in dict(
+        RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port())
+    ).items():
+        monkeypatch.setenv(key, value)
+
+
+def sft_here(monkeypatch, argv: list[str]) -> None:
+    from trainer import sft
+
+    _as_rank0(monkeypatch)
+    assert sft.main(argv) == 0
+
+
+def rl_here(monkeypatch, trainer_argv: list[str], worker_argv: list[str]) -> None:
+    """trainer.main and rollout.worker, each with its own arguments, to the end of the run."""
+    import signal
+    import threading
+
+    import torch
+
+    from rollout import worker
+    from trainer import main as trainer
+
+    _as_rank0(monkeypatch)
+    result: dict = {}
+
+    def run_trainer():
+        try:
+            result["code"] = trainer.main([*trainer_argv, *BOUNDED])
+        except BaseException as e:  # SystemExit too: reported by the test, not lost in the thread
+            result["error"] = e
+
+    handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGINT)}
+    threads = torch.get_num_threads()
+    thread = threading.Thread(target=run_trainer, name="trainer", daemon=True)
+    thread.start()
     try:
-        out, _ = trainer.communicate(timeout=300)
-        assert trainer.returncode == 0, out[-3000:]
-        wout, _ = worker.communicate(timeout=120)  # it stops at the end of the run
-        assert worker.returncode == 0, wout[-3000:]
+        assert worker.main([*worker_argv, *ONE_STEP, "worker.weights_timeout_s=120"]) == 0
     finally:
-        for p in (trainer, worker):
-            if p.poll() is None:
-                p.kill()
-                p.wait(timeout=30)
-    for log in (out, wout):
-        assert "config: ignored critic." in log and "unknown config key" not in log  # the unused critic
-    assert [r["step"] for r in _rows(root / "metrics.jsonl")] == [1, 2]
+        for sig, handler in handlers.items():
+            signal.signal(sig, handler)
+        thread.join(ROLE_TIMEOUT_S)
+        torch.set_num_threads(threads)
+    assert not thread.is_alive(), f"the trainer did not finish within {ROLE_TIMEOUT_S} s"
+    if "error" in result:
+        raise result["error"]
+    assert result["code"] == 0
+
+
+def assert_one_step(root, adv: str) -> None:
+    [row] = _rows(root / "metrics.jsonl")
+    assert row["step"] == 1 and row["samples/step"] == 16
+    assert ("critic/vf_loss" in row) == ("perf/mfu/critic" in row) == (adv == "gae")
+    assert row["perf/mfu/actor"] > 0 and row.get("perf/mfu/critic", 1) > 0  # verl knows the CPU's peak
+    # timing_s/gen: the worker's one batch, as it timed its generation, plus one reward; the
+    # trainer waited for it from before the worker saw v0 until its shard was flushed
+    [beat] = setup_trainer_run(str(root)).heartbeats.all()
+    assert beat["generate_s"] < row["timing_s/gen"] < row["time/wait_s"]
+
+
+@pytest.mark.parametrize("release", RELEASES)
+def test_release_configs_run_through_the_roles(tmp_path, tiny, monkeypatch, capsys, release):
+    """The release's GRPO config and its SFT config as launch.local would run them (its own
+    arguments for every role: SFT 1 step, then RL 1 step from the SFT model); its GAE config and
+    its other SFT shape by hand (--config plus the run's own keys). No key unknown."""
+    from launch import local
+
+    shapes = [shape for _, shape in SFT if _ == release]
+    args = local.parse_args(
+        [
+            *("--root", str(tmp_path / "local"), "--config", tiny_ppo(tmp_path, tiny, release, "grpo")),
+            *("--sft-config", tiny_sft(tmp_path, tiny, release, shapes[0]), "--sft-steps", "1", "--steps", "1"),
+            *("--workers", "1", "--nproc", "1"),
+        ]
+    )
+    plan = local.plan(args)  # every role's config built, as launch.local does before starting any
+    assert plan.sft is not None
+    sft_here(monkeypatch, plan.sft)
+    model = setup_trainer_run(plan.run.files.sft_dir).files.hf_model
+    trainer_args, worker_args, validator_args = local.role_args(plan.run, args, model, plan.data, plan.config, plan.val)
+    assert validator_args is None  # the release's trainer.test_freq: -1
+    rl_here(monkeypatch, trainer_args, local.worker_command(0, worker_args))
+    assert_one_step(tmp_path / "local", "grpo")
+
+    root = tmp_path / "by_hand"
+    common = ["--config", tiny_ppo(tmp_path, tiny, release, "gae"), f"root={root}", "trainer.total_training_steps=1"]
+    rl_here(monkeypatch, common, [*common, "worker.id=w0"])
+    assert_one_step(root, "gae")
+    for shape in shapes[1:]:
+        sft_dir = tmp_path / f"sft-{shape}"
+        sft_here(
+            monkeypatch,
+            [
+                *("--config", tiny_sft(tmp_path, tiny, release, shape)),
+                *(f"trainer.default_local_dir={sft_dir}", "trainer.total_training_steps=1"),
+            ],
+        )
+        assert [r["step"] for r in _rows(sft_dir / "metrics.jsonl")] == [1]
+    out = capsys.readouterr()
+    assert "unknown config key" not in out.out + out.err and "config: ignored critic." in out.err

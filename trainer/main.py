@@ -37,7 +37,7 @@ from trainer.batch import collate
 from trainer.config import TrainerConfig, device_problem
 from trainer.critic import Critic
 from trainer.lifeline import die_with_agent
-from trainer.metrics import MetricsLog, length_metrics, memory_metrics, mfu, timed
+from trainer.metrics import MetricsLog, generation_seconds, length_metrics, memory_metrics, mfu, timed
 from trainer.model import build_actor
 from trainer.publish import publish_version
 from trainer.run_lock import RunLock, RunLocked
@@ -272,6 +272,7 @@ class Trainer:
         samples = [s for g in groups for s in g.samples]
         info: dict[str, Any] = {"sample_ids": [s.sample_id for s in samples]} if self.cfg.trainer.log_sample_ids else {}
         info |= length_metrics("prompt_length", [len(s.prompt_ids) for s in samples], self.cfg.data.max_prompt_length)
+        info["timing_s/gen"] = generation_seconds(samples)
         info |= {
             "wait_s": time.monotonic() - t0,
             "seqs": len(samples),
@@ -398,13 +399,21 @@ class Trainer:
                     self.cfg.trainer.total_training_steps,
                     seed + [1],
                 )
+            metrics["perf/mfu/critic"] = self.mfu(
+                self.critic.model, samples, timing["timing_s/update_critic"], self.cfg.critic.ppo_epochs
+            )
         if self.step >= self.cfg.trainer.critic_warmup:
             with timed(timing, "update_actor"):
                 metrics |= self.update_actor(batch, groups, old, ref, adv, seed + [0])
-            seqlens = [len(s.prompt_ids) + len(s.response_ids) for s in samples]
-            mine = mfu(self.model.config, seqlens, timing["timing_s/update_actor"], actor.ppo_epochs, self.device)
-            metrics["perf/mfu/actor"] = float(update.all_sum(torch.tensor([mine]), self.device)) / self.world
+            metrics["perf/mfu/actor"] = self.mfu(self.model, samples, timing["timing_s/update_actor"], actor.ppo_epochs)
         return metrics | timing
+
+    def mfu(self, model, samples: list, seconds: float, epochs: int) -> float:
+        """verl's perf/mfu/<role>: the mean over ranks of each rank's MFU of an update (epochs
+        passes over its samples in `seconds`). Collective."""
+        seqlens = [len(s.prompt_ids) + len(s.response_ids) for s in samples]
+        mine = mfu(model.config, seqlens, seconds, epochs, self.device)
+        return float(update.all_sum(torch.tensor([mine]), self.device)) / self.world
 
     def advantages(self, batch, groups, old, ref, values) -> tuple:
         """(advantages, returns) of this rank's rows, (B, R) each, and verl's data metrics.

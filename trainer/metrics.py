@@ -51,6 +51,17 @@ def length_metrics(name: str, lengths: list[int], cap: int) -> dict:
     }
 
 
+def generation_seconds(samples: list) -> float:
+    """verl's timing_s/gen as a decoupled trainer sees it: the mean generation time of the
+    worker batches its samples come from, each from the batch's start (its samples' created_at)
+    to its first scored sample (the earliest finished_at: generation plus one reward)."""
+    first_scored: dict[tuple[str, float], float] = {}
+    for s in samples:
+        batch = (s.worker_id, s.created_at)
+        first_scored[batch] = min(first_scored.get(batch, s.finished_at), s.finished_at)
+    return sum(end - start for (_, start), end in first_scored.items()) / len(first_scored)
+
+
 def mfu(model_config, seqlens: list[int], seconds: float, passes: int, device) -> float:
     """verl's actor MFU of this rank: the model FLOPs of `passes` forward+backward passes over
     sequences of `seqlens` tokens in `seconds`, over the device's peak (verl's estimates per
