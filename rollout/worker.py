@@ -68,7 +68,7 @@ def start_engine(
     `timeout_s` for the trainer's first one; (None, None) when `should_stop()` says so first.
     A damaged version (manifest or files not as published) is handed to `skip` and the next
     older one still published is tried; when none is good, the next newer one is waited for."""
-    deadline, bad = time.monotonic() + timeout_s, set()
+    deadline, bad = time.monotonic() + timeout_s, set[int]()
     while True:
         newest = store.wait_latest(max(deadline - time.monotonic(), 0.0), should_stop=should_stop)
         if newest is None:
