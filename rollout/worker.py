@@ -110,7 +110,11 @@ class RolloutWorker:
         self.cfg = cfg
         self.id = cfg.worker.id or f"{socket.gethostname()}-{os.getpid()}"
         check_worker_id(self.id)  # before any work
+        self.stopping = False
         self.stores = setup_worker_run(cfg)
+        # from here on: the next line may already wait for an unreachable trainer
+        signal.signal(signal.SIGTERM, self._on_signal)
+        signal.signal(signal.SIGINT, self._on_signal)
         self.score = reward.resolve(cfg.custom_reward_function.path, cfg.custom_reward_function.name)
         # Before writing anything, waiting for weights or loading an engine: every row can be scored.
         reward.check_data_sources(data_sources(cfg.data.train_files), cfg.custom_reward_function.path)
@@ -118,7 +122,6 @@ class RolloutWorker:
         self.writer = ShardWriter(
             self.stores.sink(self.id), self.id, cfg.buffer, resume=self.stores.heartbeats.read(self.id)
         )
-        self.stopping = False
         self.version: int | None = None
         self.versions_loaded: list[int] = []
         # For launch.report: [version, unix time loaded] per load (weight-sync latency, version
@@ -152,8 +155,6 @@ class RolloutWorker:
 
     def start(self) -> bool:
         """Wait for weights, load the engine and the prompts; False when a signal came first."""
-        signal.signal(signal.SIGTERM, self._on_signal)
-        signal.signal(signal.SIGINT, self._on_signal)
         self.engine, self.version = start_engine(
             self.store,
             self.cfg.actor_rollout_ref.rollout,
