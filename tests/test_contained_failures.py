@@ -153,7 +153,9 @@ def fetch():
 th = threading.Thread(target=fetch)
 th.start()
 # the fetch fails while the disk is full; freed once it said so, it must resume and finish
-said.wait(timeout=60)
+deadline = time.monotonic() + 60
+while not said.is_set() and th.is_alive() and time.monotonic() < deadline:
+    said.wait(timeout=0.1)
 full_said = said.is_set()
 os.remove(filler)
 th.join(timeout=90)
@@ -187,8 +189,8 @@ def test_a_full_weight_cache_is_waited_out_not_a_crash(tmp_path):
         server.stop(grace_s=0.5)
     assert p.returncode == 0 and out.exists(), p.stdout[-2000:] + p.stderr[-3000:]
     got = json.loads(out.read_text())
-    assert got["said"], p.stderr[-3000:]  # "disk full at <cache>", a line while it waits
     assert "error" not in got and not got["alive"], (got, p.stderr[-3000:])
+    assert got["said"], p.stderr[-3000:]  # "disk full at <cache>", a line while it waits
     assert got["folder"] == os.path.join(str(small), "worker", "weights", "v000001"), got
 
 
