@@ -26,6 +26,7 @@ from buffer.experience.net_server import ShardServer
 from buffer.weights.fs import WeightStore
 from buffer.weights.net_client import WeightFetcher
 from buffer.weights.net_server import add_weight_service
+from launch.status import snapshot
 from protocol.config import build
 from protocol.weights import ManifestError
 from rollout import builtin_task
@@ -234,6 +235,7 @@ def test_a_damaged_version_is_skipped_and_the_worker_keeps_a_good_one(tmp_path, 
         assert worker.maybe_reload() is False and worker.versions_skipped == 2  # checked once
         worker.heartbeat("running")
         assert worker.stores.heartbeats.read("w")["versions_skipped"] == 2
+        assert snapshot(str(root))["workers"][0]["versions_skipped"] == 2  # launch.status shows it
         named = [r.getMessage() for r in caplog.records if "is damaged" in r.getMessage()]
         assert len(named) == 2 and "weight version 1" in named[0] and "weight version 2" in named[1], named
         store.publish_hf_folder(tmp_path / "m", 3, 3, keep=5)
