@@ -62,7 +62,7 @@ def start_engine(
     timeout_s: float,
     who: str,
     should_stop=lambda: False,
-    skip=lambda version, error: None,
+    skip=lambda version, error: log.warning("weight version %d is damaged (%s): skipped", version, error),
 ):
     """(engine, version): an engine built from the newest published version, waiting up to
     `timeout_s` for the trainer's first one; (None, None) when `should_stop()` says so first.
