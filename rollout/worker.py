@@ -83,7 +83,7 @@ def start_engine(
                 break  # older ones are pruned (or known bad): wait for a newer one
             try:
                 model_dir = store.fetch(version)
-            except (FileNotFoundError, ManifestError) as e:
+            except (ManifestError, FileNotFoundError) as e:  # damaged, or pruned while it loaded
                 if not store.exists(version):
                     log.warning("weight version %d was pruned while loading; retrying", version)
                     break
