@@ -2,7 +2,8 @@
 
 One run serves every test here: while it trains, the module fixture takes status and report
 snapshots, puts a damaged shard in the buffer (the trainer quarantines it) and stops one worker
-with SIGSTOP until the status flags it SILENT; then it lets the run finish.
+with SIGSTOP until the status flags it SILENT (the trainer stopped too meanwhile, so that a short
+run is still live then); then it lets the run finish.
 """
 
 from __future__ import annotations
@@ -18,8 +19,9 @@ import time
 from pathlib import Path
 
 import pytest
+from conftest import descendants
 
-STEPS = 150  # long enough to stay live through the checks below (~0.5 s a step here)
+STEPS = 40  # long enough to stay live through the live snapshots (0.3-0.5 s a step here)
 SILENT_AFTER = 15.0  # 3x the 5 s heartbeat of a worker held back by backpressure (rollout.worker)
 PLOTS = ("reward", "staleness", "throughput", "versions", "step_time", "sync_latency")
 
@@ -52,6 +54,26 @@ def _vals(root) -> list[dict]:
 
 def _beats(root) -> dict[str, dict]:
     return {p.stem: json.loads(p.read_text()) for p in (root / "workers").glob("*.json")}
+
+
+def _trainer_pids(proc) -> list[int]:
+    """launch.local's torchrun of trainer.main and its ranks (in sessions of their own)."""
+    for pid in descendants(proc.pid):
+        try:
+            cmd = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if b"torch.distributed.run" in cmd and b"trainer.main" in cmd:
+            return [pid, *descendants(pid)]
+    raise AssertionError("no torchrun of trainer.main under launch.local")
+
+
+def _signal_all(pids: list[int], sig: signal.Signals) -> None:
+    for pid in pids:
+        try:
+            os.kill(pid, sig)
+        except ProcessLookupError:
+            pass
 
 
 def _wait(what: str, cond, proc, timeout_s: float = 300):
@@ -94,8 +116,11 @@ def run(tmp_path_factory):
         live["report_rows"] = _rows(root)
         _wait("the quarantined shard", lambda: list((root / "quarantine").rglob("*.arrow")), proc)
 
-        stopped = _beats(root)["w1"]["pid"]
-        os.kill(stopped, signal.SIGSTOP)
+        # Freeze the trainer (its torchrun and ranks, all ours) and w1: the run stays live while
+        # w1's heartbeat ages; w0 waits on backpressure and beats every 5 s meanwhile.
+        stopped = _trainer_pids(proc) + [_beats(root)["w1"]["pid"]]
+        _signal_all(stopped, signal.SIGSTOP)
+        assert not (root / "DONE").exists(), f"the {STEPS} steps ended before the SILENT check: raise STEPS"
         _wait(
             f"w1 silent for {SILENT_AFTER} s",
             lambda: time.time() - _beats(root)["w1"]["last_beat"] > SILENT_AFTER,
@@ -103,14 +128,14 @@ def run(tmp_path_factory):
         )
         live["silent"] = _status(root, "--silent-after", str(SILENT_AFTER))
         live["silent_text"] = _cli("launch.status", str(root), "--once", "--silent-after", str(SILENT_AFTER))
-        os.kill(stopped, signal.SIGCONT)
+        _signal_all(stopped, signal.SIGCONT)
         stopped = None
         out, _ = proc.communicate(timeout=900)
         assert proc.returncode == 0, out[-3000:]
         live["local_out"] = out
     finally:
         if stopped is not None:
-            os.kill(stopped, signal.SIGCONT)
+            _signal_all(stopped, signal.SIGCONT)
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGTERM)
             proc.wait(timeout=120)
