@@ -229,6 +229,15 @@ def ids_by_step(root) -> dict[int, list[str]]:
     return {r["step"]: r["samples/ids"] for r in rows}
 
 
+@pytest.fixture(scope="session")
+def status_run(tmp_path_factory):
+    """One launch.local run observed while it trains (tests/test_status_report.py's observe_run:
+    (run folder, observations)), shared by its tests and tests/test_validation.py's."""
+    from test_status_report import observe_run
+
+    return observe_run(tmp_path_factory)
+
+
 def final_weights(root):
     """The newest published version's tensors, checksums verified."""
     from buffer.weights.fs import WeightStore

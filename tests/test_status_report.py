@@ -1,6 +1,7 @@
 """launch.status and launch.report on a real CPU run (launch.local), while it runs and after.
 
-One run serves every test here: while it trains, the module fixture takes status and report
+One run serves every test here and tests/test_validation.py's held-out accuracy test (the session
+fixture `status_run` in conftest.py, made by `observe_run`): while it trains, it takes status and report
 snapshots, puts a damaged shard in the buffer (the trainer quarantines it) and stops one worker
 with SIGSTOP until the status flags it SILENT (the trainer stopped too meanwhile, so that a short
 run is still live then); then it lets the run finish.
@@ -21,7 +22,10 @@ from pathlib import Path
 import pytest
 from conftest import descendants
 
-STEPS = 40  # long enough to stay live through the live snapshots (0.3-0.5 s a step here)
+# 60 steps, validated every 20: what tests/test_validation.py needs to see held-out accuracy rise
+# (past the first plateau, the prompt's first digit repeated, in every run seen); the live
+# snapshots below need ~25 (0.3-0.5 s a step here).
+STEPS, FREQ = 60, 20
 SILENT_AFTER = 15.0  # 3x the 5 s heartbeat of a worker held back by backpressure (rollout.worker)
 PLOTS = ("reward", "staleness", "throughput", "versions", "step_time", "sync_latency")
 
@@ -36,7 +40,7 @@ def _status(root, *args) -> dict:
     return json.loads(_cli("launch.status", str(root), "--json", *args))
 
 
-CORE = "val-core/tandem/copy/reward/mean@1"  # launch.local validates every 10 steps
+CORE = "val-core/tandem/copy/reward/mean@1"
 
 
 def _lines(root) -> list[dict]:
@@ -89,12 +93,23 @@ def _wait(what: str, cond, proc, timeout_s: float = 300):
     return value
 
 
-@pytest.fixture(scope="module")
-def run(tmp_path_factory):
-    """(run folder, observations made while it ran)."""
+def observe_run(tmp_path_factory) -> tuple[Path, dict]:
+    """(run folder, observations made while it ran); conftest's `status_run` calls it once."""
     root = tmp_path_factory.mktemp("status") / "run"
     proc = subprocess.Popen(
-        [sys.executable, "-m", "launch.local", "--root", str(root), "--steps", str(STEPS), "--timeout", "900"],
+        [
+            sys.executable,
+            "-m",
+            "launch.local",
+            "--root",
+            str(root),
+            "--steps",
+            str(STEPS),
+            "--test-freq",
+            str(FREQ),
+            "--timeout",
+            "900",
+        ],
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
@@ -140,6 +155,11 @@ def run(tmp_path_factory):
             os.killpg(proc.pid, signal.SIGTERM)
             proc.wait(timeout=120)
     return root, live
+
+
+@pytest.fixture
+def run(status_run):
+    return status_run
 
 
 def _split(row: dict) -> dict:
@@ -209,7 +229,7 @@ def test_finished_status_equals_files(run):
     assert b["bad_shards"] == last["buffer/bad_shards"] == 1 and b["quarantined_shards"] == 1
     assert b["bytes"]["weights"] > 0 and b["disk_free_bytes"] > 0
     vals = _vals(root)
-    assert [v["step"] for v in vals] == list(range(0, STEPS + 1, 10))
+    assert [v["step"] for v in vals] == list(range(0, STEPS + 1, FREQ))
     assert s["validation"] == {
         CORE: {"step": STEPS, "value": vals[-1][CORE], "first": vals[0][CORE], "best": max(v[CORE] for v in vals)}
     }
