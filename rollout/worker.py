@@ -504,6 +504,15 @@ class RolloutWorker:
         self.engine.close()
 
 
+def _ignore_stop_signals() -> None:
+    """Once run() is over, SIGTERM/SIGINT have nothing left to stop: ignore them. Python puts a
+    handler it installed back to SIG_DFL while the interpreter exits (before torch's teardown), so
+    a SIGTERM then (a pool's repeated drain signal, SLURM's at the time limit) would kill a process
+    that had finished cleanly, and its job would end FAILED (-15) instead of 0."""
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, signal.SIG_IGN)
+
+
 def run_role(role, config_cls, argv: list[str] | None, prog: str, description: str, tag: str) -> int:
     """Entry point of a process with an engine: config from the command line, logs to stdout
     tagged `tag`, torch threads from OMP_NUM_THREADS, then `role(cfg).run()`."""
@@ -522,6 +531,7 @@ def run_role(role, config_cls, argv: list[str] | None, prog: str, description: s
         try:
             process.run()
         finally:  # a clean stop (also by a signal): a background weight fetch is cancelled
+            _ignore_stop_signals()
             process.stores.weights.close()
     except (DatasetError, reward.RewardError) as e:  # the dataset or the reward set-up
         print(f"{prog}: {e}", file=sys.stderr)

@@ -201,6 +201,43 @@ def uninterrupted_run(experience, name, nproc=2, *extra):
     return root
 
 
+# A critic (GAE) and an adaptive in-reward KL coefficient: the actor's final weights depend on
+# both, so a resume (tests/test_checkpoint.py) and a second node (tests/test_multinode.py) must
+# carry them exactly too.
+CRITIC = (
+    "algorithm.adv_estimator=gae",
+    "critic.optim.lr=1e-2",
+    "algorithm.use_kl_in_reward=true",
+    "algorithm.kl_ctrl.type=adaptive",
+    "algorithm.kl_ctrl.kl_coef=0.1",
+    "algorithm.kl_ctrl.horizon=10",
+)
+
+
+@pytest.fixture(scope="session")
+def critic_reference(experience):
+    """One uninterrupted 2-rank run with CRITIC and sample ids logged, the reference of both the
+    resume and the two-node test (one trainer run instead of one each)."""
+    return uninterrupted_run(experience, "uninterrupted", 2, "trainer.log_sample_ids=true", *CRITIC)
+
+
+def ids_by_step(root) -> dict[int, list[str]]:
+    """Sample ids trained at each step; a step logged twice (killed, resumed): the later line."""
+    import json
+
+    rows = [json.loads(line) for line in (Path(root) / "metrics.jsonl").read_text().splitlines()]
+    return {r["step"]: r["samples/ids"] for r in rows}
+
+
+@pytest.fixture(scope="session")
+def status_run(tmp_path_factory):
+    """One launch.local run observed while it trains (tests/test_status_report.py's observe_run:
+    (run folder, observations)), shared by its tests and tests/test_validation.py's."""
+    from test_status_report import observe_run
+
+    return observe_run(tmp_path_factory)
+
+
 def final_weights(root):
     """The newest published version's tensors, checksums verified."""
     from buffer.weights.fs import WeightStore

@@ -6,7 +6,7 @@ import signal
 import time
 from pathlib import Path
 
-from conftest import REORDER_REL_BOUND, STEPS, kill_tree, uninterrupted_run, weight_distances
+from conftest import CRITIC, REORDER_REL_BOUND, STEPS, ids_by_step, kill_tree, weight_distances
 from conftest import final_weights as _final_weights
 from conftest import run_folder as _run_folder
 from conftest import trainer_proc as _trainer
@@ -30,27 +30,9 @@ def _processes_of(run: Path) -> list[int]:
     return pids
 
 
-def _ids_by_step(root: Path) -> dict[int, list[str]]:
-    """Sample ids trained at each step; a step logged twice (killed, resumed): the later line."""
-    rows = [json.loads(line) for line in (root / "metrics.jsonl").read_text().splitlines()]
-    return {r["step"]: r["samples/ids"] for r in rows}
-
-
-# A critic (GAE) and an adaptive in-reward KL coefficient: the actor's final weights depend on
-# both, so they must resume exactly too.
-CRITIC = (
-    "algorithm.adv_estimator=gae",
-    "critic.optim.lr=1e-2",
-    "algorithm.use_kl_in_reward=true",
-    "algorithm.kl_ctrl.type=adaptive",
-    "algorithm.kl_ctrl.kl_coef=0.1",
-    "algorithm.kl_ctrl.horizon=10",
-)
-
-
-def test_sigkill_and_resume_on_one_rank_matches_uninterrupted_run(experience):
+def test_sigkill_and_resume_on_one_rank_matches_uninterrupted_run(experience, critic_reference):
     model = experience / "model"
-    ref = uninterrupted_run(experience, "uninterrupted", 2, "trainer.log_sample_ids=true", *CRITIC)
+    ref = critic_reference
 
     run = _run_folder(experience, "killed")
     p = _trainer(run, model, 2, "trainer.save_freq=3", "trainer.log_sample_ids=true", *CRITIC)
@@ -88,8 +70,8 @@ def test_sigkill_and_resume_on_one_rank_matches_uninterrupted_run(experience):
     # Exactly once over the run's final timeline: steps after the checkpoint ran twice (before
     # the kill and after the resume); the later line of each step is the one that counts. And
     # each step trained the same samples as in the uninterrupted run.
-    by_step = _ids_by_step(run)
-    assert sorted(by_step) == list(range(1, STEPS + 1)) and by_step == _ids_by_step(ref)
+    by_step = ids_by_step(run)
+    assert sorted(by_step) == list(range(1, STEPS + 1)) and by_step == ids_by_step(ref)
     trained = [i for ids in by_step.values() for i in ids]
     committed = {s.sample_id for p in (ref / "experience").rglob("*.arrow") for s in from_table(decode(p.read_bytes()))}
     assert len(trained) == len(set(trained)) and set(trained) == committed

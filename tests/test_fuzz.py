@@ -452,8 +452,7 @@ def test_reward_values(value):
 TOKEN = "fuzz-token"
 
 
-@pytest.fixture(scope="module")
-def server(tmp_path_factory):
+def _serve(tmp_path_factory, idle_timeout_s: float):
     d = tmp_path_factory.mktemp("grpc")
     (d / "token").write_text(TOKEN)
     port = free_port()
@@ -462,13 +461,26 @@ def server(tmp_path_factory):
         grpc_token_file=str(d / "token"),
         transport="grpc",
         grpc_max_shard_mb=1,
-        grpc_idle_timeout_s=0.5,
+        grpc_idle_timeout_s=idle_timeout_s,
         grpc_server_threads=4,
         grpc_claim_ttl_s=0.01,
     )
     srv = ShardServer(str(d / "trainer"), cfg)
     yield srv, port, d / "trainer"
     srv.stop()
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    """For streams that never pause: the default idle timeout. At 0.5 s a push whose client
+    thread was not scheduled for half a second (load average 13) was cancelled mid-stream."""
+    yield from _serve(tmp_path_factory, BufferConfig().grpc_idle_timeout_s)
+
+
+@pytest.fixture(scope="module")
+def stall_server(tmp_path_factory):
+    """For the stalled pushes: cancelled after 0.5 s of silence, so each case takes ~1 s."""
+    yield from _serve(tmp_path_factory, 0.5)
 
 
 def _header(worker, seq, size, schema=SCHEMA_VERSION) -> bytes:
@@ -572,10 +584,10 @@ def test_grpc_streams(server, data):
 
 @fuzz(6)
 @given(st.integers(0, 2), st.floats(0.7, 1.5))
-def test_grpc_stalls(server, after, pause):
+def test_grpc_stalls(stall_server, after, pause):
     """A client that stops sending (after the header, or mid-shard) is cancelled after the
     idle timeout; the server goes on serving honest pushes at once."""
-    srv, port, root = server
+    srv, port, root = stall_server
     msgs = [_header("f1", 7, len(GOOD)), _data(GOOD[:100])][:after]
 
     def stalled():

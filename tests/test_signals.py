@@ -121,3 +121,45 @@ def test_launch_local_cleanup_survives_a_second_signal(tmp_path):
     assert proc.returncode == 130, err[-3000:]
     assert "Traceback" not in err and "KeyboardInterrupt" not in err, err[-3000:]
     assert not left, f"processes of the run left alive: {left}"
+
+
+# Runs a role's main() in a child whose last act is a SIGTERM sent from a finalizer of __main__'s
+# globals: that runs after the interpreter has put Python-installed handlers back to SIG_DFL, the
+# window in which a pool's drain signal or SLURM's time-limit signal used to kill a finished role.
+_SIGTERM_WHILE_EXITING = """
+import os, signal, sys, importlib
+class _SigtermAtTeardown:
+    def __del__(self, kill=os.kill, pid=os.getpid(), sig=signal.SIGTERM):
+        kill(pid, sig)
+_bomb = _SigtermAtTeardown()
+sys.exit(importlib.import_module(sys.argv[1]).main(sys.argv[2:]))
+"""
+
+
+@pytest.mark.parametrize("role", ["worker", "validator"])
+def test_sigterm_after_run_finished_exits_zero(tmp_path, role):
+    """A role whose run() has finished ignores SIGTERM: its exit code stays 0 (a SLURM job of an
+    elastic pool drained twice ended FAILED with -15 though every shard was flushed)."""
+    from buffer.run import setup_trainer_run
+
+    data = tmp_path / "t.parquet"
+    builtin_task.write_parquet(data, builtin_task.make_rows(10, 3))
+    builtin_task.write_model(tmp_path / "m0")
+    root = tmp_path / "run"
+    run = setup_trainer_run(str(root))
+    run.publisher.publish_hf_folder(tmp_path / "m0", 0, 0, keep=2)
+    run.state.mark_done({"steps": 0})  # run() ends at once: nothing to generate or answer
+    module, args = {
+        "worker": ("rollout.worker", [f"data.train_files=[{data}]", "worker.id=w0"]),
+        "validator": ("rollout.validate", [f"data.val_files=[{data}]"]),
+    }[role]
+    proc = subprocess.run(
+        [sys.executable, "-c", _SIGTERM_WHILE_EXITING, module, *args, f"root={root}", "data.max_response_length=3"],
+        capture_output=True,
+        text=True,
+        env=subprocess_env(),
+        timeout=180,
+    )
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, f"exit {proc.returncode} (-15: killed by the SIGTERM while exiting):\n{out[-3000:]}"
+    assert "stopped" in out

@@ -1,8 +1,10 @@
 """launch.status and launch.report on a real CPU run (launch.local), while it runs and after.
 
-One run serves every test here: while it trains, the module fixture takes status and report
+One run serves every test here and tests/test_validation.py's held-out accuracy test (the session
+fixture `status_run` in conftest.py, made by `observe_run`): while it trains, it takes status and report
 snapshots, puts a damaged shard in the buffer (the trainer quarantines it) and stops one worker
-with SIGSTOP until the status flags it SILENT; then it lets the run finish.
+with SIGSTOP until the status flags it SILENT (the trainer stopped too meanwhile, so that a short
+run is still live then); then it lets the run finish.
 """
 
 from __future__ import annotations
@@ -18,8 +20,12 @@ import time
 from pathlib import Path
 
 import pytest
+from conftest import descendants
 
-STEPS = 150  # long enough to stay live through the checks below (~0.5 s a step here)
+# 60 steps, validated every 20: what tests/test_validation.py needs to see held-out accuracy rise
+# (past the first plateau, the prompt's first digit repeated, in every run seen); the live
+# snapshots below need ~25 (0.3-0.5 s a step here).
+STEPS, FREQ = 60, 20
 SILENT_AFTER = 15.0  # 3x the 5 s heartbeat of a worker held back by backpressure (rollout.worker)
 PLOTS = ("reward", "staleness", "throughput", "versions", "step_time", "sync_latency")
 
@@ -34,7 +40,7 @@ def _status(root, *args) -> dict:
     return json.loads(_cli("launch.status", str(root), "--json", *args))
 
 
-CORE = "val-core/tandem/copy/reward/mean@1"  # launch.local validates every 10 steps
+CORE = "val-core/tandem/copy/reward/mean@1"
 
 
 def _lines(root) -> list[dict]:
@@ -54,6 +60,26 @@ def _beats(root) -> dict[str, dict]:
     return {p.stem: json.loads(p.read_text()) for p in (root / "workers").glob("*.json")}
 
 
+def _trainer_pids(proc) -> list[int]:
+    """launch.local's torchrun of trainer.main and its ranks (in sessions of their own)."""
+    for pid in descendants(proc.pid):
+        try:
+            cmd = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if b"torch.distributed.run" in cmd and b"trainer.main" in cmd:
+            return [pid, *descendants(pid)]
+    raise AssertionError("no torchrun of trainer.main under launch.local")
+
+
+def _signal_all(pids: list[int], sig: signal.Signals) -> None:
+    for pid in pids:
+        try:
+            os.kill(pid, sig)
+        except ProcessLookupError:
+            pass
+
+
 def _wait(what: str, cond, proc, timeout_s: float = 300):
     """Poll `cond` until true; fail naming `what` if the run ends or the time is up."""
     deadline, note = time.monotonic() + timeout_s, time.monotonic()
@@ -67,12 +93,23 @@ def _wait(what: str, cond, proc, timeout_s: float = 300):
     return value
 
 
-@pytest.fixture(scope="module")
-def run(tmp_path_factory):
-    """(run folder, observations made while it ran)."""
+def observe_run(tmp_path_factory) -> tuple[Path, dict]:
+    """(run folder, observations made while it ran); conftest's `status_run` calls it once."""
     root = tmp_path_factory.mktemp("status") / "run"
     proc = subprocess.Popen(
-        [sys.executable, "-m", "launch.local", "--root", str(root), "--steps", str(STEPS), "--timeout", "900"],
+        [
+            sys.executable,
+            "-m",
+            "launch.local",
+            "--root",
+            str(root),
+            "--steps",
+            str(STEPS),
+            "--test-freq",
+            str(FREQ),
+            "--timeout",
+            "900",
+        ],
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
@@ -94,8 +131,11 @@ def run(tmp_path_factory):
         live["report_rows"] = _rows(root)
         _wait("the quarantined shard", lambda: list((root / "quarantine").rglob("*.arrow")), proc)
 
-        stopped = _beats(root)["w1"]["pid"]
-        os.kill(stopped, signal.SIGSTOP)
+        # Freeze the trainer (its torchrun and ranks, all ours) and w1: the run stays live while
+        # w1's heartbeat ages; w0 waits on backpressure and beats every 5 s meanwhile.
+        stopped = _trainer_pids(proc) + [_beats(root)["w1"]["pid"]]
+        _signal_all(stopped, signal.SIGSTOP)
+        assert not (root / "DONE").exists(), f"the {STEPS} steps ended before the SILENT check: raise STEPS"
         _wait(
             f"w1 silent for {SILENT_AFTER} s",
             lambda: time.time() - _beats(root)["w1"]["last_beat"] > SILENT_AFTER,
@@ -103,18 +143,23 @@ def run(tmp_path_factory):
         )
         live["silent"] = _status(root, "--silent-after", str(SILENT_AFTER))
         live["silent_text"] = _cli("launch.status", str(root), "--once", "--silent-after", str(SILENT_AFTER))
-        os.kill(stopped, signal.SIGCONT)
+        _signal_all(stopped, signal.SIGCONT)
         stopped = None
         out, _ = proc.communicate(timeout=900)
         assert proc.returncode == 0, out[-3000:]
         live["local_out"] = out
     finally:
         if stopped is not None:
-            os.kill(stopped, signal.SIGCONT)
+            _signal_all(stopped, signal.SIGCONT)
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGTERM)
             proc.wait(timeout=120)
     return root, live
+
+
+@pytest.fixture
+def run(status_run):
+    return status_run
 
 
 def _split(row: dict) -> dict:
@@ -184,7 +229,7 @@ def test_finished_status_equals_files(run):
     assert b["bad_shards"] == last["buffer/bad_shards"] == 1 and b["quarantined_shards"] == 1
     assert b["bytes"]["weights"] > 0 and b["disk_free_bytes"] > 0
     vals = _vals(root)
-    assert [v["step"] for v in vals] == list(range(0, STEPS + 1, 10))
+    assert [v["step"] for v in vals] == list(range(0, STEPS + 1, FREQ))
     assert s["validation"] == {
         CORE: {"step": STEPS, "value": vals[-1][CORE], "first": vals[0][CORE], "best": max(v[CORE] for v in vals)}
     }

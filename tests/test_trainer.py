@@ -209,6 +209,8 @@ def test_gae_with_a_critic_learns_the_builtin_task(tmp_path):
             "100",
             "--timeout",
             "1200",
+            "--test-freq",
+            "0",  # no validator: this test reads the trainer's rewards only
             "--trainer",
             "algorithm.adv_estimator=gae",
         ],
