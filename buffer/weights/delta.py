@@ -30,13 +30,14 @@ import logging
 import os
 import shutil
 import struct
+import threading
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from buffer.layout import TMP_MARK
 from buffer.storage import fsync_tree
-from protocol.weights import FileEntry, ManifestError, TensorEntry, WeightManifest, verify_files
+from protocol.weights import ManifestError, TensorEntry, WeightManifest, verify_files
 
 if TYPE_CHECKING:
     import torch
@@ -208,7 +209,7 @@ def rebuild(delta_folder: str, manifest: WeightManifest, base_folder: str, out: 
     the manifest (DeltaMismatch), fsynced, renamed. Returns `out`."""
     from safetensors import safe_open
 
-    tmp = f"{out}{TMP_MARK}{os.getpid()}"
+    tmp = f"{out}{TMP_MARK}{os.getpid()}-{threading.get_ident()}"
     shutil.rmtree(tmp, ignore_errors=True)
     os.makedirs(tmp)
     base = read_manifest(base_folder)
@@ -275,10 +276,11 @@ def held_full(folder: str, version: int) -> bool:
 
 
 def remove_debris(cache: str) -> None:
-    """Temp folders of rebuilds that were killed (a reader killed mid-apply)."""
+    """Temp folders of rebuilds that were killed (a reader killed mid-apply: another process;
+    this one's own may be in progress in another thread)."""
     if os.path.isdir(cache):
         for name in os.listdir(cache):
-            if TMP_MARK in name:
+            if TMP_MARK in name and not name.split(TMP_MARK, 1)[1].startswith(f"{os.getpid()}-"):
                 shutil.rmtree(os.path.join(cache, name), ignore_errors=True)
 
 

@@ -292,9 +292,7 @@ class WeightStore(FsWeightSource, WeightPublisher):
         self.prune(keep)
         return manifest
 
-    def _delta_of(
-        self, staged: str, manifest: WeightManifest
-    ) -> tuple[str, WeightManifest, delta.DeltaStats] | None:
+    def _delta_of(self, staged: str, manifest: WeightManifest) -> tuple[str, WeightManifest, delta.DeltaStats] | None:
         """The staged version as a delta against the newest published one (a folder, fsynced,
         its manifest written), or None: publish it full (deltas off, a snapshot due or asked
         for, no full base at hand, or a delta that would not pay)."""
@@ -402,6 +400,7 @@ class WeightStore(FsWeightSource, WeightPublisher):
         """Remove a published version (trainer.sft: folders a killed run wrote after its last
         checkpoint)."""
         shutil.rmtree(self.layout.version_dir(version))
+        shutil.rmtree(delta.full_dir(self.layout.weights_dir, version), ignore_errors=True)
 
     def link_final(self, version: int) -> str:
         """An SFT folder's `hf` -> weights/v<version> (relative symlink), replaced atomically;

@@ -49,6 +49,7 @@ import grpc
 from buffer.channel import RunClient, bind_hosts, open_channel, server_credentials, token
 from buffer.config import BufferConfig
 from buffer.layout import RunLayout
+from buffer.weights import delta
 from buffer.weights.base import WeightSource
 from buffer.weights.net_server import OPTIONS, REDIRECT, ChunkServicer, Holding
 from protocol import run_service as rs
@@ -758,6 +759,8 @@ class NetWeightSource(WeightSource):
         self.client, self.layout, self.keep = client, layout, keep
         self._fetcher: WeightFetcher | None = None
         self._verified: set[int] = set()  # cache folders this process fetched or checked
+        self._rebuilt: set[int] = set()  # rebuilt delta versions (.full/) this process checked
+        self._ready: set[int] = set()  # versions whose full folder is here (fetch returns at once)
         # (version, thread, errors) of the one background fetch. A daemon thread: a process
         # killed mid-fetch leaves a resumable partial folder (the next fetch continues it);
         # close() cancels it on a clean stop and keeps the folder (see close).
@@ -773,7 +776,7 @@ class NetWeightSource(WeightSource):
         """Fetch `version` in the background, one version at a time (a newer one seen while
         another is in flight starts at a later `pointer()`). Called from one thread (the role's)."""
         bg = self._background
-        if version in self._verified or (bg is not None and (bg[0] == version or bg[1].is_alive())):
+        if version in self._ready or (bg is not None and (bg[0] == version or bg[1].is_alive())):
             return
         errors: list[BaseException] = []
 
@@ -789,7 +792,7 @@ class NetWeightSource(WeightSource):
 
     def ready(self, version: int) -> bool:
         bg = self._background
-        return version in self._verified or (bg is not None and bg[0] == version and not bg[1].is_alive())
+        return version in self._ready or (bg is not None and bg[0] == version and not bg[1].is_alive())
 
     def exists(self, version: int) -> bool:
         return self.client.call("VersionExists", rs.VersionRef(version)).value
@@ -806,18 +809,42 @@ class NetWeightSource(WeightSource):
                 raise bg[2][0]
         return self._fetch(version)
 
+    def version_bytes(self, version: int) -> int:
+        path = os.path.join(self.layout.version_dir(version), "manifest.json")
+        with open(path) as f:
+            return sum(e.bytes for e in WeightManifest.from_json(f.read(), where=path).files)
+
+    def request_snapshot(self, version: int) -> None:
+        self.client.call("RequestSnapshot", rs.VersionRef(version))
+
     def _fetch(self, version: int) -> str:
+        """The full folder of `version`: fetched (a snapshot), or its delta fetched and rebuilt
+        on its base (fetched too, or rebuilt, if this cache lacks it: buffer/weights/delta.py)."""
+        t0 = time.monotonic()
+        folder = delta.resolve(
+            version, self._published, self.layout.weights_dir, drop=self._drop, verified=self._rebuilt
+        )
+        self._ready.add(version)
+        log.info("weight version %d in %s (%.2f s)", version, folder, time.monotonic() - t0)
+        self._prune()
+        return folder
+
+    def _published(self, version: int) -> str:
+        """The version's published folder (a snapshot or a delta) in the cache, verified."""
         folder = self.layout.version_dir(version)
         if version in self._verified and os.path.isdir(folder):
             return folder
         if self._fetcher is None:
             self._fetcher = WeightFetcher(self.client.address, token(self.client.cfg), self.client.cfg)
-        t0 = time.monotonic()
         self._fetcher.fetch(version, folder)  # a folder already there is checked, else fetched
         self._verified.add(version)
-        log.info("weight version %d in %s (%.2f s)", version, folder, time.monotonic() - t0)
-        self._prune()
         return folder
+
+    def _drop(self, version: int) -> None:
+        """Forget a cached copy that did not rebuild right: the next `_published` fetches it."""
+        self._verified.discard(version)
+        self._ready.discard(version)
+        shutil.rmtree(self.layout.version_dir(version), ignore_errors=True)
 
     def close(self) -> None:
         """A clean stop cancels the fetch in flight and KEEPS its partial folder, as a kill -9
@@ -840,5 +867,12 @@ class NetWeightSource(WeightSource):
         for version in complete[: -self.keep]:
             shutil.rmtree(self.layout.version_dir(version), ignore_errors=True)
             self._verified.discard(version)
+            self._ready.discard(version)
         for version in partials - {None, resumable}:
             discard_partial(self.layout.version_dir(version))
+        rebuilt = os.path.join(self.layout.weights_dir, delta.FULL_DIR)
+        kept = set(complete[-self.keep :])
+        for name in os.listdir(rebuilt) if os.path.isdir(rebuilt) else []:
+            if RunLayout.version_of(name) is not None and RunLayout.version_of(name) not in kept:
+                shutil.rmtree(os.path.join(rebuilt, name), ignore_errors=True)
+                self._rebuilt.discard(RunLayout.version_of(name) or -1)
