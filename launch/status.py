@@ -131,8 +131,6 @@ def _worker(worker: str, beat: dict, now: float, silent_after: float) -> dict:
         "bytes_per_reload": beat["reload_bytes"] / beat["reloads"]
         if beat.get("reloads") and "reload_bytes" in beat
         else None,
-        if beat.get("reloads") and "reload_bytes" in beat
-        else None,
         "last_reload_bytes": (beat.get("last_reload") or {}).get("bytes"),
         "last_reload_s": (beat.get("last_reload") or {}).get("seconds"),
         "last_beat_age_s": age,
