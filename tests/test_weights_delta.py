@@ -3,6 +3,7 @@ WeightStore publishing a real tiny model's tensors with random sparse updates, t
 service and weight service on loopback, network workers with their own caches, and a real worker
 process killed (kill -9, by its pid) while it rebuilds a version."""
 
+import json
 import logging
 import os
 import shutil
@@ -21,7 +22,6 @@ from buffer.layout import TMP_MARK
 from buffer.run import setup_trainer_run, setup_worker_run
 from buffer.weights import delta
 from buffer.weights.fs import FsWeightSource, read_tensors
-from rollout import builtin_task
 from rollout.config import WorkerConfig
 
 TOKEN = "delta-token"
@@ -44,17 +44,36 @@ def _cfg(tmp_path, port) -> BufferConfig:
     )
 
 
+def _qwen_shaped(folder, hidden: int, layers: int, vocab: int = 384) -> dict[str, torch.Tensor]:
+    """A Qwen2-shaped tiny model's HF tensor names and shapes with random values, and its
+    config.json: what the trainer publishes, without building the model (transformers' import
+    alone is seconds on a loaded box). bf16 as a GPU trainer publishes; the norms fp32, so both
+    dtypes go through deltas."""
+    folder.mkdir()
+    (folder / "config.json").write_text(
+        json.dumps({"model_type": "qwen2", "hidden_size": hidden, "num_hidden_layers": layers, "vocab_size": vocab})
+    )
+    g = torch.Generator().manual_seed(1)
+    ffn = hidden * 11 // 4
+    shapes = {"model.embed_tokens.weight": (vocab, hidden), "model.norm.weight": (hidden,)}
+    for i in range(layers):
+        p = f"model.layers.{i}."
+        for name in ("q_proj", "k_proj", "v_proj", "o_proj"):
+            shapes[f"{p}self_attn.{name}.weight"] = (hidden, hidden)
+        shapes |= {f"{p}mlp.gate_proj.weight": (ffn, hidden), f"{p}mlp.up_proj.weight": (ffn, hidden)}
+        shapes |= {f"{p}mlp.down_proj.weight": (hidden, ffn), f"{p}input_layernorm.weight": (hidden,)}
+    return {
+        k: torch.randn(s, generator=g).to(torch.float32 if len(s) == 1 else torch.bfloat16) for k, s in shapes.items()
+    }
+
+
 class _Run:
     """The trainer's run folder and run server; `step()` changes a random sparse share of the
     model's values (as an RL step at a small learning rate does) and publishes a version."""
 
     def __init__(self, tmp_path, full_freq: int, hidden: int = 64, layers: int = 2, keep: int = 3):
         self.tmp_path, self.keep = tmp_path, keep
-        builtin_task.write_model(tmp_path / "model", hidden=hidden, layers=layers)
-        weights = load_file(str(tmp_path / "model" / "model.safetensors"))
-        # bf16 as a GPU trainer publishes, one tensor kept fp32: both dtypes are deltas
-        first = sorted(weights)[0]
-        self.now = {k: v.clone() if k == first else v.to(torch.bfloat16) for k, v in weights.items()}
+        self.now = _qwen_shaped(tmp_path / "model", hidden, layers)
         self.trainer = setup_trainer_run(str(tmp_path / "trainer"))
         self.trainer.state.ensure_run_id()
         self.store = self.trainer.publisher
