@@ -328,10 +328,16 @@ class WeightStore(FsWeightSource, WeightPublisher):
         return folder, out, stats
 
     def chain_length(self, version: int) -> int:
-        """Deltas from `version` back to its snapshot (0: it is one)."""
+        """Deltas from `version` back to its snapshot (0: it is one), counted as far as the
+        chain is still published: the trainer needs only its full copy of `version` to build
+        the next delta, and a reader that cannot walk a broken chain asks for a snapshot."""
         n, v = 0, self.manifest(version).base
         while v is not None:
-            n, v = n + 1, self.manifest(v).base
+            n += 1
+            try:
+                v = self.manifest(v).base
+            except ManifestError:
+                break
         return n
 
     def full_folder(self, version: int) -> str | None:
@@ -421,8 +427,9 @@ class WeightStore(FsWeightSource, WeightPublisher):
         """Remove all but the newest `keep` versions, except the newest `keep` of the older
         ones that a validation request holds (a stalled validator cannot fill the disk: the
         ones beyond go, and the validator reports them as skipped), and every version a kept
-        delta is rebuilt from (its chain back to a snapshot). Rebuilt copies (.full/) go with
-        their versions, except the newest: the base of the trainer's next delta."""
+        delta is rebuilt from (its chain back to a snapshot). Rebuilt copies (.full/) are kept
+        for the newest `keep` and the held ones only (a reader rebuilds an older one from the
+        chain); the newest's is the base of the trainer's next delta."""
         versions = self.versions()
         old = versions[:-keep]
         held = [v for v in self.validation.held() if v in old][-keep:]
@@ -442,7 +449,7 @@ class WeightStore(FsWeightSource, WeightPublisher):
         if os.path.isdir(cache):
             for name in os.listdir(cache):
                 v = RunLayout.version_of(name)
-                if v is not None and v not in needed | set(held) and v != max(versions, default=-1):
+                if v is not None and v not in {*versions[-keep:], *held}:
                     shutil.rmtree(os.path.join(cache, name), ignore_errors=True)
 
     def _chains(self, versions: list[int]) -> set[int]:
