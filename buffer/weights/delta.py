@@ -37,7 +37,7 @@ from typing import TYPE_CHECKING
 
 from buffer.layout import TMP_MARK
 from buffer.storage import fsync_tree
-from protocol.weights import ManifestError, TensorEntry, WeightManifest, verify_files
+from protocol.weights import FileEntry, ManifestError, TensorEntry, WeightManifest, sha256_file, verify_files
 
 if TYPE_CHECKING:
     import torch
@@ -129,8 +129,7 @@ def make_delta(
     full folder `base_folder` (version `base`), and return the delta's manifest; None when a
     delta would not pay (or a file's layout cannot be rebuilt from tensors): publish full."""
     from safetensors import safe_open
-
-    from buffer.weights.fs import describe_files, write_file
+    from safetensors.torch import save_file
 
     stats = DeltaStats()
     with contextlib.ExitStack() as stack:
@@ -170,14 +169,15 @@ def make_delta(
                         pieces[f"{key}::idx"] = idx.to(torch.int32 if new.numel() < 2**31 else torch.int64)
                         pieces[f"{key}::val"] = new.reshape(-1)[idx]
                         stats.changed += idx.numel()
-            entry, _ = write_file(out, PREFIX + name, pieces)
-            stats.delta_bytes += entry.bytes
+            save_file(pieces, os.path.join(out, PREFIX + name))  # fsynced with the folder
+            stats.delta_bytes += os.path.getsize(os.path.join(out, PREFIX + name))
             if stats.delta_bytes > MAX_DENSITY * sum(f.bytes for f in manifest.files):
                 return None
     small = [f.name for f in manifest.files if f.name not in {t.file for t in manifest.tensors.values()}]
     for name in small:
         shutil.copyfile(os.path.join(staged, name), os.path.join(out, name))
-    files, _ = describe_files(out, sorted(os.listdir(out)))
+    paths = [os.path.join(out, n) for n in sorted(os.listdir(out))]
+    files = [FileEntry(os.path.basename(p), os.path.getsize(p), sha256_file(p)) for p in paths]
     delta = {"base": base.version, "files": [dataclasses.asdict(f) for f in manifest.files]}
     out_manifest = dataclasses.replace(manifest, files=files, delta=delta)
     return out_manifest, stats
@@ -186,6 +186,7 @@ def make_delta(
 def _rebuilt_pieces(delta_file: str, base_tensor: Callable[[str], torch.Tensor]) -> Iterator[bytes | memoryview]:
     """The bytes of one rebuilt safetensors file, in order: its header, then each tensor (the
     base's, patched at the changed positions)."""
+    import torch
     from safetensors import safe_open
 
     with safe_open(delta_file, framework="pt") as d:
@@ -200,7 +201,7 @@ def _rebuilt_pieces(delta_file: str, base_tensor: Callable[[str], torch.Tensor])
                 t = base_tensor(key).contiguous()
                 if f"{key}::idx" in names:
                     _int_view(t)[d.get_tensor(f"{key}::idx").long()] = _int_view(d.get_tensor(f"{key}::val"))
-            yield memoryview(t.reshape(-1).view(__import__("torch").uint8).numpy())
+            yield memoryview(t.reshape(-1).view(torch.uint8).numpy())
 
 
 def rebuild(delta_folder: str, manifest: WeightManifest, base_folder: str, out: str) -> str:
