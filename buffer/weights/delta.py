@@ -32,6 +32,7 @@ import shutil
 import struct
 import threading
 from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -204,47 +205,63 @@ def _rebuilt_pieces(delta_file: str, base_tensor: Callable[[str], torch.Tensor])
             yield memoryview(t.reshape(-1).view(torch.uint8).numpy())
 
 
-def rebuild(delta_folder: str, manifest: WeightManifest, base_folder: str, out: str) -> str:
-    """Rebuild the delta version in `delta_folder` (its `manifest`) on the full folder
-    `base_folder` into `out`: staged in a temp folder, every file's sha256 checked against
-    the manifest (DeltaMismatch), fsynced, renamed. Returns `out`."""
+def _rebuild_file(delta_folder: str, name: str, base_folder: str, base: WeightManifest, target: str) -> str:
+    """Write one file of the rebuilt version to `target`; its sha256. The hash of piece k runs
+    in a thread while piece k+1 is patched and written (both release the GIL)."""
     from safetensors import safe_open
 
+    if not os.path.exists(os.path.join(delta_folder, PREFIX + name)):  # a metadata file
+        shutil.copyfile(os.path.join(delta_folder, name), target)
+        return hashlib.sha256(Path(target).read_bytes()).hexdigest()
+    with contextlib.ExitStack() as stack:
+        opened: dict[str, object] = {}
+
+        def base_tensor(key: str):
+            entry = base.tensors.get(key)
+            if entry is None:
+                raise DeltaMismatch(f"{delta_folder}: tensor {key} is in neither the delta nor the base")
+            if entry.file not in opened:
+                opened[entry.file] = stack.enter_context(
+                    safe_open(os.path.join(base_folder, entry.file), framework="pt")
+                )
+            return opened[entry.file].get_tensor(key)  # type: ignore[attr-defined]
+
+        sha, hashing = hashlib.sha256(), None
+        with ThreadPoolExecutor(1, thread_name_prefix="rebuild-sha256") as pool, open(target, "wb") as f:
+            for piece in _rebuilt_pieces(os.path.join(delta_folder, PREFIX + name), base_tensor):
+                f.write(piece)
+                if hashing is not None:
+                    hashing.result()  # in order: the digest is of the file's bytes
+                hashing = pool.submit(sha.update, piece)
+            if hashing is not None:
+                hashing.result()
+        return sha.hexdigest()
+
+
+def rebuild(delta_folder: str, manifest: WeightManifest, base_folder: str, out: str, threads: int = 4) -> str:
+    """Rebuild the delta version in `delta_folder` (its `manifest`) on the full folder
+    `base_folder` into `out`: staged in a temp folder (its files `threads` at a time), every
+    file's sha256 checked against the manifest (DeltaMismatch), fsynced, renamed. Returns `out`."""
     tmp = f"{out}{TMP_MARK}{os.getpid()}-{threading.get_ident()}"
     shutil.rmtree(tmp, ignore_errors=True)
     os.makedirs(tmp)
     base = read_manifest(base_folder)
+    entries = manifest.full_files()
     try:
-        with contextlib.ExitStack() as stack:
-            opened: dict[str, object] = {}
-
-            def base_tensor(key: str):
-                entry = base.tensors.get(key)
-                if entry is None:
-                    raise DeltaMismatch(f"{delta_folder}: tensor {key} is in neither the delta nor the base")
-                if entry.file not in opened:
-                    path = os.path.join(base_folder, entry.file)
-                    opened[entry.file] = stack.enter_context(safe_open(path, framework="pt"))
-                return opened[entry.file].get_tensor(key)  # type: ignore[attr-defined]
-
-            for entry in manifest.full_files():
-                target = os.path.join(tmp, entry.name)
-                if os.path.exists(os.path.join(delta_folder, PREFIX + entry.name)):
-                    sha = hashlib.sha256()
-                    with open(target, "wb") as f:
-                        for piece in _rebuilt_pieces(os.path.join(delta_folder, PREFIX + entry.name), base_tensor):
-                            f.write(piece)
-                            sha.update(piece)
-                    digest = sha.hexdigest()
-                else:
-                    shutil.copyfile(os.path.join(delta_folder, entry.name), target)
-                    digest = hashlib.sha256(Path(target).read_bytes()).hexdigest()
-                if digest != entry.sha256 or os.path.getsize(target) != entry.bytes:
-                    raise DeltaMismatch(
-                        f"weight version {manifest.version}: {entry.name} rebuilt from the delta in "
-                        f"{delta_folder} on {base_folder} does not match the trainer's sha256"
-                    )
-        full = dataclasses.replace(manifest, files=manifest.full_files(), delta=None)
+        with ThreadPoolExecutor(max(1, min(threads, len(entries))), thread_name_prefix="rebuild") as pool:
+            digests = list(
+                pool.map(
+                    lambda e: _rebuild_file(delta_folder, e.name, base_folder, base, os.path.join(tmp, e.name)),
+                    entries,
+                )
+            )
+        for entry, digest in zip(entries, digests):
+            if digest != entry.sha256 or os.path.getsize(os.path.join(tmp, entry.name)) != entry.bytes:
+                raise DeltaMismatch(
+                    f"weight version {manifest.version}: {entry.name} rebuilt from the delta in "
+                    f"{delta_folder} on {base_folder} does not match the trainer's sha256"
+                )
+        full = dataclasses.replace(manifest, files=entries, delta=None)
         Path(tmp, "manifest.json").write_text(full.to_json())
         fsync_tree(tmp)
         if os.path.isdir(out):  # another reader rebuilt it meanwhile (same bytes)
