@@ -15,9 +15,12 @@ named with a profile. Where the time goes (`profile` in the output, per MB moved
   more against the manifest (`finish_s`: what is left of that after the transfer);
 - `copy_mb_s`: one memcpy of a 4 MiB buffer (bytes(memoryview)): the price of each copy of a
   chunk on its way (server: pread, reply encoding; client: reply decoding, pwrite);
-- `cpu_s_per_gb`: process CPU seconds (user + system, both sides: server and client share this
-  process) per GB received, and `cpu_cores_busy` = CPU seconds / wall seconds: when it reaches
-  the machine's cores, the CPU is the limit, not the streams.
+- `worker_cpu_s_per_gb`: the worker's CPU seconds (user + system, all its threads) per GB
+  received, and `worker_cores_busy` = CPU seconds / wall seconds; `trainer_cpu_s_per_gb` the
+  same of the trainer's process (a subprocess here, as in a run: its own GIL). Much of a
+  Python process's work per chunk holds the GIL (gRPC's Python layer, message decoding): CPU
+  seconds per GB near 1 / (wall seconds per GB) on one busy core name the GIL as the limit;
+- `--profile FILE`: cProfile of the worker's fetch at the most streams (`python -m pstats`).
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ import os
 import platform
 import resource
 import shutil
+import subprocess
 import sys
 import tempfile
 import time
@@ -82,37 +86,49 @@ def micro(threads: int) -> dict:
     return {"sha256_mb_s_1": one, f"sha256_mb_s_{threads}": many, "copy_mb_s": copy}
 
 
-def fetch_once(store_root: str, nbytes: int, streams: int, chunk_kb: int, work: str) -> dict:
+def serve(args) -> None:
+    """The trainer's side in its own process (as in a run: its own GIL): the weight service on
+    an experience gRPC server, READY <port>, then serve until stdin closes; prints its CPU s."""
     from buffer.experience.net_server import ShardServer
     from buffer.weights.fs import WeightStore
-    from buffer.weights.net_client import WeightFetcher
     from buffer.weights.net_server import add_weight_service
 
-    sock = __import__("socket").socket()
-    sock.bind(("127.0.0.1", 0))
-    port = sock.getsockname()[1]
-    sock.close()
-    cfg = _cfg(port, streams, chunk_kb)
-    store = WeightStore(store_root)
-    token_file = os.path.join(work, "token")
-    with open(token_file, "w") as f:
-        f.write(TOKEN)
-    os.environ["TANDEM_GRPC_TOKEN"] = TOKEN
-    shards = ShardServer(os.path.join(work, "shards"), cfg)
+    store = WeightStore(args.serve)
+    cfg = _cfg(0, args.max_streams, args.chunk_kb)
+    shards = ShardServer(os.path.join(args.work, "shards"), cfg)
     service = add_weight_service(
         shards.server, lambda v: store.layout.version_dir(v) if store.exists(v) else None, TOKEN, cfg
     )
+    service._holding(1)  # the trainer hashes a version once, when it is first asked: not timed
+    cpu0 = _cpu()
+    print(f"READY {shards.port}", flush=True)
+    sys.stdin.read()
+    print(f"CPU {_cpu() - cpu0}", flush=True)
+    shards.stop(grace_s=0.5)
+
+
+def fetch_once(port: int, nbytes: int, streams: int, chunk_kb: int, work: str, profile: str | None) -> dict:
+    from buffer.weights.net_client import WeightFetcher
+
+    cfg = _cfg(port, streams, chunk_kb)
     fetcher = WeightFetcher(cfg.grpc_address, TOKEN, cfg, "bench")
     dest = os.path.join(work, f"dest-{streams}")
+    prof = None
     try:
-        service._holding(1)  # the trainer hashes a version once, when it is first asked: not timed
+        if profile:
+            import cProfile
+
+            prof = cProfile.Profile()
+            prof.enable()
         cpu0, t0 = _cpu(), time.monotonic()
         fetcher.fetch(1, dest)
         wall, cpu = time.monotonic() - t0, _cpu() - cpu0
+        if prof is not None:
+            prof.disable()
+            prof.dump_stats(profile)
         stats = fetcher.stats[1]
     finally:
         fetcher.close()
-        shards.stop(grace_s=0.5)
         shutil.rmtree(dest, ignore_errors=True)
     return {
         "streams": streams,
@@ -121,8 +137,8 @@ def fetch_once(store_root: str, nbytes: int, streams: int, chunk_kb: int, work: 
         "mb_s": nbytes / 1e6 / wall,
         "transfer_s": stats.seconds,
         "finish_s": wall - stats.seconds,  # chunk list + the whole-file checks + rename
-        "cpu_s_per_gb": cpu / (nbytes / 1e9),
-        "cpu_cores_busy": cpu / wall,
+        "worker_cpu_s_per_gb": cpu / (nbytes / 1e9),  # all the worker's threads
+        "worker_cores_busy": cpu / wall,
         "chunks": stats.chunks,
         "busy": stats.busy,
     }
@@ -136,21 +152,50 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--repeats", type=int, default=2)
     p.add_argument("--work", default=None, help="folder for the model and the fetches (default: temporary)")
     p.add_argument("--out", default=None)
+    p.add_argument("--profile", default=None, help="cProfile the worker's fetch at the most streams into this file")
+    p.add_argument("--serve", default=None, help=argparse.SUPPRESS)  # the trainer's process
+    p.add_argument("--max-streams", type=int, default=8, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     work = args.work or tempfile.mkdtemp(prefix="weights_receive-")
+    if args.serve:
+        args.work = work
+        serve(args)
+        return {}
     root, nbytes = publish_model(work, args.model_mb)
     streams = [int(s) for s in args.streams.split(",")]
+    os.environ["TANDEM_GRPC_TOKEN"] = TOKEN
+    server = subprocess.Popen(
+        [sys.executable, "-m", "benchmarks.weights_receive", "--serve", root, "--work", work]
+        + ["--chunk-kb", str(args.chunk_kb), "--max-streams", str(max(streams))],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+        cwd=ROOT_DIR,
+    )
     rows = []
-    for n in streams:
-        for _ in range(args.repeats):
-            rows.append(fetch_once(root, nbytes, n, args.chunk_kb, work))
-            print(json.dumps(rows[-1]), flush=True)
+    try:
+        line = server.stdout.readline().split()  # bounded: the server prints READY or exits
+        if not line or line[0] != "READY":
+            raise RuntimeError(f"the trainer process did not start (said {line!r})")
+        for n in streams:
+            for _ in range(args.repeats):
+                profile = args.profile if n == max(streams) else None
+                rows.append(fetch_once(int(line[1]), nbytes, n, args.chunk_kb, work, profile))
+                print(json.dumps(rows[-1]), flush=True)
+        server.stdin.close()
+        said = server.stdout.read().split()
+        trainer_cpu = float(said[said.index("CPU") + 1]) if "CPU" in said else None
+    finally:
+        if server.poll() is None:
+            server.terminate()
+        server.wait(timeout=30)
     best = {n: max(r["mb_s"] for r in rows if r["streams"] == n) for n in streams}
     out = {
         "host": platform.node(),
         "cpus": os.cpu_count(),
         "model_bytes": nbytes,
         "best_mb_s": best,
+        "trainer_cpu_s_per_gb": None if trainer_cpu is None else trainer_cpu / (nbytes / 1e9 * len(rows)),
         "profile": micro(min(8, os.cpu_count() or 1)),
         "runs": rows,
     }

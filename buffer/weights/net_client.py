@@ -88,6 +88,78 @@ class FetchCancelled(Exception):
     `<dest>.partial/`, and the next fetch of the version resumes them."""
 
 
+class _FileHashes:
+    """The manifest's whole-file sha256 of each file, computed while the transfer goes on: a
+    thread of its own hashes each file's chunks in order as they are written (read back from
+    the page cache), so that at the end only the last chunks remain to hash instead of every
+    file again (on a fast link that final pass was a quarter of a fetch). Chunks arrive in any
+    order; a file's hash waits at its first missing chunk."""
+
+    def __init__(self, chunks: ChunkList, fds: list[int], ready: set[int]):
+        self.chunks, self.fds = chunks, fds
+        self.sha = [hashlib.sha256() for _ in chunks.files]
+        self.next = [chunks.chunks_of(pos).start for pos in range(len(chunks.files))]
+        self.ready = set(ready)
+        self.cond = threading.Condition()
+        self.closed = False
+        self.error: BaseException | None = None
+        self.thread = threading.Thread(target=self._run, name="weights-file-sha256", daemon=True)
+        self.thread.start()
+
+    def written(self, index: int) -> None:
+        with self.cond:
+            self.ready.add(index)
+            self.cond.notify()
+
+    def _advance(self) -> bool:
+        """Hash the next ready chunk of any file; False when none is ready."""
+        with self.cond:
+            pos = next(
+                (
+                    p
+                    for p in range(len(self.next))
+                    if self.next[p] in self.ready and self.next[p] in self.chunks.chunks_of(p)
+                ),
+                None,
+            )
+        if pos is None:
+            return False
+        _, offset, length = self.chunks.locate(self.next[pos])
+        self.sha[pos].update(os.pread(self.fds[pos], length, offset))
+        self.next[pos] += 1
+        return True
+
+    def _run(self) -> None:
+        try:
+            while True:
+                if self._advance():
+                    continue
+                with self.cond:
+                    if self.closed:
+                        return
+                    self.cond.wait(1.0)
+        except BaseException as e:  # the final check hashes the files itself then
+            self.error = e
+
+    def digests(self, timeout_s: float) -> list[str] | None:
+        """Every file's hex sha256 once all chunks are hashed (call when all are written);
+        None if the thread failed or did not finish within `timeout_s`."""
+        deadline = time.monotonic() + timeout_s
+        with self.cond:
+            self.cond.notify()
+        while any(self.next[p] < self.chunks.chunks_of(p).stop for p in range(len(self.next))):
+            if self.error is not None or not self.thread.is_alive() or time.monotonic() > deadline:
+                return None
+            time.sleep(0.005)
+        return [h.hexdigest() for h in self.sha]
+
+    def close(self) -> None:
+        with self.cond:
+            self.closed = True
+            self.cond.notify()
+        self.thread.join(timeout=30)  # it ends at its next chunk (one pread + hash)
+
+
 class _Partial:
     """`<dest>.partial/`: the version's files at full size, written chunk by chunk, plus the
     chunk list it was fetched by and the bitmap of chunks verified and fsynced (sidecars)."""
@@ -117,6 +189,7 @@ class _Partial:
             self.fds.append(fd)
         self.pending: set[int] = set()  # verified, written, not yet fsynced
         self.saved_at = time.monotonic()
+        self.hashes = _FileHashes(chunks, self.fds, self.durable)
 
     def _replace(self, name: str, data: bytes) -> None:
         tmp = os.path.join(self.folder, name + ".tmp")
@@ -153,6 +226,7 @@ class _Partial:
         self._replace(_VERIFIED_FILE, to_bitmap(self.durable, self.chunks.total))
 
     def close(self) -> None:
+        self.hashes.close()  # before the files it reads are closed
         for fd in self.fds:
             os.close(fd)
         self.fds = []
@@ -391,9 +465,10 @@ class WeightFetcher:
         chunks leave the bitmap), then drop the sidecars and rename into place."""
         state.save(0)
         chunks = state.chunks
-        # one thread per file (hashlib releases the GIL): a GB of shards hashes on several cores
-        with futures.ThreadPoolExecutor(max(1, min(len(chunks.files), os.cpu_count() or 1))) as pool:
-            sums = list(pool.map(sha256_file, [os.path.join(state.folder, f.name) for f in chunks.files]))
+        sums = state.hashes.digests(self.cfg.weights_chunk_timeout_s)  # hashed while fetching
+        if sums is None:  # that thread failed: one thread per file (hashlib releases the GIL)
+            with futures.ThreadPoolExecutor(max(1, min(len(chunks.files), os.cpu_count() or 1))) as pool:
+                sums = list(pool.map(sha256_file, [os.path.join(state.folder, f.name) for f in chunks.files]))
         bad = [i for i, (f, got) in enumerate(zip(chunks.files, sums)) if got != f.sha256]
         if bad:
             names = [chunks.files[i].name for i in bad]
@@ -621,6 +696,7 @@ class _Transfer:
         with self.holding.lock:
             self.holding.have.add(index)
         self.state.pending.add(index)
+        self.state.hashes.written(index)
         if source == TRAINER:
             self.stats.from_trainer += 1
             self.stats.bytes_from_trainer += size
