@@ -20,6 +20,8 @@ named with a profile. Where the time goes (`profile` in the output, per MB moved
   same of the trainer's process (a subprocess here, as in a run: its own GIL). Much of a
   Python process's work per chunk holds the GIL (gRPC's Python layer, message decoding): CPU
   seconds per GB near 1 / (wall seconds per GB) on one busy core name the GIL as the limit;
+- `stages`: one chunk at a time in one thread, the MB/s and share of each step of the worker's
+  path: the gRPC call (trainer: pread, encode, send), decoding the reply, sha256, pwrite;
 - `--profile FILE`: cProfile of the worker's fetch at the most streams (`python -m pstats`).
 """
 
@@ -144,6 +146,48 @@ def fetch_once(port: int, nbytes: int, streams: int, chunk_kb: int, work: str, p
     }
 
 
+def stages(port: int, chunk_kb: int, work: str, n: int = 32) -> dict:
+    """Where a chunk's time goes on the worker, one chunk at a time in one thread: the gRPC
+    call (the trainer reads, encodes and sends; gRPC receives), decoding the reply, its sha256,
+    its write (pwrite into the page cache). MB/s of each stage alone."""
+    from buffer.weights.net_client import WeightFetcher
+    from protocol.weights_wire import CHUNK_METHOD, ChunkReply, ChunkRequest
+
+    cfg = _cfg(port, 1, chunk_kb)
+    f = WeightFetcher(cfg.grpc_address, TOKEN, cfg, "stages")
+    try:
+        chunks = f._chunk_list(1)
+        call = f.trainer.unary_unary(CHUNK_METHOD)
+        spent = {"rpc": 0.0, "decode": 0.0, "sha256": 0.0, "pwrite": 0.0}
+        fd = os.open(os.path.join(work, "stages.bin"), os.O_RDWR | os.O_CREAT, 0o644)
+        moved = 0
+        try:
+            for i in range(min(n, chunks.total)):
+                t0 = time.perf_counter()
+                raw = call(ChunkRequest(1, "stages", index=i).encode(), timeout=60, metadata=f.metadata)
+                t1 = time.perf_counter()
+                reply = ChunkReply.decode(raw)
+                t2 = time.perf_counter()
+                hashlib.sha256(reply.data).digest()
+                t3 = time.perf_counter()
+                os.pwrite(fd, reply.data, moved)
+                t4 = time.perf_counter()
+                moved += len(reply.data)
+                for k, dt in zip(spent, (t1 - t0, t2 - t1, t3 - t2, t4 - t3)):
+                    spent[k] += dt
+        finally:
+            os.close(fd)
+            os.remove(os.path.join(work, "stages.bin"))
+    finally:
+        f.close()
+    total = sum(spent.values())
+    return {
+        "chunks": min(n, chunks.total),
+        **{f"{k}_mb_s": moved / 1e6 / v for k, v in spent.items() if v},
+        **{f"{k}_share": v / total for k, v in spent.items()},
+    }
+
+
 def main(argv: list[str] | None = None) -> dict:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model-mb", type=int, default=512)
@@ -182,6 +226,7 @@ def main(argv: list[str] | None = None) -> dict:
                 profile = args.profile if n == max(streams) else None
                 rows.append(fetch_once(int(line[1]), nbytes, n, args.chunk_kb, work, profile))
                 print(json.dumps(rows[-1]), flush=True)
+        chunk_stages = stages(int(line[1]), args.chunk_kb, work)
         server.stdin.close()
         said = server.stdout.read().split()
         trainer_cpu = float(said[said.index("CPU") + 1]) if "CPU" in said else None
@@ -197,6 +242,7 @@ def main(argv: list[str] | None = None) -> dict:
         "best_mb_s": best,
         "trainer_cpu_s_per_gb": None if trainer_cpu is None else trainer_cpu / (nbytes / 1e9 * len(rows)),
         "profile": micro(min(8, os.cpu_count() or 1)),
+        "stages": chunk_stages,
         "runs": rows,
     }
     print(json.dumps({k: v for k, v in out.items() if k != "runs"}, indent=1))
