@@ -128,7 +128,8 @@ def _exact(files, want: dict[str, torch.Tensor]) -> bool:
 def test_fifty_versions_rebuild_bit_exact_from_deltas(run):
     """50 versions, a snapshot every 8: a network worker rebuilds every delta bit for bit (and
     moves a small share of a full version for each); a reader on the shared folder rebuilds the
-    kept versions from the deltas alone; retention keeps each kept delta's chain."""
+    kept versions from the deltas alone; retention keeps each kept delta's chain; a worker that
+    joins late takes a delta from the first one (peer fan-out serves deltas too)."""
     r = run(full_freq=8)
     worker = r.worker()
     full_bytes = worker.weights.version_bytes(0) if worker.weights.fetch(0) else 0
@@ -141,6 +142,10 @@ def test_fifty_versions_rebuild_bit_exact_from_deltas(run):
         if manifest.base is not None:
             delta_bytes.append(worker.weights.version_bytes(v))
     assert max(delta_bytes) < 0.5 * full_bytes, (max(delta_bytes), full_bytes)
+    # peer fan-out: a second worker takes the delta v49 from the first (which serves it)
+    late = r.worker("late")
+    assert _exact(late.weights.files(49), r.truth[49])
+    assert late.weights._fetcher.stats[49].from_peers > 0, late.weights._fetcher.stats[49]
     # v47..49 kept, and their chain back to the snapshot v40; nothing else
     assert r.store.versions() == list(range(40, 50))
     shutil.rmtree(os.path.join(r.store.dir, delta.FULL_DIR))  # the trainer's own rebuilt copies
