@@ -204,7 +204,7 @@ class _Partial:
         finally:
             os.close(dfd)
 
-    def write(self, index: int, data: bytes) -> None:
+    def write(self, index: int, data: bytes | memoryview) -> None:
         pos, offset, _ = self.chunks.locate(index)
         os.pwrite(self.fds[pos], data, offset)
 
