@@ -79,7 +79,10 @@ class FsWeightSource(FsStore, WeightSource):
         return [os.path.join(folder, f) for f in sorted({t.file for t in manifest.tensors.values()})]
 
     def version_bytes(self, version: int) -> int:
-        return sum(f.bytes for f in self.manifest(version).files)
+        try:
+            return sum(f.bytes for f in self.manifest(version).files)
+        except ManifestError:  # pruned meanwhile: not counted
+            return 0
 
     def request_snapshot(self, version: int) -> None:
         atomic_write_json(

@@ -887,8 +887,11 @@ class NetWeightSource(WeightSource):
 
     def version_bytes(self, version: int) -> int:
         path = os.path.join(self.layout.version_dir(version), "manifest.json")
-        with open(path) as f:
-            return sum(e.bytes for e in WeightManifest.from_json(f.read(), where=path).files)
+        try:
+            with open(path) as f:
+                return sum(e.bytes for e in WeightManifest.from_json(f.read(), where=path).files)
+        except (OSError, ManifestError):  # pruned from the cache meanwhile: not counted
+            return 0
 
     def request_snapshot(self, version: int) -> None:
         self.client.call("RequestSnapshot", rs.VersionRef(version))
