@@ -213,7 +213,7 @@ CASES = [
         [
             (
                 "buffer/weights/delta.py",
-                '_int_view(t)[d.get_tensor(f"{key}::idx").long()] = _int_view(d.get_tensor(f"{key}::val"))',
+                '_int_view(t)[at] = _int_view(d.get_tensor(f"{key}::val"))',
                 "pass",
             )
         ],

@@ -15,7 +15,7 @@ import time
 import pytest
 import torch
 from conftest import free_port, subprocess_env
-from safetensors.torch import load_file
+from safetensors.torch import load_file, save_file
 
 from buffer.config import BufferConfig
 from buffer.layout import TMP_MARK
@@ -189,10 +189,9 @@ def test_a_corrupted_delta_is_caught_by_the_rebuilt_checksum_and_fetched_again(r
     key = next(k for k in tensors if k.endswith("::val"))
     tensors[key] = tensors[key].clone()
     tensors[key].view(torch.int16 if tensors[key].element_size() == 2 else torch.int32)[0] ^= 1
-    from buffer.weights.fs import describe_files, write_file
+    from buffer.weights.fs import describe_files
 
-    os.remove(os.path.join(folder, name))
-    write_file(folder, name, tensors)
+    save_file(tensors, os.path.join(folder, name))
     manifest = delta.read_manifest(folder)
     manifest.files, _ = describe_files(folder, [f.name for f in manifest.files])
     with open(os.path.join(folder, "manifest.json"), "w") as f:

@@ -3,13 +3,14 @@
 An RL step changes few of the published values (the trainer keeps fp32 masters; a bf16 value
 changes only when its update crosses a rounding step), so with `trainer.publish_full_freq` K > 1
 the trainer publishes a full version (a snapshot) every K versions and, in between, each version
-as a delta against the one before: per tensor the flat positions that changed (int32, or int64
-past 2**31 elements) and their new values (the tensor's own dtype), bit for bit. A delta folder
-`weights/v<N>/` holds, per safetensors file of the version, `delta.<file>` (the file's header
-bytes as `__header__`, then `<key>::idx` / `<key>::val`, or `<key>::full` for a tensor the base
-lacks) and the version's small metadata files (config, tokenizer, index); its manifest lists
-those files (what any medium moves) and, under `delta`, the base version and the name, size and
-sha256 of every file of the rebuilt version. A reader rebuilds (`rebuild`) into `weights/.full/
+as a delta against the one before: per tensor the flat positions that changed (uint16 gaps, or
+int32/int64 positions where a gap is longer) and their new values (the tensor's own dtype), bit
+for bit. A delta folder `weights/v<N>/` holds, per safetensors file of the version,
+`delta.<file>` (the file's header bytes as `__header__`, then per changed tensor `<key>::gap`
+or `<key>::idx` and `<key>::val`, or `<key>::full` for a tensor the base lacks) and the
+version's small metadata files (config, tokenizer, index); its manifest lists those files
+(what any medium moves) and, under `delta`, the base version and the name, size and sha256 of
+every file of the rebuilt version. A reader rebuilds (`rebuild`) into `weights/.full/
 v<N>/` next to it (staged, fsynced, renamed: a reader killed mid-apply leaves a temp folder and
 nothing half-written) and proves by those checksums that it holds exactly the trainer's files.
 
@@ -123,6 +124,29 @@ def _data_order(header: dict, size: int, head_len: int, where: str) -> list[str]
     return keys if head_len + at == size else None
 
 
+def _positions(key: str, idx: torch.Tensor, numel: int) -> dict[str, torch.Tensor]:
+    """The changed positions (ascending) of a tensor: as gaps from one to the next in uint16
+    (`::gap`, 2 bytes a value; a few % of values change, so gaps are short), or, when a gap
+    does not fit, as int32 (int64 past 2**31 elements) positions (`::idx`)."""
+    import torch
+
+    gaps = torch.diff(idx, prepend=idx.new_tensor([-1]))  # >= 1
+    if int(gaps.max()) <= 1 << 16:
+        return {f"{key}::gap": (gaps - 1).to(torch.uint16)}
+    return {f"{key}::idx": idx.to(torch.int32 if numel < 2**31 else torch.int64)}
+
+
+def _positions_of(d, key: str, names: set[str]) -> torch.Tensor | None:
+    """The int64 positions `_positions` stored for `key` in the delta file `d`; None: none."""
+    import torch
+
+    if f"{key}::gap" in names:
+        return (d.get_tensor(f"{key}::gap").to(torch.int64) + 1).cumsum(0) - 1
+    if f"{key}::idx" in names:
+        return d.get_tensor(f"{key}::idx").long()
+    return None
+
+
 def make_delta(
     staged: str, manifest: WeightManifest, base_folder: str, base: WeightManifest, out: str
 ) -> tuple[WeightManifest, DeltaStats] | None:
@@ -167,7 +191,7 @@ def make_delta(
                         continue
                     idx = (_int_view(old) != _int_view(new)).nonzero().reshape(-1)
                     if idx.numel():
-                        pieces[f"{key}::idx"] = idx.to(torch.int32 if new.numel() < 2**31 else torch.int64)
+                        pieces.update(_positions(key, idx, new.numel()))
                         pieces[f"{key}::val"] = new.reshape(-1)[idx]
                         stats.changed += idx.numel()
             save_file(pieces, os.path.join(out, PREFIX + name))  # fsynced with the folder
@@ -200,8 +224,9 @@ def _rebuilt_pieces(delta_file: str, base_tensor: Callable[[str], torch.Tensor])
                 t = d.get_tensor(f"{key}::full")
             else:
                 t = base_tensor(key).contiguous()
-                if f"{key}::idx" in names:
-                    _int_view(t)[d.get_tensor(f"{key}::idx").long()] = _int_view(d.get_tensor(f"{key}::val"))
+                at = _positions_of(d, key, names)
+                if at is not None:
+                    _int_view(t)[at] = _int_view(d.get_tensor(f"{key}::val"))
             yield memoryview(t.reshape(-1).view(torch.uint8).numpy())
 
 
