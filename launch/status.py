@@ -5,8 +5,8 @@ A live terminal view refreshed every `--interval` seconds (Ctrl-C leaves it):
   experience / compute / publish (seconds), the run's idle fraction (waiting for experience),
   ETA from the wall-clock pace of the last 10 steps;
 - each worker (its heartbeat): state, weight version loaded, tokens/s, samples written, reload
-  time as a fraction of generating time, MB and seconds per reload (a delta or a snapshot), age
-  of the last heartbeat; SILENT when older than
+  time as a fraction of generating time, MB per reload (of the published versions: deltas or
+  snapshots) and seconds of the last reload, age of the last heartbeat; SILENT when older than
   `--silent-after` seconds and not stopped (a worker beats after every batch and every 5 s while
   it waits for the trainer);
 - buffer: backlog (samples written minus retired, as the workers' backpressure sees it),
