@@ -5,7 +5,8 @@ A live terminal view refreshed every `--interval` seconds (Ctrl-C leaves it):
   experience / compute / publish (seconds), the run's idle fraction (waiting for experience),
   ETA from the wall-clock pace of the last 10 steps;
 - each worker (its heartbeat): state, weight version loaded, tokens/s, samples written, reload
-  time as a fraction of generating time, age of the last heartbeat; SILENT when older than
+  time as a fraction of generating time, MB per reload (of the published versions: deltas or
+  snapshots) and seconds of the last reload, age of the last heartbeat; SILENT when older than
   `--silent-after` seconds and not stopped (a worker beats after every batch and every 5 s while
   it waits for the trainer);
 - buffer: backlog (samples written minus retired, as the workers' backpressure sees it),
@@ -128,6 +129,12 @@ def _worker(worker: str, beat: dict, now: float, silent_after: float) -> dict:
         **{k: beat.get(k) for k in ("generate_s", "reload_s", "wait_s", "reload_fraction")},
         # what a worker contained instead of dying (issue 30): damaged versions, failing rewards
         **{k: beat.get(k, 0) for k in ("versions_skipped", "reward_failures", "rewards_dropped")},
+        # per reload: bytes of the published version (a delta's or a snapshot's) and seconds
+        "bytes_per_reload": beat["reload_bytes"] / beat["reloads"]
+        if beat.get("reloads") and "reload_bytes" in beat
+        else None,
+        "last_reload_bytes": (beat.get("last_reload") or {}).get("bytes"),
+        "last_reload_s": (beat.get("last_reload") or {}).get("seconds"),
         "last_beat_age_s": age,
         "silent": state != "stopped" and (age is None or age > silent_after),
     }
@@ -267,7 +274,20 @@ def buffer_lines(b: dict) -> list[tuple[str, str]]:
     ]
 
 
-WORKER_COLUMNS = ("worker", "state", "version", "tokens/s", "samples", "batches", "reload/gen", "last beat", "flag")
+WORKER_COLUMNS = (
+    "worker",
+    "state",
+    "version",
+    "tokens/s",
+    "samples",
+    "batches",
+    "reload/gen",
+    "MB/reload",
+    "s/reload",
+    "last beat",
+    "flag",
+)
+_RIGHT = ("version", "tokens/s", "samples", "batches", "reload/gen", "MB/reload", "s/reload")
 
 
 def worker_cells(w: dict) -> tuple[str, ...]:
@@ -279,6 +299,8 @@ def worker_cells(w: dict) -> tuple[str, ...]:
         _num(w["samples_written"], "{:,}"),
         _num(w["batches"], "{:,}"),
         _num(w["reload_fraction"], "{:.1%}"),
+        _num(None if w.get("bytes_per_reload") is None else w["bytes_per_reload"] / 1e6, "{:,.2f}"),
+        _num(w.get("last_reload_s"), "{:.2f}"),
         f"{_dur(w['last_beat_age_s'])} ago",
         "SILENT" if w["silent"] else "",
     )
@@ -299,9 +321,7 @@ def render(snap: dict):
 
     workers = Table(title=f"workers (SILENT: no heartbeat for {snap['silent_after_s']:.0f} s)", title_justify="left")
     for c in WORKER_COLUMNS:
-        workers.add_column(
-            c, justify="right" if c in ("version", "tokens/s", "samples", "batches", "reload/gen") else "left"
-        )
+        workers.add_column(c, justify="right" if c in _RIGHT else "left")
     for w in snap["workers"]:
         workers.add_row(*worker_cells(w), style="bold red" if w["silent"] else None)
     parts = [

@@ -169,6 +169,9 @@ RPCS: dict[str, Rpc] = {
     # from the weight service beside this one (buffer/weights/net_server.py, protocol/weights_wire.py)
     "WeightsPointer": Rpc(Empty, DocReply),
     "VersionExists": Rpc(VersionRef, Flag),
+    # a reader lost the base of delta `version` (buffer/weights/delta.py): publish the next one
+    # full (asking twice asks once: no request id needed)
+    "RequestSnapshot": Rpc(VersionRef, Empty),
     # SyncClaims (the trainer opens and retires versions)
     "SyncClaim": Rpc(ClaimRequest, Count, mutates=True),
     "SyncShare": Rpc(ShareRequest, Count),

@@ -44,9 +44,27 @@ class WeightManifest:
     files: list[FileEntry]
     tensors: dict[str, TensorEntry]
     format: int = MANIFEST_FORMAT
+    # An exact delta (buffer/weights/delta.py): `files` are the files in the folder (the delta
+    # and the small metadata files), `tensors` those of the reconstructed version, and `delta`
+    # {"base": B, "files": [FileEntry of every reconstructed file]}: a reader rebuilds the
+    # version from version B and proves by these checksums that it holds what the trainer held.
+    # None: a full version (a snapshot).
+    delta: dict | None = None
+
+    @property
+    def base(self) -> int | None:
+        """The version a delta applies to; None for a full version."""
+        return None if self.delta is None else int(self.delta["base"])
+
+    def full_files(self) -> list[FileEntry]:
+        """The files of the version as the trainer holds it (a delta's reconstructed files)."""
+        return self.files if self.delta is None else [FileEntry(**f) for f in self.delta["files"]]
 
     def to_json(self) -> str:
-        return json.dumps(dataclasses.asdict(self), indent=1, sort_keys=True)
+        d = dataclasses.asdict(self)
+        if d["delta"] is None:  # a full version's manifest reads as it always did
+            del d["delta"]
+        return json.dumps(d, indent=1, sort_keys=True)
 
     @classmethod
     def from_json(cls, text: str, where: str = "manifest") -> WeightManifest:
@@ -60,11 +78,21 @@ class WeightManifest:
                 created_at=float(d["created_at"]),
                 files=[FileEntry(**f) for f in d["files"]],
                 tensors={k: TensorEntry(**v) for k, v in d["tensors"].items()},
+                delta=_delta_field(d.get("delta")),
             )
         except (KeyError, TypeError, ValueError, json.JSONDecodeError) as e:
             if isinstance(e, ManifestError):
                 raise
             raise ManifestError(f"{where}: malformed manifest: {e!r}") from None
+
+
+def _delta_field(raw) -> dict | None:
+    if raw is None:
+        return None
+    if not isinstance(raw, dict) or not isinstance(raw.get("base"), int) or not isinstance(raw.get("files"), list):
+        raise ValueError(f"delta: {raw!r}, expected {{'base': int, 'files': [...]}}")
+    [FileEntry(**f) for f in raw["files"]]  # each must be a file entry
+    return raw
 
 
 def sha256_file(path: str | Path, chunk: int = 1 << 22) -> str:
@@ -75,8 +103,11 @@ def sha256_file(path: str | Path, chunk: int = 1 << 22) -> str:
     return h.hexdigest()
 
 
-def verify_files(manifest: WeightManifest, folder: str | Path, threads: int = 4) -> None:
-    """Raise ManifestError unless every listed file has the recorded size and checksum.
+def verify_files(
+    manifest: WeightManifest, folder: str | Path, threads: int = 4, entries: list[FileEntry] | None = None
+) -> None:
+    """Raise ManifestError unless every listed file (`entries`, default the manifest's files)
+    has the recorded size and checksum.
 
     Files are hashed by `threads` threads at once (hashlib releases the GIL), so a version
     published as several 256 MiB files verifies in about the time of its largest file.
@@ -92,6 +123,7 @@ def verify_files(manifest: WeightManifest, folder: str | Path, threads: int = 4)
         if sha256_file(path) != entry.sha256:
             raise ManifestError(f"{path}: checksum does not match the manifest")
 
-    with ThreadPoolExecutor(max(1, min(threads, len(manifest.files)))) as pool:
-        for done in [pool.submit(check, e) for e in manifest.files]:
+    listed = manifest.files if entries is None else entries
+    with ThreadPoolExecutor(max(1, min(threads, len(listed)))) as pool:
+        for done in [pool.submit(check, e) for e in listed]:
             done.result()  # the first failure, in manifest order

@@ -31,6 +31,7 @@ from buffer.layout import check_worker_id
 from buffer.run import setup_worker_run
 from buffer.storage import is_disk_full
 from buffer.weights.base import WeightSource
+from buffer.weights.delta import BaseMissing
 from buffer.writer import ShardWriter
 from protocol.config import parse_cli
 from protocol.experience import Sample
@@ -136,6 +137,9 @@ class RolloutWorker:
         self.gen_seconds = 0.0
         self.reload_seconds = 0.0
         self.reloads = 0
+        self.reload_bytes = 0  # bytes of the published versions loaded (deltas or snapshots)
+        self.last_reload: dict = {}  # version, bytes, seconds of the newest reload
+        self.snapshot_asked: int | None = None  # the delta whose lost base made us ask for one
         self.wait_seconds = 0.0
         # Synchronous mode: the groups the trainer announced for the loaded version (none while
         # the trainer runs asynchronously: generate freely).
@@ -202,6 +206,14 @@ class RolloutWorker:
             files = self.store.files(latest)
             t1 = time.monotonic()
             count = self.engine.load_files(files)
+        except BaseMissing as e:
+            # Joined late, or our copy of its base is gone: the trainer publishes its next
+            # version full when asked; until then generate on with the weights we have.
+            if self.snapshot_asked != latest:
+                log.warning("%s; asking the trainer for a full version (a snapshot)", e)
+                self.store.request_snapshot(latest)
+                self.snapshot_asked = latest
+            return False
         except (FileNotFoundError, ManifestError) as e:
             # Pruned while we read (its folder gone, or newer versions published meanwhile): the
             # next batch sees a newer one. Still there: damaged, skipped; the current one stays.
@@ -217,6 +229,9 @@ class RolloutWorker:
         t2 = time.monotonic()
         self.reload_seconds += t2 - t0
         self.reloads += 1
+        nbytes = self.store.version_bytes(latest)
+        self.reload_bytes += nbytes
+        self.last_reload = {"version": latest, "bytes": nbytes, "seconds": t2 - t0}
         log.info(
             "loaded weights v%d in place: %d tensors in %.3f s (checksums %.3f s, load %.3f s)",
             latest,
@@ -419,6 +434,8 @@ class RolloutWorker:
                 "generate_s": self.gen_seconds,
                 "reload_s": self.reload_seconds,
                 "reloads": self.reloads,
+                "reload_bytes": self.reload_bytes,
+                "last_reload": self.last_reload,
                 "wait_s": self.wait_seconds,
                 "reload_fraction": self.reload_seconds / self.gen_seconds if self.gen_seconds else 0.0,
                 "synchronous": self.rounds.on,

@@ -1,5 +1,5 @@
-"""Issue 15's fixes (and issue 30's, keys 30.<item>), each removed in turn: its tests must fail
-without it and pass with it.
+"""Issue 15's fixes and later issues' (30.<item>: issue 30; 26a-f: weight deltas), each
+removed in turn: its tests must fail without it and pass with it.
 
     python scripts/fail_before_fix.py [--only 2,5b] [--no-pass-run] [--timeout 1800] [--check]
 
@@ -33,6 +33,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 F = "tests/test_faults.py::"
 C = "tests/test_contained_failures.py::"
+D = "tests/test_weights_delta.py::"
 
 
 @dataclasses.dataclass
@@ -279,6 +280,61 @@ CASES = [
             )
         ],
         [C + "test_sigterm_stops_a_worker_waiting_for_an_unreachable_trainer"],
+    ),
+    # issue 26: weight versions as exact deltas (buffer/weights/delta.py)
+    Case(
+        "26a",
+        "a rebuild copies the base without applying the delta's changed values",
+        [
+            (
+                "buffer/weights/delta.py",
+                '_int_view(t)[at] = _int_view(d.get_tensor(f"{key}::val"))',
+                "pass",
+            )
+        ],
+        [D + "test_fifty_versions_rebuild_bit_exact_from_deltas"],
+    ),
+    Case(
+        "26b",
+        "retention ignores delta chains (only the newest keep_versions stay)",
+        [
+            (
+                "buffer/weights/fs.py",
+                "needed = self._chains([*versions[-keep:], *held])",
+                "needed = set(versions[-keep:])",
+            )
+        ],
+        [D + "test_fifty_versions_rebuild_bit_exact_from_deltas"],
+    ),
+    Case(
+        "26c",
+        "the trainer ignores a reader's snapshot request",
+        [("buffer/weights/fs.py", "if os.path.exists(wanted):", "if False:")],
+        [D + "test_a_lost_base_makes_the_worker_ask_for_a_snapshot"],
+    ),
+    Case(
+        "26d",
+        "a rebuild that fails its checksum is not retried on fresh copies",
+        [
+            (
+                "buffer/weights/delta.py",
+                "            if attempt:\n                raise",
+                "            if True:\n                raise",
+            )
+        ],
+        [D + "test_a_corrupted_delta_is_caught_by_the_rebuilt_checksum_and_fetched_again"],
+    ),
+    Case(
+        "26e",
+        "a rebuild writes into the version's folder in place (no temp folder renamed)",
+        [("buffer/weights/delta.py", 'tmp = f"{out}{TMP_MARK}{os.getpid()}-{threading.get_ident()}"', "tmp = out")],
+        [D + "test_a_worker_killed_mid_apply_resumes_with_nothing_lost"],
+    ),
+    Case(
+        "26f",
+        "temp folders of killed rebuilds are never removed",
+        [("buffer/weights/delta.py", "    remove_debris(os.path.dirname(out))\n", "")],
+        [D + "test_a_worker_killed_mid_apply_resumes_with_nothing_lost"],
     ),
 ]
 

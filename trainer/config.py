@@ -131,7 +131,16 @@ class TrainerSection:
         ge=1,
     )
     publish_freq: int = F(1, "publish a weight version every this many steps", ge=1)
-    keep_versions: int = F(3, "weight versions kept on disk", ge=1)
+    keep_versions: int = F(3, "weight versions kept on disk (plus the versions a kept delta is built on)", ge=1)
+    publish_full_freq: int = F(
+        1,
+        "publish every this many weight versions full (a snapshot) and the ones between as exact "
+        "deltas against the version before (the changed values only, checked by the sha256 of "
+        "the rebuilt files; buffer/weights/delta.py); a reader that lost a delta's base gets a "
+        "snapshot on demand. 1: every version full (no deltas)",
+        ge=1,
+        le=1000,
+    )
     publish_dtype: str = F(
         "auto",
         "dtype of published weights: auto (bfloat16 on GPU, float32 on CPU), float32 or bfloat16",

@@ -116,6 +116,7 @@ class Trainer:
         self.pad_id = self.model.config.pad_token_id or 0
         self.stores = setup_trainer_run(cfg.root)  # the trainer's own run folder (it serves it to others)
         self.store = self.stores.publisher
+        self.store.publish_full_freq = cfg.trainer.publish_full_freq
         # trainer.max_staleness=0: synchronous rollouts (buffer/control/sync.py)
         self.rounds = sync.TrainerRounds(
             self.stores.sync, cfg.trainer.max_staleness == 0, self.stores.is_local(), cfg.root

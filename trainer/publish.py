@@ -131,7 +131,11 @@ def publish_version(
         when_space(metadata, staged)
         store.publish(staged, version, step, keep, described=(all_files, all_tensors), announce=announce)
     dist.barrier()
+    made = store.last_delta if rank == 0 else None
     return {
+        "weights/delta": float(made is not None),
+        **({"weights/delta_density": made.density} if made is not None else {}),
+        "weights/published_bytes": store.last_bytes if rank == 0 else 0,
         "weights/published": version,
         "weights/published_at": store.announced_at,
         "weights/publish_s": time.monotonic() - t0,

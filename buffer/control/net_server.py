@@ -217,6 +217,10 @@ class RunService:
     def _do_VersionExists(self, request, context) -> rs.Flag:
         return rs.Flag(self.run.weights.exists(request.version))
 
+    def _do_RequestSnapshot(self, request, context) -> rs.Empty:
+        self.run.weights.request_snapshot(request.version)
+        return rs.Empty()
+
     def version_dir(self, version: int) -> str | None:
         """The published folder of `version`, None when it is not (or no longer) published:
         what the weight service (buffer/weights/net_server.py) serves chunks from."""

@@ -79,6 +79,16 @@ class WeightSource(abc.ABC):
         `pointer()` in the background, so a worker keeps generating while the bytes arrive."""
         return True
 
+    def version_bytes(self, version: int) -> int:
+        """Bytes of the published folder of `version` (a delta's, or a snapshot's): what a
+        reader moves to load it (the worker's heartbeat reports them per reload)."""
+        return 0
+
+    def request_snapshot(self, version: int) -> None:
+        """Ask the trainer to publish its next version full (a snapshot): `version` is a delta
+        whose base this reader cannot get any more (buffer/weights/delta.py, BaseMissing)."""
+        return None
+
     def close(self) -> None:
         """A clean stop: ends background work (the network source cancels a fetch in flight).
         The filesystem source has none."""

@@ -13,6 +13,7 @@ the engines that load a version in place (`read_tensors`) at the end of this mod
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import hashlib
 import json
@@ -29,6 +30,7 @@ from typing import TYPE_CHECKING, Any
 from buffer.control.fs import FsStore, FsValidation
 from buffer.layout import TMP_MARK, RunLayout
 from buffer.storage import atomic_write_json, filesystem, fsync_tree, read_json, when_space
+from buffer.weights import delta
 from buffer.weights.base import WeightPublisher, WeightSource
 from protocol.weights import FileEntry, ManifestError, TensorEntry, WeightManifest, sha256_file, verify_files
 
@@ -39,8 +41,13 @@ log = logging.getLogger(__name__)
 _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".safetensors.index.json", ".bin.index.json")
 
 
+@dataclasses.dataclass
 class FsWeightSource(FsStore, WeightSource):
-    """weights/LATEST and weights/v<N>/ of the run folder, read in place."""
+    """weights/LATEST and weights/v<N>/ of the run folder, read in place; a delta version
+    (buffer/weights/delta.py) is read from its rebuilt folder weights/.full/v<N>/ (the
+    trainer's, or rebuilt here from its base)."""
+
+    rebuilt: set[int] = dataclasses.field(default_factory=set, repr=False)  # checked by this process
 
     def pointer(self) -> dict | None:
         return read_json(self.fs, self.layout.latest_pointer)
@@ -56,18 +63,31 @@ class FsWeightSource(FsStore, WeightSource):
             raise ManifestError(f"{path}: says version {manifest.version}, expected {version}")
         return manifest
 
-    def fetch(self, version: int) -> str:
-        # Engines read the files themselves (vLLM's worker processes open them directly), so
-        # the bytes are checked once here and never shipped between processes.
+    def _published(self, version: int) -> str:
         folder = self.layout.version_dir(version)
         verify_files(self.manifest(version), folder)
         return folder
 
+    def fetch(self, version: int) -> str:
+        # Engines read the files themselves (vLLM's worker processes open them directly), so
+        # the bytes are checked once here and never shipped between processes.
+        return delta.resolve(version, self._published, self.layout.weights_dir, verified=self.rebuilt)
+
     def files(self, version: int) -> list[str]:
-        manifest = self.manifest(version)
-        folder = self.layout.version_dir(version)
-        verify_files(manifest, folder)
+        folder = self.fetch(version)
+        manifest = delta.read_manifest(folder)
         return [os.path.join(folder, f) for f in sorted({t.file for t in manifest.tensors.values()})]
+
+    def version_bytes(self, version: int) -> int:
+        try:
+            return sum(f.bytes for f in self.manifest(version).files)
+        except ManifestError:  # pruned meanwhile: not counted
+            return 0
+
+    def request_snapshot(self, version: int) -> None:
+        atomic_write_json(
+            self.fs, os.path.join(self.layout.weights_dir, delta.SNAPSHOT_REQUEST), {"lost": version, "at": time.time()}
+        )
 
     def exists(self, version: int) -> bool:
         return self.fs.isdir(self.layout.version_dir(version))
@@ -207,6 +227,10 @@ class WeightStore(FsWeightSource, WeightPublisher):
         super().__init__(fs, RunLayout(root_path))
         self.announced_at: float | None = None  # unix time of the last publish()'s announcement
         self.validation = FsValidation(fs, self.layout)
+        # trainer.publish_full_freq: a full version every this many, deltas between (1: all full)
+        self.publish_full_freq = 1
+        self.last_delta: delta.DeltaStats | None = None  # of the last publish (None: it was full)
+        self.last_bytes = 0  # bytes of the last published folder's files (what a reader moves)
 
     # --- trainer side -------------------------------------------------------------------
     @property
@@ -246,7 +270,19 @@ class WeightStore(FsWeightSource, WeightPublisher):
         final = self.layout.version_dir(version)
         if os.path.exists(final):
             raise FileExistsError(f"{final} already exists: weight versions are never rewritten")
-        os.rename(staged, final)
+        made = self._delta_of(staged, manifest)
+        self.last_delta = None
+        if made is None:
+            os.rename(staged, final)
+            self.last_bytes = sum(f.bytes for f in manifest.files)
+        else:  # the full files become the rebuilt folder: the next delta's base, readers' copy
+            folder, manifest, self.last_delta = made
+            full = delta.full_dir(self.layout.weights_dir, version)
+            shutil.rmtree(full, ignore_errors=True)
+            os.makedirs(os.path.dirname(full), exist_ok=True)
+            os.rename(staged, full)
+            os.rename(folder, final)
+            self.last_bytes = sum(f.bytes for f in manifest.files)
         # Taken before LATEST names the version: no worker can have loaded it earlier (the
         # weight-sync latency in launch.report is never negative on one clock).
         self.announced_at = time.time()
@@ -258,6 +294,62 @@ class WeightStore(FsWeightSource, WeightPublisher):
         )
         self.prune(keep)
         return manifest
+
+    def _delta_of(self, staged: str, manifest: WeightManifest) -> tuple[str, WeightManifest, delta.DeltaStats] | None:
+        """The staged version as a delta against the newest published one (a folder, fsynced,
+        its manifest written), or None: publish it full (deltas off, a snapshot due or asked
+        for, no full base at hand, or a delta that would not pay)."""
+        if self.publish_full_freq <= 1:
+            return None
+        wanted = os.path.join(self.layout.weights_dir, delta.SNAPSHOT_REQUEST)
+        if os.path.exists(wanted):
+            log.info("weight version %d published full: a reader asked for a snapshot (%s)", manifest.version, wanted)
+            os.remove(wanted)
+            return None
+        versions = self.versions()
+        if not versions or self.chain_length(versions[-1]) + 1 >= self.publish_full_freq:
+            return None
+        base_v = versions[-1]
+        base_folder = self.full_folder(base_v)
+        if base_folder is None:
+            log.info("weight version %d published full: no full folder of version %d here", manifest.version, base_v)
+            return None
+        folder = f"{staged}.delta"
+        shutil.rmtree(folder, ignore_errors=True)
+        os.makedirs(folder)
+        try:
+            made = delta.make_delta(staged, manifest, base_folder, delta.read_manifest(base_folder), folder)
+            if made is None:
+                shutil.rmtree(folder)
+                return None
+            out, stats = made
+            Path(folder, "manifest.json").write_text(out.to_json())
+            fsync_tree(folder)
+        except BaseException:
+            shutil.rmtree(folder, ignore_errors=True)
+            raise
+        return folder, out, stats
+
+    def chain_length(self, version: int) -> int:
+        """Deltas from `version` back to its snapshot (0: it is one), counted as far as the
+        chain is still published: the trainer needs only its full copy of `version` to build
+        the next delta, and a reader that cannot walk a broken chain asks for a snapshot."""
+        n, v = 0, self.manifest(version).base
+        while v is not None:
+            n += 1
+            try:
+                v = self.manifest(v).base
+            except ManifestError:
+                break
+        return n
+
+    def full_folder(self, version: int) -> str | None:
+        """The trainer's full folder of a published version: the folder itself (a snapshot) or
+        its rebuilt copy in weights/.full/ (a delta); None when neither is there."""
+        if self.manifest(version).base is None:
+            return self.layout.version_dir(version)
+        full = delta.full_dir(self.layout.weights_dir, version)
+        return full if os.path.isfile(os.path.join(full, "manifest.json")) else None
 
     def publish_hf_folder(
         self,
@@ -317,6 +409,7 @@ class WeightStore(FsWeightSource, WeightPublisher):
         """Remove a published version (trainer.sft: folders a killed run wrote after its last
         checkpoint)."""
         shutil.rmtree(self.layout.version_dir(version))
+        shutil.rmtree(delta.full_dir(self.layout.weights_dir, version), ignore_errors=True)
 
     def link_final(self, version: int) -> str:
         """An SFT folder's `hf` -> weights/v<version> (relative symlink), replaced atomically;
@@ -336,11 +429,16 @@ class WeightStore(FsWeightSource, WeightPublisher):
     def prune(self, keep: int) -> None:
         """Remove all but the newest `keep` versions, except the newest `keep` of the older
         ones that a validation request holds (a stalled validator cannot fill the disk: the
-        ones beyond go, and the validator reports them as skipped)."""
-        old = self.versions()[:-keep]
+        ones beyond go, and the validator reports them as skipped), and every version a kept
+        delta is rebuilt from (its chain back to a snapshot). Rebuilt copies (.full/) are kept
+        for the newest `keep` and the held ones only (a reader rebuilds an older one from the
+        chain); the newest's is the base of the trainer's next delta."""
+        versions = self.versions()
+        old = versions[:-keep]
         held = [v for v in self.validation.held() if v in old][-keep:]
+        needed = self._chains([*versions[-keep:], *held])
         for v in old:
-            if v in held:
+            if v in held or v in needed:
                 continue
             if self.fs.exists(self.layout.validation_request(v)):
                 log.warning(
@@ -350,3 +448,21 @@ class WeightStore(FsWeightSource, WeightPublisher):
                     keep,
                 )
             shutil.rmtree(self.layout.version_dir(v), ignore_errors=True)
+        cache = os.path.join(self.layout.weights_dir, delta.FULL_DIR)
+        if os.path.isdir(cache):
+            for name in os.listdir(cache):
+                v = RunLayout.version_of(name)
+                if v is not None and v not in {*versions[-keep:], *held}:
+                    shutil.rmtree(os.path.join(cache, name), ignore_errors=True)
+
+    def _chains(self, versions: list[int]) -> set[int]:
+        """`versions` and every version their deltas are built on."""
+        out: set[int] = set()
+        for v in versions:
+            while v is not None and v not in out:
+                out.add(v)
+                try:
+                    v = self.manifest(v).base
+                except ManifestError:
+                    break
+        return out

@@ -50,6 +50,7 @@ from buffer.channel import RunClient, bind_hosts, open_channel, server_credentia
 from buffer.config import BufferConfig
 from buffer.layout import RunLayout
 from buffer.storage import when_space
+from buffer.weights import delta
 from buffer.weights.base import WeightSource
 from buffer.weights.net_server import OPTIONS, REDIRECT, ChunkServicer, Holding
 from protocol import run_service as rs
@@ -88,6 +89,78 @@ class FetchCancelled(Exception):
     `<dest>.partial/`, and the next fetch of the version resumes them."""
 
 
+class _FileHashes:
+    """The manifest's whole-file sha256 of each file, computed while the transfer goes on: a
+    thread of its own hashes each file's chunks in order as they are written (read back from
+    the page cache), so that at the end only the last chunks remain to hash instead of every
+    file again (on a fast link that final pass was a quarter of a fetch). Chunks arrive in any
+    order; a file's hash waits at its first missing chunk."""
+
+    def __init__(self, chunks: ChunkList, fds: list[int], ready: set[int]):
+        self.chunks, self.fds = chunks, fds
+        self.sha = [hashlib.sha256() for _ in chunks.files]
+        self.next = [chunks.chunks_of(pos).start for pos in range(len(chunks.files))]
+        self.ready = set(ready)
+        self.cond = threading.Condition()
+        self.closed = False
+        self.error: BaseException | None = None
+        self.thread = threading.Thread(target=self._run, name="weights-file-sha256", daemon=True)
+        self.thread.start()
+
+    def written(self, index: int) -> None:
+        with self.cond:
+            self.ready.add(index)
+            self.cond.notify()
+
+    def _advance(self) -> bool:
+        """Hash the next ready chunk of any file; False when none is ready."""
+        with self.cond:
+            pos = next(
+                (
+                    p
+                    for p in range(len(self.next))
+                    if self.next[p] in self.ready and self.next[p] in self.chunks.chunks_of(p)
+                ),
+                None,
+            )
+        if pos is None:
+            return False
+        _, offset, length = self.chunks.locate(self.next[pos])
+        self.sha[pos].update(os.pread(self.fds[pos], length, offset))
+        self.next[pos] += 1
+        return True
+
+    def _run(self) -> None:
+        try:
+            while True:
+                if self._advance():
+                    continue
+                with self.cond:
+                    if self.closed:
+                        return
+                    self.cond.wait(1.0)
+        except BaseException as e:  # the final check hashes the files itself then
+            self.error = e
+
+    def digests(self, timeout_s: float) -> list[str] | None:
+        """Every file's hex sha256 once all chunks are hashed (call when all are written);
+        None if the thread failed or did not finish within `timeout_s`."""
+        deadline = time.monotonic() + timeout_s
+        with self.cond:
+            self.cond.notify()
+        while any(self.next[p] < self.chunks.chunks_of(p).stop for p in range(len(self.next))):
+            if self.error is not None or not self.thread.is_alive() or time.monotonic() > deadline:
+                return None
+            time.sleep(0.005)
+        return [h.hexdigest() for h in self.sha]
+
+    def close(self) -> None:
+        with self.cond:
+            self.closed = True
+            self.cond.notify()
+        self.thread.join(timeout=30)  # it ends at its next chunk (one pread + hash)
+
+
 class _Partial:
     """`<dest>.partial/`: the version's files at full size, written chunk by chunk, plus the
     chunk list it was fetched by and the bitmap of chunks verified and fsynced (sidecars)."""
@@ -117,6 +190,7 @@ class _Partial:
             self.fds.append(fd)
         self.pending: set[int] = set()  # verified, written, not yet fsynced
         self.saved_at = time.monotonic()
+        self.hashes = _FileHashes(chunks, self.fds, self.durable)
 
     def _replace(self, name: str, data: bytes) -> None:
         tmp = os.path.join(self.folder, name + ".tmp")
@@ -131,7 +205,7 @@ class _Partial:
         finally:
             os.close(dfd)
 
-    def write(self, index: int, data: bytes) -> None:
+    def write(self, index: int, data: bytes | memoryview) -> None:
         pos, offset, _ = self.chunks.locate(index)
         os.pwrite(self.fds[pos], data, offset)
 
@@ -153,6 +227,7 @@ class _Partial:
         self._replace(_VERIFIED_FILE, to_bitmap(self.durable, self.chunks.total))
 
     def close(self) -> None:
+        self.hashes.close()  # before the files it reads are closed
         for fd in self.fds:
             os.close(fd)
         self.fds = []
@@ -391,9 +466,10 @@ class WeightFetcher:
         chunks leave the bitmap), then drop the sidecars and rename into place."""
         state.save(0)
         chunks = state.chunks
-        # one thread per file (hashlib releases the GIL): a GB of shards hashes on several cores
-        with futures.ThreadPoolExecutor(max(1, min(len(chunks.files), os.cpu_count() or 1))) as pool:
-            sums = list(pool.map(sha256_file, [os.path.join(state.folder, f.name) for f in chunks.files]))
+        sums = state.hashes.digests(self.cfg.weights_chunk_timeout_s)  # hashed while fetching
+        if sums is None:  # that thread failed: one thread per file (hashlib releases the GIL)
+            with futures.ThreadPoolExecutor(max(1, min(len(chunks.files), os.cpu_count() or 1))) as pool:
+                sums = list(pool.map(sha256_file, [os.path.join(state.folder, f.name) for f in chunks.files]))
         bad = [i for i, (f, got) in enumerate(zip(chunks.files, sums)) if got != f.sha256]
         if bad:
             names = [chunks.files[i].name for i in bad]
@@ -621,6 +697,7 @@ class _Transfer:
         with self.holding.lock:
             self.holding.have.add(index)
         self.state.pending.add(index)
+        self.state.hashes.written(index)
         if source == TRAINER:
             self.stats.from_trainer += 1
             self.stats.bytes_from_trainer += size
@@ -759,6 +836,8 @@ class NetWeightSource(WeightSource):
         self.client, self.layout, self.keep = client, layout, keep
         self._fetcher: WeightFetcher | None = None
         self._verified: set[int] = set()  # cache folders this process fetched or checked
+        self._rebuilt: set[int] = set()  # rebuilt delta versions (.full/) this process checked
+        self._ready: set[int] = set()  # versions whose full folder is here (fetch returns at once)
         # (version, thread, errors) of the one background fetch. A daemon thread: a process
         # killed mid-fetch leaves a resumable partial folder (the next fetch continues it);
         # close() cancels it on a clean stop and keeps the folder (see close).
@@ -774,7 +853,7 @@ class NetWeightSource(WeightSource):
         """Fetch `version` in the background, one version at a time (a newer one seen while
         another is in flight starts at a later `pointer()`). Called from one thread (the role's)."""
         bg = self._background
-        if version in self._verified or (bg is not None and (bg[0] == version or bg[1].is_alive())):
+        if version in self._ready or (bg is not None and (bg[0] == version or bg[1].is_alive())):
             return
         errors: list[BaseException] = []
 
@@ -790,7 +869,7 @@ class NetWeightSource(WeightSource):
 
     def ready(self, version: int) -> bool:
         bg = self._background
-        return version in self._verified or (bg is not None and bg[0] == version and not bg[1].is_alive())
+        return version in self._ready or (bg is not None and bg[0] == version and not bg[1].is_alive())
 
     def exists(self, version: int) -> bool:
         return self.client.call("VersionExists", rs.VersionRef(version)).value
@@ -807,21 +886,48 @@ class NetWeightSource(WeightSource):
                 raise bg[2][0]
         return self._fetch(version)
 
+    def version_bytes(self, version: int) -> int:
+        path = os.path.join(self.layout.version_dir(version), "manifest.json")
+        try:
+            with open(path) as f:
+                return sum(e.bytes for e in WeightManifest.from_json(f.read(), where=path).files)
+        except (OSError, ManifestError):  # pruned from the cache meanwhile: not counted
+            return 0
+
+    def request_snapshot(self, version: int) -> None:
+        self.client.call("RequestSnapshot", rs.VersionRef(version))
+
     def _fetch(self, version: int) -> str:
+        """The full folder of `version`: fetched (a snapshot), or its delta fetched and rebuilt
+        on its base (fetched too, or rebuilt, if this cache lacks it: buffer/weights/delta.py)."""
+        t0 = time.monotonic()
+        folder = delta.resolve(
+            version, self._published, self.layout.weights_dir, drop=self._drop, verified=self._rebuilt
+        )
+        self._ready.add(version)
+        log.info("weight version %d in %s (%.2f s)", version, folder, time.monotonic() - t0)
+        self._prune()
+        return folder
+
+    def _published(self, version: int) -> str:
+        """The version's published folder (a snapshot or a delta) in the cache, verified."""
         folder = self.layout.version_dir(version)
         if version in self._verified and os.path.isdir(folder):
             return folder
         if self._fetcher is None:
             self._fetcher = WeightFetcher(self.client.address, token(self.client.cfg), self.client.cfg)
-        t0 = time.monotonic()
         # a folder already there is checked, else fetched; a full cache disk is waited out
         # (resuming the verified chunks), never handed to the worker as a crash
         fetcher = self._fetcher
         when_space(lambda: fetcher.fetch(version, folder), folder)
         self._verified.add(version)
-        log.info("weight version %d in %s (%.2f s)", version, folder, time.monotonic() - t0)
-        self._prune()
         return folder
+
+    def _drop(self, version: int) -> None:
+        """Forget a cached copy that did not rebuild right: the next `_published` fetches it."""
+        self._verified.discard(version)
+        self._ready.discard(version)
+        shutil.rmtree(self.layout.version_dir(version), ignore_errors=True)
 
     def close(self) -> None:
         """A clean stop cancels the fetch in flight and KEEPS its partial folder, as a kill -9
@@ -844,5 +950,12 @@ class NetWeightSource(WeightSource):
         for version in complete[: -self.keep]:
             shutil.rmtree(self.layout.version_dir(version), ignore_errors=True)
             self._verified.discard(version)
+            self._ready.discard(version)
         for version in partials - {None, resumable}:
             discard_partial(self.layout.version_dir(version))
+        rebuilt = os.path.join(self.layout.weights_dir, delta.FULL_DIR)
+        kept = set(complete[-self.keep :])
+        for name in os.listdir(rebuilt) if os.path.isdir(rebuilt) else []:
+            if RunLayout.version_of(name) is not None and RunLayout.version_of(name) not in kept:
+                shutil.rmtree(os.path.join(rebuilt, name), ignore_errors=True)
+                self._rebuilt.discard(RunLayout.version_of(name) or -1)
