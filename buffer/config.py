@@ -74,7 +74,11 @@ class BufferConfig:
         le=4096,
     )
     grpc_server_threads: int = F(
-        16, "trainer: pushes handled at once (over all workers); more wait in the gRPC queue", ge=1
+        16,
+        "trainer: pushes handled at once (over all workers); one more cancels the slowest under "
+        "buffer.grpc_min_rate_bytes_s and runs on a spare thread (4x as many in all), past "
+        "those they wait in the gRPC queue",
+        ge=1,
     )
     grpc_max_inflight: int = F(8, "shards a worker may have unacknowledged before it blocks", ge=1)
     grpc_max_workers: int = F(

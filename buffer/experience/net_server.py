@@ -17,6 +17,7 @@ import contextlib
 import dataclasses
 import itertools
 import logging
+import math
 import os
 import threading
 import time
@@ -48,7 +49,9 @@ from protocol.shard_stream import SERVICE, Undecodable, chunk_data, decode_chunk
 
 log = logging.getLogger(__name__)
 MAX_CLAIMS = 4096  # worker-id claims kept before the expired ones are dropped
+NOTE_S = 10.0  # at most one line per this many seconds about cancelled pushes
 EVICT_AFTER_S = 0.5  # client time before a push's rate can get it evicted (a new one's is noise)
+SPARE_THREADS = 4  # push threads per buffer.grpc_server_threads: the spare ones take new pushes
 
 
 @dataclasses.dataclass
@@ -155,6 +158,7 @@ class _Servicer:
         self.claims: dict[str, _Claim] = {}
         self.streams: set[_Stream] = set()
         self.stats: collections.Counter[str] = collections.Counter()
+        self._noted = -math.inf  # when a cancelled push was last logged
 
     def Push(self, request_iterator, context):
         if not authorized(context, self.expected):
@@ -211,6 +215,8 @@ class _Servicer:
             now = time.monotonic()
             with self.lock:
                 streams = [s for s in self.streams if not s.cut]
+            if len(streams) > cfg.grpc_server_threads:  # those not evicted when the others came
+                self.evict_slowest(len(streams) - cfg.grpc_server_threads)
             for s in streams:
                 rate = s.window_rate(now, cfg.grpc_min_rate_window_s)
                 if now - s.started > cfg.grpc_stream_deadline_s:
@@ -221,11 +227,11 @@ class _Servicer:
                 elif s.waiting and rate is not None and rate < cfg.grpc_min_rate_bytes_s:
                     self._cut(s, "slow_streams", f"sending {rate:.0f} bytes/s (buffer.grpc_min_rate_bytes_s)")
 
-    def evict_slowest(self) -> None:
-        """Every push thread is busy and a push waits for one: cancel the slowest push waiting
-        for its client whose rate so far (after EVICT_AFTER_S of client time) is under
-        grpc_min_rate_bytes_s, so that trickling clients cannot queue honest ones behind them.
-        Runs on grpc's polling thread: no blocking."""
+    def evict_slowest(self, n: int = 1) -> None:
+        """grpc_server_threads pushes run and another arrives (or the watch finds more running):
+        cancel the `n` slowest pushes waiting for their clients whose rate so far (after
+        EVICT_AFTER_S of client time) is under grpc_min_rate_bytes_s, so that trickling clients
+        cannot hold the threads honest ones need. Runs on grpc's polling thread: no blocking."""
         now, floor = time.monotonic(), self.cfg.grpc_min_rate_bytes_s
         with self.lock:
             rated = [
@@ -233,14 +239,17 @@ class _Servicer:
                 for s in self.streams
                 if s.waiting and not s.cut and (t := s.client_time(now)) >= EVICT_AFTER_S
             ]
-        slow = [(r, s) for r, s in rated if r < floor]
-        if slow:
-            rate, s = min(slow, key=lambda x: x[0])
+        for rate, s in sorted((x for x in rated if x[0] < floor), key=lambda x: x[0])[:n]:
             self._cut(s, "evicted", f"sending {rate:.0f} bytes/s while every push thread was busy")
 
     def _cut(self, stream: _Stream, key: str, why: str) -> None:
+        """Cancel `stream`, counted under `key`; one line per NOTE_S (a flood of slow clients
+        must not flood the log too)."""
         stream.cut = key
-        log.warning("cancelled a push %s", why)
+        now = time.monotonic()
+        if now - self._noted >= NOTE_S:
+            self._noted = now
+            log.warning("cancelled a push %s (%s so far: %s)", why, key, self.stats[key] + 1)
         stream.context.cancel()
 
     def _admit(self, worker_id: str, context):
@@ -405,7 +414,10 @@ class ShardServer:
         )
         # Each service runs on its own pool (buffer/channel.py ServicePool): the pushes' here,
         # the others' their own; the server's pool only answers what none of them claims.
-        self.pool = ServicePool(cfg.grpc_server_threads, "grpc-spool", self.servicer.evict_slowest)
+        # pushes past grpc_server_threads evict the slowest, on spare threads: not queued
+        # (in FIFO order) behind trickling clients that reconnect as fast as they are cut
+        threads = cfg.grpc_server_threads
+        self.pool = ServicePool(threads * SPARE_THREADS, "grpc-spool", self.servicer.evict_slowest, soft=threads)
         self.server = grpc.server(
             futures.ThreadPoolExecutor(max_workers=2, thread_name_prefix="grpc-other"),
             options=[("grpc.max_receive_message_length", MAX_MESSAGE_BYTES)],
