@@ -49,11 +49,12 @@ class ServicePool(futures.ThreadPoolExecutor):
     """The threads of one service on a shared grpc.Server: grpc runs a method handler on the
     pool named by its behaviour's `experimental_thread_pool` (`in_pool`), so callers of one
     service (a flood of slow pushes) never hold the threads another's calls need.
-    `on_full()` runs when a call arrives while `soft` calls (default: every thread) are busy
-    already (ShardServer evicts its slowest push there, with threads to spare so that the new
-    call is not queued behind slow ones; it must not block: grpc's polling thread calls it)."""
+    `on_full(n)` runs when a call arrives while `soft` calls (default: every thread) are busy
+    already, `n` the calls past `soft` with this one (ShardServer evicts its slowest pushes
+    there, with threads to spare so that the new call is not queued behind slow ones; it must
+    not block: grpc's polling thread calls it)."""
 
-    def __init__(self, workers: int, name: str, on_full: Callable[[], None] = lambda: None, soft: int = 0):
+    def __init__(self, workers: int, name: str, on_full: Callable[[int], None] = lambda n: None, soft: int = 0):
         super().__init__(max_workers=workers, thread_name_prefix=name)
         self.workers, self.on_full = soft or workers, on_full
         self._count = threading.Lock()
@@ -61,10 +62,10 @@ class ServicePool(futures.ThreadPoolExecutor):
 
     def submit(self, fn, /, *args, **kwargs):
         with self._count:
-            full = self.busy >= self.workers
             self.busy += 1
-        if full:
-            self.on_full()
+            over = self.busy - self.workers
+        if over > 0:
+            self.on_full(over)
         try:
             future = super().submit(fn, *args, **kwargs)
         except BaseException:

@@ -228,8 +228,8 @@ class _Servicer:
                     self._cut(s, "slow_streams", f"sending {rate:.0f} bytes/s (buffer.grpc_min_rate_bytes_s)")
 
     def evict_slowest(self, n: int = 1) -> None:
-        """grpc_server_threads pushes run and another arrives (or the watch finds more running):
-        cancel the `n` slowest pushes waiting for their clients whose rate so far (after
+        """More than grpc_server_threads pushes run or wait, `n` too many (a new one arrived, or
+        the watch found them): cancel the `n` slowest pushes waiting for their clients whose rate so far (after
         EVICT_AFTER_S of client time) is under grpc_min_rate_bytes_s, so that trickling clients
         cannot hold the threads honest ones need. Runs on grpc's polling thread: no blocking."""
         now, floor = time.monotonic(), self.cfg.grpc_min_rate_bytes_s
