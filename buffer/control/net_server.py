@@ -204,8 +204,8 @@ class RunService:
             raise _Refuse(
                 grpc.StatusCode.PERMISSION_DENIED, f"a heartbeat of {beat.get('worker_id')!r} sent as {worker_id}'s"
             )
+        self._count_id(worker_id)  # first: a refused id leaves nothing behind
         self._claim_writer(worker_id, context)
-        self._count_id(worker_id)
         self.run.heartbeats.write(worker_id, beat)
         return rs.Empty()
 
