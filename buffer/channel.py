@@ -19,9 +19,11 @@ import ipaddress
 import logging
 import os
 import socket
+import threading
 import time
 import uuid
 from collections.abc import Callable
+from concurrent import futures
 
 import grpc
 
@@ -41,6 +43,50 @@ MAX_MESSAGE_BYTES = (4 << 20) + (64 << 10)
 
 
 RECONNECT_MAX_MS = 2000
+
+
+class ServicePool(futures.ThreadPoolExecutor):
+    """The threads of one service on a shared grpc.Server: grpc runs a method handler on the
+    pool named by its behaviour's `experimental_thread_pool` (`in_pool`), so callers of one
+    service (a flood of slow pushes) never hold the threads another's calls need.
+    `on_full(n)` runs when a call arrives while `soft` calls (default: every thread) are busy
+    already, `n` the calls past `soft` with this one (ShardServer evicts its slowest pushes
+    there, with threads to spare so that the new call is not queued behind slow ones; it must
+    not block: grpc's polling thread calls it)."""
+
+    def __init__(self, workers: int, name: str, on_full: Callable[[int], None] = lambda n: None, soft: int = 0):
+        super().__init__(max_workers=workers, thread_name_prefix=name)
+        self.workers, self.on_full = soft or workers, on_full
+        self._count = threading.Lock()
+        self.busy = 0  # calls taken or queued, not finished
+
+    def submit(self, fn, /, *args, **kwargs):
+        with self._count:
+            self.busy += 1
+            over = self.busy - self.workers
+        if over > 0:
+            self.on_full(over)
+        try:
+            future = super().submit(fn, *args, **kwargs)
+        except BaseException:
+            self._done(None)
+            raise
+        future.add_done_callback(self._done)
+        return future
+
+    def _done(self, _future) -> None:
+        with self._count:
+            self.busy -= 1
+
+
+def in_pool(behaviour: Callable, pool: ServicePool) -> Callable:
+    """`behaviour` (a method handler's function) to run on `pool` instead of the server's own."""
+
+    def run(*args):
+        return behaviour(*args)
+
+    run.experimental_thread_pool = pool  # type: ignore[attr-defined]
+    return run
 
 
 def token(cfg: BufferConfig) -> str:

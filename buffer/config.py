@@ -74,9 +74,54 @@ class BufferConfig:
         le=4096,
     )
     grpc_server_threads: int = F(
-        16, "trainer: pushes handled at once (over all workers); more wait in the gRPC queue", ge=1
+        16,
+        "trainer: pushes handled at once (over all workers); one more cancels the slowest under "
+        "buffer.grpc_min_rate_bytes_s and runs on a spare thread (4x as many in all), past "
+        "those they wait in the gRPC queue",
+        ge=1,
     )
     grpc_max_inflight: int = F(8, "shards a worker may have unacknowledged before it blocks", ge=1)
+    grpc_max_workers: int = F(
+        8,
+        "trainer: threads of the run service's pool and of the weight service's pool, each "
+        "(pushes have their own, buffer.grpc_server_threads): one service's callers never "
+        "hold another's threads",
+        ge=1,
+        le=256,
+    )
+    grpc_min_rate_bytes_s: int = F(
+        16384,
+        "trainer: a push that sends less than this many bytes/s, averaged over "
+        "buffer.grpc_min_rate_window_s of waiting for the client, is cancelled (a slow trickle "
+        "must not hold a push thread); while every push thread is busy, the slowest push under "
+        "this rate is cancelled to let a new one in; 0: off",
+        ge=0,
+    )
+    grpc_min_rate_window_s: float = F(
+        10.0, "trainer: seconds of a push's waiting for its client over which its rate is averaged", gt=0, le=3600
+    )
+    grpc_stream_deadline_s: float = F(
+        300.0,
+        "trainer: a push still in progress after this many seconds is cancelled, whatever its "
+        "rate (a worker's own deadline is buffer.grpc_timeout_s)",
+        gt=0,
+    )
+    grpc_max_claim_groups: int = F(
+        1 << 16,
+        "trainer: a sync claim naming more groups (or wanting more) than this is refused "
+        "(INVALID_ARGUMENT); a version's slots are data.train_batch_size groups per step",
+        ge=1,
+    )
+    grpc_max_worker_ids: int = F(
+        1024,
+        "trainer: distinct worker ids whose heartbeats it keeps; a new id past this takes the "
+        "place (and heartbeat file) of one silent for buffer.grpc_worker_id_ttl_s, else is "
+        "refused (RESOURCE_EXHAUSTED, retried)",
+        ge=1,
+    )
+    grpc_worker_id_ttl_s: float = F(
+        3600.0, "trainer: a worker id with no heartbeat for this long may be dropped for a new one", gt=0
+    )
     grpc_timeout_s: float = F(60.0, "seconds one push may take before it is retried", gt=0)
     grpc_idle_timeout_s: float = F(
         30.0,
@@ -151,6 +196,18 @@ class BufferConfig:
     weights_peer_port: int = F(0, "worker: port of its peer server (0: a free one)", ge=0, le=65535)
     weights_peer_threads: int = F(8, "worker: chunk requests its peer server handles at once", ge=1)
     weights_max_peers: int = F(16, "trainer: peers handed to a worker per request", ge=1)
+    weights_max_registered_peers: int = F(
+        256,
+        "trainer: peers it keeps in its registry, over all versions; reports past this are "
+        "refused (RESOURCE_EXHAUSTED) until entries expire (buffer.weights_peer_ttl_s)",
+        ge=1,
+    )
+    weights_probe_timeout_s: float = F(
+        2.0,
+        "trainer: a peer is handed to others only after it answered one request within this "
+        "many seconds (an address that never answers would stall their fetches)",
+        gt=0,
+    )
     weights_peer_refresh_s: float = F(
         1.0, "worker: seconds between reports of the chunks it holds to the trainer, which answers with peers", gt=0
     )

@@ -200,8 +200,9 @@ def _network_run(root: str, buffer: BufferConfig) -> WorkerRun:
 class RunServer:
     """The trainer's rank 0 with buffer.transport=grpc: one grpc.Server (buffer.grpc_bind, the
     token, TLS) with the experience stream (ShardServer), the run service on `run` and the
-    weight service of its published versions. `hooks`: see TrainerRun.serve. `stop()` first
-    lingers after the run's end (buffer.grpc_linger_s), so that workers learn of it."""
+    weight service of its published versions, each service on its own thread pool. `hooks`:
+    see TrainerRun.serve. `stop()` first lingers after the run's end (buffer.grpc_linger_s),
+    so that workers learn of it."""
 
     def __init__(self, run: TrainerRun, buffer: BufferConfig, **hooks):
         secret = token(buffer)
@@ -226,3 +227,6 @@ class RunServer:
             self.run_service.linger(self.linger_s)
         finally:
             self.shards.stop(grace_s)
+            self.run_service.pool.shutdown(wait=False, cancel_futures=True)
+            if self.weights is not None:
+                self.weights.close()

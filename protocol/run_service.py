@@ -33,7 +33,10 @@ import msgpack
 SERVICE = "tandem.run.v1.Run"
 SCHEMA = 1  # also in `x-tandem-run-schema` metadata: a server refuses another (FAILED_PRECONDITION)
 SCHEMA_KEY = "x-tandem-run-schema"
-MAX_DOC_BYTES = 1 << 20  # a heartbeat, pool state or validation result larger than this is refused
+MAX_DOC_BYTES = 1 << 20  # a pool state or validation result larger than this is refused
+MAX_BEAT_BYTES = 32 << 10  # a heartbeat larger than this is refused (a worker's stays under 20 KiB:
+# rollout/worker.py bounds its history and loads to HISTORY_ROWS rows)
+MAX_REPLY_BYTES = 4 << 20  # the Heartbeats reply keeps under this (a client's receive limit: 4 MiB + framing)
 
 
 class MessageError(ValueError):
@@ -59,7 +62,7 @@ class RunStateReply:
 @dataclasses.dataclass
 class HeartbeatWrite:
     worker_id: str = ""  # a worker id (buffer.layout.check_worker_id); "" for the validator's
-    beat: dict = dataclasses.field(default_factory=dict)  # JSON-able, <= MAX_DOC_BYTES packed
+    beat: dict = dataclasses.field(default_factory=dict)  # JSON-able, <= MAX_BEAT_BYTES as JSON
 
 
 @dataclasses.dataclass

@@ -32,6 +32,8 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 F = "tests/test_faults.py::"
+H = "tests/test_hostile_clients.py::"
+EN, WN, CN = "buffer/experience/net_server.py", "buffer/weights/net_server.py", "buffer/control/net_server.py"
 C = "tests/test_contained_failures.py::"
 D = "tests/test_weights_delta.py::"
 
@@ -206,6 +208,91 @@ CASES = [
         "the trainer job's batch script does not trap USR1 (no stop request, no requeue)",
         [("launch/slurm/trainer.sbatch", "trap stop_requested USR1\n", "")],
         ["tests/test_slurm.py::test_trainer_job_checkpoints_on_the_time_limit_signal_and_is_requeued"],
+    ),
+    # issue 30, items 3, 4, 6 (the servers protect themselves); keys 30.<item><part>
+    Case(
+        "30.3a",
+        "one thread pool for every service: in_pool leaves the handler on the server's own pool",
+        [("buffer/channel.py", "    run.experimental_thread_pool = pool  # type: ignore[attr-defined]\n", "")],
+        [H + "test_trickling_pushes_starve_no_honest_call"],
+    ),
+    Case(
+        "30.3b",
+        "no eviction of the slowest pushes past buffer.grpc_server_threads",
+        [
+            (EN, '"grpc-spool", self.servicer.evict_slowest,', '"grpc-spool", lambda n: None,'),
+            (EN, "self.evict_slowest(len(streams) - cfg.grpc_server_threads)", "pass"),
+        ],
+        [H + "test_trickling_pushes_starve_no_honest_call"],
+    ),
+    Case(
+        "30.3c",
+        "no minimum rate (only silent pushes are cut)",
+        [(EN, "elif s.waiting and rate is not None and rate <", "elif False and rate <")],
+        [H + "test_a_slow_or_endless_push_is_cut_by_its_rate_or_deadline"],
+    ),
+    Case(
+        "30.3d",
+        "no total deadline per push",
+        [(EN, "if now - s.started > cfg.grpc_stream_deadline_s:", "if False:")],
+        [H + "test_a_slow_or_endless_push_is_cut_by_its_rate_or_deadline"],
+    ),
+    Case(
+        "30.4a",
+        "peers handed out and counted as covering chunks without a probe",
+        [
+            (WN, "and p not in avoid and e.address in self.answered", "and p not in avoid"),
+            (WN, "if p != rep.peer_id and e.address in self.answered and", "if p != rep.peer_id and"),
+        ],
+        [H + "test_fake_peers_and_reports_for_unpublished_versions"],
+    ),
+    Case(
+        "30.4b",
+        "peer reports for versions not published are taken",
+        [(WN, "have = self._check_report(rep, context)", "have = rep.have")],
+        [H + "test_fake_peers_and_reports_for_unpublished_versions"],
+    ),
+    Case(
+        "30.4c",
+        "no bound on the peers registered",
+        [(WN, "if rep.peer_id not in table and self._registered() >=", "if False and 0 >=")],
+        [H + "test_fake_peers_and_reports_for_unpublished_versions"],
+    ),
+    Case(
+        "30.4d",
+        "the hashing lock of a version never published stays in the table",
+        [
+            (
+                WN,
+                "                with self._lock:\n                    self._making.pop(version, None)\n",
+                "                pass\n",
+            )
+        ],
+        [H + "test_fake_peers_and_reports_for_unpublished_versions"],
+    ),
+    Case(
+        "30.6a",
+        "no bound on a sync claim's groups and want",
+        [(CN, "if max(request.groups, request.want) > cap:", "if False:")],
+        [H + "test_claims_heartbeats_and_worker_ids_are_bounded"],
+    ),
+    Case(
+        "30.6b",
+        "heartbeats bounded by the 1 MiB of any document, not 32 KiB",
+        [(CN, 'f"heartbeat of {worker_id}", rs.MAX_BEAT_BYTES)', 'f"heartbeat of {worker_id}")')],
+        [H + "test_claims_heartbeats_and_worker_ids_are_bounded"],
+    ),
+    Case(
+        "30.6c",
+        "no bound on distinct worker ids",
+        [(CN, "if worker_id not in self.seen and len(self.seen) >= cap:", "if False:")],
+        [H + "test_claims_heartbeats_and_worker_ids_are_bounded"],
+    ),
+    Case(
+        "30.6d",
+        "the Heartbeats reply is every heartbeat, however large",
+        [(CN, "if sum(sizes) <= rs.MAX_REPLY_BYTES:", "if True:")],
+        [H + "test_claims_heartbeats_and_worker_ids_are_bounded"],
     ),
     # issue 30's items 8-12 (keys 30.<item>)
     Case(

@@ -63,6 +63,12 @@ class FsHeartbeats(FsStore, HeartbeatStore):
     def read(self, worker_id: str) -> dict | None:
         return read_json(self.fs, self.layout.heartbeat(worker_id))
 
+    def remove(self, worker_id: str) -> None:
+        """Drop `worker_id`'s heartbeat (the run service's bound on worker ids); none is fine."""
+        path = self.layout.heartbeat(worker_id)
+        if self.fs.exists(path):
+            self.fs.rm(path)
+
     def all(self) -> list[dict]:
         out = []
         if self.fs.exists(self.layout.workers_dir):

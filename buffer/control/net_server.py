@@ -19,6 +19,7 @@ service, not from a file it could see after the trainer is gone.
 from __future__ import annotations
 
 import collections
+import contextlib
 import dataclasses
 import json
 import logging
@@ -28,14 +29,16 @@ from typing import Protocol
 
 import grpc
 
-from buffer.channel import WRITER_KEY, authorized
+from buffer.channel import WRITER_KEY, ServicePool, authorized, in_pool
 from buffer.config import BufferConfig
-from buffer.control.base import ControlStore, HeartbeatStore, ProgressStore, RunState, SyncClaims, ValidationStore
+from buffer.control.base import ControlStore, ProgressStore, RunState, SyncClaims, ValidationStore
+from buffer.control.fs import FsHeartbeats
 from buffer.layout import RunLayout, check_worker_id
 from buffer.storage import is_disk_full
 from buffer.weights.base import WeightSource
 from protocol import run_service as rs
 from protocol.validation import ValidationResult
+from protocol.weights import SYNC_GROUPS
 
 log = logging.getLogger(__name__)
 ANSWERS_KEPT = 4096  # replies of state-changing calls kept for retries of the same request id
@@ -49,14 +52,14 @@ class _Refuse(Exception):
         self.code, self.details = code, details
 
 
-def _doc(value, what: str) -> dict:
-    """A JSON document a remote role may store: a dict, at most MAX_DOC_BYTES as JSON."""
+def _doc(value, what: str, limit: int = rs.MAX_DOC_BYTES) -> dict:
+    """A JSON document a remote role may store: a dict, at most `limit` bytes as JSON."""
     try:
         size = len(json.dumps(value))
     except (TypeError, ValueError) as e:
         raise _Refuse(grpc.StatusCode.INVALID_ARGUMENT, f"{what}: not JSON ({e})") from None
-    if size > rs.MAX_DOC_BYTES:
-        raise _Refuse(grpc.StatusCode.INVALID_ARGUMENT, f"{what}: {size} bytes of JSON, over {rs.MAX_DOC_BYTES}")
+    if size > limit:
+        raise _Refuse(grpc.StatusCode.INVALID_ARGUMENT, f"{what}: {size} bytes of JSON, over {limit}")
     return value
 
 
@@ -67,7 +70,7 @@ class ServedRun(Protocol):
     @property
     def files(self) -> RunLayout: ...
     @property
-    def heartbeats(self) -> HeartbeatStore: ...
+    def heartbeats(self) -> FsHeartbeats: ...  # the trainer's: it also drops expired ids' files
     @property
     def progress(self) -> ProgressStore: ...
     @property
@@ -91,6 +94,9 @@ class RunService:
         self.expected = f"Bearer {secret}".encode()
         self.lock = threading.Lock()
         self.writers: dict[str, tuple[str, float]] = {}  # worker id -> (writer key, last write)
+        self.seen: dict[str, float] = {}  # worker id -> last heartbeat (<= grpc_max_worker_ids)
+        self.seeded = False  # ids of the heartbeats on disk at start are counted from the first beat
+        self.pool = ServicePool(cfg.grpc_max_workers, "grpc-run")
         self.answers: collections.OrderedDict[str, object] = collections.OrderedDict()
         self.running: dict[str, threading.Lock] = {}  # request id -> held while it executes
         self.stats: collections.Counter[str] = collections.Counter()
@@ -101,7 +107,7 @@ class RunService:
         for name, rpc in rs.RPCS.items():
             decode = (lambda cls: lambda raw: _decoded(cls, raw))(rpc.request)
             methods[name] = grpc.unary_unary_rpc_method_handler(
-                self._unary(name), request_deserializer=decode, response_serializer=rs.encode
+                in_pool(self._unary(name), self.pool), request_deserializer=decode, response_serializer=rs.encode
             )
         return grpc.method_handlers_generic_handler(rs.SERVICE, methods)
 
@@ -193,20 +199,63 @@ class RunService:
 
     def _do_WriteHeartbeat(self, request, context) -> rs.Empty:
         worker_id = check_worker_id(request.worker_id)
-        beat = _doc(request.beat, f"heartbeat of {worker_id}")
+        beat = _doc(request.beat, f"heartbeat of {worker_id}", rs.MAX_BEAT_BYTES)
         if beat.get("worker_id", worker_id) != worker_id:
             raise _Refuse(
                 grpc.StatusCode.PERMISSION_DENIED, f"a heartbeat of {beat.get('worker_id')!r} sent as {worker_id}'s"
             )
+        self._count_id(worker_id)  # first: a refused id leaves nothing behind
         self._claim_writer(worker_id, context)
         self.run.heartbeats.write(worker_id, beat)
         return rs.Empty()
+
+    def _count_id(self, worker_id: str) -> None:
+        """At most grpc_max_worker_ids distinct ids keep a heartbeat (ids a client invents must
+        not fill the disk, nor the Heartbeats reply): a new id past it takes the place of the
+        one silent longest, if that one is silent for grpc_worker_id_ttl_s (its file goes),
+        else it is refused (RESOURCE_EXHAUSTED: an honest worker retries)."""
+        now, cap = time.monotonic(), self.cfg.grpc_max_worker_ids
+        with self.lock:
+            if not self.seeded:  # a restarted trainer counts the files its last run left
+                self.seeded = True
+                for beat in self.run.heartbeats.all():
+                    self.seen.setdefault(str(beat.get("worker_id")), now)
+            if worker_id not in self.seen and len(self.seen) >= cap:
+                oldest = min(self.seen, key=self.seen.__getitem__)
+                if now - self.seen[oldest] < self.cfg.grpc_worker_id_ttl_s:
+                    self.stats["worker_ids_refused"] += 1
+                    raise _Refuse(
+                        grpc.StatusCode.RESOURCE_EXHAUSTED,
+                        f"{cap} worker ids hold a heartbeat already (buffer.grpc_max_worker_ids), none "
+                        "silent for buffer.grpc_worker_id_ttl_s: retry later",
+                    )
+                del self.seen[oldest]
+                self.writers.pop(oldest, None)
+                self.stats["worker_ids_expired"] += 1
+                with contextlib.suppress(ValueError, OSError):
+                    self.run.heartbeats.remove(oldest)
+            self.seen[worker_id] = now
 
     def _do_ReadHeartbeat(self, request, context) -> rs.DocReply:
         return rs.DocReply(self.run.heartbeats.read(check_worker_id(request.worker_id)))
 
     def _do_Heartbeats(self, request, context) -> rs.DocsReply:
-        return rs.DocsReply(self.run.heartbeats.all())
+        """Every heartbeat, or when they would not fit rs.MAX_REPLY_BYTES the smallest first
+        (an honest worker's is a few KiB: large invented ones drop out first, not it)."""
+        beats = self.run.heartbeats.all()
+        sizes = [len(json.dumps(b)) for b in beats]
+        if sum(sizes) <= rs.MAX_REPLY_BYTES:
+            return rs.DocsReply(beats)
+        kept, total = [], 0
+        for size, beat in sorted(zip(sizes, beats, strict=True), key=lambda x: x[0]):
+            if total + size > rs.MAX_REPLY_BYTES:
+                break
+            kept.append(beat)
+            total += size
+        left = len(beats) - len(kept)
+        self.stats["heartbeats_left_out"] += left
+        log.warning("Heartbeats reply: %d of %d left out (over %d bytes)", left, len(beats), rs.MAX_REPLY_BYTES)
+        return rs.DocsReply(sorted(kept, key=lambda b: str(b.get("worker_id"))))
 
     def _do_Progress(self, request, context) -> rs.DocReply:
         return rs.DocReply(self.run.progress.read())
@@ -227,10 +276,23 @@ class RunService:
         return self.run.files.version_dir(version) if self.run.weights.exists(version) else None
 
     def _do_SyncClaim(self, request, context) -> rs.Count:
+        """A claim of at most grpc_max_claim_groups slots, and never of slots past what the
+        trainer announced for the version (its LATEST pointer's sync_groups)."""
         worker_id = check_worker_id(request.worker_id)
         if min(request.version, request.groups, request.want) < 0:
             raise _Refuse(grpc.StatusCode.INVALID_ARGUMENT, "version, groups and want must be >= 0")
-        return rs.Count(self.run.sync.claim(request.version, request.groups, request.want, worker_id))
+        cap = self.cfg.grpc_max_claim_groups
+        if max(request.groups, request.want) > cap:
+            self.stats["claims_over_cap"] += 1
+            raise _Refuse(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"a claim of groups={request.groups}, want={request.want}: over buffer.grpc_max_claim_groups={cap}",
+            )
+        groups = request.groups
+        pointer = self.run.weights.pointer() or {}
+        if pointer.get("version") == request.version and SYNC_GROUPS in pointer:
+            groups = min(groups, int(pointer[SYNC_GROUPS]))
+        return rs.Count(self.run.sync.claim(request.version, groups, request.want, worker_id))
 
     def _do_SyncShare(self, request, context) -> rs.Count:
         return rs.Count(self.run.sync.share(max(0, request.groups), max(1, request.per_batch)))

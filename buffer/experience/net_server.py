@@ -17,6 +17,7 @@ import contextlib
 import dataclasses
 import itertools
 import logging
+import math
 import os
 import threading
 import time
@@ -26,7 +27,17 @@ from typing import Any
 import grpc
 import pyarrow as pa
 
-from buffer.channel import MAX_MESSAGE_BYTES, WRITER_KEY, authorized, bind_hosts, is_loopback, server_credentials, token
+from buffer.channel import (
+    MAX_MESSAGE_BYTES,
+    WRITER_KEY,
+    ServicePool,
+    authorized,
+    bind_hosts,
+    in_pool,
+    is_loopback,
+    server_credentials,
+    token,
+)
 from buffer.config import BufferConfig
 from buffer.control.fs import FsStore
 from buffer.layout import RunLayout
@@ -38,6 +49,9 @@ from protocol.shard_stream import SERVICE, Undecodable, chunk_data, decode_chunk
 
 log = logging.getLogger(__name__)
 MAX_CLAIMS = 4096  # worker-id claims kept before the expired ones are dropped
+NOTE_S = 10.0  # at most one line per this many seconds about cancelled pushes
+EVICT_AFTER_S = 0.5  # client time before a push's rate can get it evicted (a new one's is noise)
+SPARE_THREADS = 4  # push threads per buffer.grpc_server_threads: the spare ones take new pushes
 
 
 @dataclasses.dataclass
@@ -89,12 +103,31 @@ class _Refused(Exception):
 
 @dataclasses.dataclass(eq=False)  # kept in a set by identity
 class _Stream:
-    """One push in progress: whether it waits for the client's next message, since when."""
+    """One push in progress: whether it waits for the client's next message, since when; the
+    bytes received and the seconds spent waiting for the client (its rate: the server's own
+    time, writing or waiting for a lock, never counts against it); why it was cut, if it was."""
 
     context: Any  # a grpc.ServicerContext
     last: float
     waiting: bool = False
-    idled: bool = False
+    cut: str = ""  # the stats key of the watch that cancelled it ("" while it runs)
+    started: float = dataclasses.field(default_factory=time.monotonic)
+    received: int = 0
+    client_s: float = 0.0  # waiting for the client, before the current wait
+    marks: collections.deque = dataclasses.field(default_factory=collections.deque)  # (client s, bytes)
+
+    def client_time(self, now: float) -> float:
+        return self.client_s + (now - self.last if self.waiting else 0.0)
+
+    def window_rate(self, now: float, window: float) -> float | None:
+        """Bytes/s over the latest `window` s of client time (None until it waited that long);
+        called by the watch, which records a mark each tick."""
+        t = self.client_time(now)
+        self.marks.append((t, self.received))
+        while len(self.marks) > 1 and self.marks[1][0] <= t - window:
+            self.marks.popleft()
+        t0, b0 = self.marks[0]
+        return (self.received - b0) / (t - t0) if t - t0 >= window else None
 
 
 @dataclasses.dataclass
@@ -125,6 +158,7 @@ class _Servicer:
         self.claims: dict[str, _Claim] = {}
         self.streams: set[_Stream] = set()
         self.stats: collections.Counter[str] = collections.Counter()
+        self._noted = -math.inf  # when a cancelled push was last logged
 
     def Push(self, request_iterator, context):
         if not authorized(context, self.expected):
@@ -159,27 +193,64 @@ class _Servicer:
                     break
                 finally:
                     stream.waiting = False
+                    stream.client_s += time.monotonic() - stream.last
+                stream.received += _wire_size(chunk)
                 yield chunk
         except grpc.RpcError:
-            self.stats["idle_timeouts" if stream.idled else "cancelled"] += 1
+            self.stats[stream.cut or "cancelled"] += 1
             raise
-        if stream.idled:  # a cancelled stream may also just end
-            self.stats["idle_timeouts"] += 1
-            stream.context.abort(grpc.StatusCode.CANCELLED, "no data for buffer.grpc_idle_timeout_s")
+        if stream.cut:  # a cancelled stream may also just end
+            self.stats[stream.cut] += 1
+            stream.context.abort(grpc.StatusCode.CANCELLED, f"cancelled by the trainer ({stream.cut})")
 
-    def watch_idle(self, stop: threading.Event) -> None:
-        """Cancel every push silent for grpc_idle_timeout_s: a stalled client must not hold one
-        of the server's threads. The handler's blocked read then raises; the temporary file of
-        a partial shard is removed on the way out."""
-        idle = self.cfg.grpc_idle_timeout_s
-        while not stop.wait(min(1.0, idle / 4)):
+    def watch_streams(self, stop: threading.Event) -> None:
+        """Cancel every push silent for grpc_idle_timeout_s, slower than grpc_min_rate_bytes_s
+        over grpc_min_rate_window_s, or older than grpc_stream_deadline_s: a stalled or
+        trickling client must not hold one of the push threads. The handler's blocked read then
+        raises; the temporary file of a partial shard is removed on the way out. gRPC's client
+        sees CANCELLED (a server-side cancel carries no details): the log line and the stats key
+        say which bound cut it."""
+        cfg = self.cfg
+        while not stop.wait(min(1.0, cfg.grpc_idle_timeout_s / 4, cfg.grpc_min_rate_window_s / 4)):
             now = time.monotonic()
             with self.lock:
-                stalled = [s for s in self.streams if s.waiting and not s.idled and now - s.last > idle]
-            for s in stalled:
-                s.idled = True
-                log.warning("cancelled a push silent for %.0f s (buffer.grpc_idle_timeout_s)", now - s.last)
-                s.context.cancel()
+                streams = [s for s in self.streams if not s.cut]
+            if len(streams) > cfg.grpc_server_threads:  # those not evicted when the others came
+                self.evict_slowest(len(streams) - cfg.grpc_server_threads)
+            for s in streams:
+                rate = s.window_rate(now, cfg.grpc_min_rate_window_s)
+                if now - s.started > cfg.grpc_stream_deadline_s:
+                    age = now - s.started
+                    self._cut(s, "stream_deadlines", f"open for {age:.0f} s (buffer.grpc_stream_deadline_s)")
+                elif s.waiting and now - s.last > cfg.grpc_idle_timeout_s:
+                    self._cut(s, "idle_timeouts", f"silent for {now - s.last:.0f} s (buffer.grpc_idle_timeout_s)")
+                elif s.waiting and rate is not None and rate < cfg.grpc_min_rate_bytes_s:
+                    self._cut(s, "slow_streams", f"sending {rate:.0f} bytes/s (buffer.grpc_min_rate_bytes_s)")
+
+    def evict_slowest(self, n: int = 1) -> None:
+        """More than grpc_server_threads pushes run or wait, `n` too many (a new one arrived, or
+        the watch found them): cancel the `n` slowest pushes waiting for their clients whose rate so far (after
+        EVICT_AFTER_S of client time) is under grpc_min_rate_bytes_s, so that trickling clients
+        cannot hold the threads honest ones need. Runs on grpc's polling thread: no blocking."""
+        now, floor = time.monotonic(), self.cfg.grpc_min_rate_bytes_s
+        with self.lock:
+            rated = [
+                (s.received / t, s)
+                for s in self.streams
+                if s.waiting and not s.cut and (t := s.client_time(now)) >= EVICT_AFTER_S
+            ]
+        for rate, s in sorted((x for x in rated if x[0] < floor), key=lambda x: x[0])[:n]:
+            self._cut(s, "evicted", f"sending {rate:.0f} bytes/s while every push thread was busy")
+
+    def _cut(self, stream: _Stream, key: str, why: str) -> None:
+        """Cancel `stream`, counted under `key`; one line per NOTE_S (a flood of slow clients
+        must not flood the log too)."""
+        stream.cut = key
+        now = time.monotonic()
+        if now - self._noted >= NOTE_S:
+            self._noted = now
+            log.warning("cancelled a push %s (%s so far: %s)", why, key, self.stats[key] + 1)
+        stream.context.cancel()
 
     def _admit(self, worker_id: str, context):
         """Refuse a second live writer of one worker id, and more than grpc_max_pushes_per_worker
@@ -314,6 +385,13 @@ class _Servicer:
             )
 
 
+def _wire_size(chunk) -> int:
+    """Bytes of one received message, as far as a stream's rate goes."""
+    if isinstance(chunk, memoryview):
+        return len(chunk)
+    return chunk.ByteSize() if isinstance(chunk, pb.ShardChunk) else 0
+
+
 def _declared_samples(path: str) -> int:
     """Samples a spooled shard's writer recorded (its schema is the stream's first message)."""
     try:
@@ -334,12 +412,20 @@ class ShardServer:
         self.servicer = _Servicer(
             root, token(cfg), cfg, consumed, retired, lambda: max(cfg.max_backlog_samples, step_samples())
         )
+        # Each service runs on its own pool (buffer/channel.py ServicePool): the pushes' here,
+        # the others' their own; the server's pool only answers what none of them claims.
+        # pushes past grpc_server_threads evict the slowest, on spare threads: not queued
+        # (in FIFO order) behind trickling clients that reconnect as fast as they are cut
+        threads = cfg.grpc_server_threads
+        self.pool = ServicePool(threads * SPARE_THREADS, "grpc-spool", self.servicer.evict_slowest, soft=threads)
         self.server = grpc.server(
-            futures.ThreadPoolExecutor(max_workers=cfg.grpc_server_threads, thread_name_prefix="grpc-spool"),
+            futures.ThreadPoolExecutor(max_workers=2, thread_name_prefix="grpc-other"),
             options=[("grpc.max_receive_message_length", MAX_MESSAGE_BYTES)],
         )
         push = grpc.stream_unary_rpc_method_handler(
-            self.servicer.Push, request_deserializer=decode_chunk, response_serializer=pb.Ack.SerializeToString
+            in_pool(self.servicer.Push, self.pool),
+            request_deserializer=decode_chunk,
+            response_serializer=pb.Ack.SerializeToString,
         )
         self.server.add_generic_rpc_handlers([grpc.method_handlers_generic_handler(SERVICE, {"Push": push})])
         for add in services:  # more services on this server and port (buffer/run.py)
@@ -364,10 +450,11 @@ class ShardServer:
         self.server.start()
         self._stop_watch = threading.Event()
         threading.Thread(
-            target=self.servicer.watch_idle, args=(self._stop_watch,), daemon=True, name="grpc-idle-watch"
+            target=self.servicer.watch_streams, args=(self._stop_watch,), daemon=True, name="grpc-stream-watch"
         ).start()
         log.info("experience gRPC server listening on %s (port %d)", ", ".join(bind_hosts(cfg.grpc_bind)), self.port)
 
     def stop(self, grace_s: float = 5.0) -> None:
         self._stop_watch.set()
         self.server.stop(grace_s).wait(timeout=grace_s + 5)
+        self.pool.shutdown(wait=False, cancel_futures=True)  # its calls ended with the server

@@ -17,18 +17,21 @@ from __future__ import annotations
 import collections
 import dataclasses
 import logging
+import math
 import os
 import random
 import threading
 import time
 from collections.abc import Callable
+from concurrent import futures
 
 import grpc
 
-from buffer.channel import MAX_MESSAGE_BYTES, authorized
+from buffer.channel import MAX_MESSAGE_BYTES, ServicePool, authorized, in_pool, open_channel
 from buffer.config import BufferConfig
 from protocol.weights import ManifestError, WeightManifest
 from protocol.weights_wire import (
+    CHUNK_METHOD,
     SERVICE,
     ChunkList,
     ChunkListRequest,
@@ -212,14 +215,22 @@ class ChunkServicer:
         self.count(chunks=1, bytes=len(data))
         return ChunkReply(req.version, index, data).encode()
 
-    def handlers(self, **more) -> grpc.GenericRpcHandler:
+    def handlers(self, pool: ServicePool | None = None, **more) -> grpc.GenericRpcHandler:
+        """The methods (Chunk and `more`), on `pool` when given (else the server's own)."""
         methods = {"Chunk": self.Chunk, **more}
+        run = (lambda fn: in_pool(fn, pool)) if pool is not None else (lambda fn: fn)
         return grpc.method_handlers_generic_handler(
-            SERVICE, {name: grpc.unary_unary_rpc_method_handler(fn) for name, fn in methods.items()}
+            SERVICE, {name: grpc.unary_unary_rpc_method_handler(run(fn)) for name, fn in methods.items()}
         )
 
 
 CACHED_VERSIONS = 4  # chunk lists the trainer keeps in memory (the newest versions' are asked)
+
+
+MAX_PEER_ID = 128  # characters of a peer id, and of an address, a report may carry
+MAX_ADDRESS = 256
+PROBE_THREADS = 4  # probes of new peers at once; more wait for the next report
+PROBE_OK = (grpc.StatusCode.OK, grpc.StatusCode.NOT_FOUND, grpc.StatusCode.RESOURCE_EXHAUSTED)  # it answered
 
 
 @dataclasses.dataclass
@@ -239,16 +250,25 @@ class WeightService:
     def __init__(self, version_dir: Callable[[int], str | None], secret: str, cfg: BufferConfig):
         self.version_dir, self.cfg = version_dir, cfg
         self.chunk_bytes = cfg.weights_chunk_kb << 10
-        # half the experience server's threads at most wait for a send slot
-        self.chunks = ChunkServicer(self._holding, secret, cfg, max(1, cfg.grpc_server_threads // 2), self._covered)
+        # its own pool (buffer.grpc_max_workers); half of it at most waits for a send slot
+        self.pool = ServicePool(cfg.grpc_max_workers, "grpc-weights")
+        self.chunks = ChunkServicer(self._holding, secret, cfg, max(1, cfg.grpc_max_workers // 2), self._covered)
         self.stats = self.chunks.stats
         self._held: collections.OrderedDict[int, Holding] = collections.OrderedDict()
-        self._lock = threading.Lock()  # guards _held, _making, peers
+        self._lock = threading.Lock()  # guards _held, _making, peers, answered, probing
         self._making: dict[int, threading.Lock] = {}
-        self.peers: dict[int, dict[str, _Peer]] = {}
+        self.peers: dict[int, dict[str, _Peer]] = {}  # <= weights_max_registered_peers in all
+        self.answered: dict[str, float] = {}  # peer address -> when a probe of it succeeded
+        self.probing: dict[str, float] = {}  # address -> when its probe started, or last failed
+        self.prober = futures.ThreadPoolExecutor(PROBE_THREADS, thread_name_prefix="weights-probe")
 
     def register(self, server: grpc.Server) -> None:
-        server.add_generic_rpc_handlers([self.chunks.handlers(ChunkList=self.ChunkList, Peers=self.Peers)])
+        server.add_generic_rpc_handlers([self.chunks.handlers(self.pool, ChunkList=self.ChunkList, Peers=self.Peers)])
+
+    def close(self) -> None:
+        """After the server stopped: end the probes and the pool's threads."""
+        self.prober.shutdown(wait=True, cancel_futures=True)
+        self.pool.shutdown(wait=False, cancel_futures=True)
 
     def _holding(self, version: int) -> Holding | None:
         """The version's chunk list, hashed once (one thread per version; others wait)."""
@@ -261,30 +281,36 @@ class WeightService:
             with self._lock:
                 if version in self._held:
                     return self._held[version]
-            folder = self.version_dir(version)
-            if folder is None or not os.path.isfile(os.path.join(folder, "manifest.json")):
-                return None
-            started = time.monotonic()
-            path = os.path.join(folder, "manifest.json")
-            with open(path) as f:
-                text = f.read()
-            manifest = WeightManifest.from_json(text, where=path)
-            chunks = ChunkList.of_folder(folder, manifest, text, self.chunk_bytes)
-            held = Holding(chunks, folder, set(range(chunks.total)))
-            log.info(
-                "weight version %d: %d chunks of %d KiB over %d files hashed in %.1f s",
-                version,
-                chunks.total,
-                self.chunk_bytes >> 10,
-                len(chunks.files),
-                time.monotonic() - started,
-            )
-            with self._lock:
-                self._held[version] = held
-                while len(self._held) > CACHED_VERSIONS:
-                    self._held.popitem(last=False)
-                self._making.pop(version, None)
-            return held
+            try:
+                return self._hash(version)
+            finally:  # also for versions never published: asked-for numbers must not pile up
+                with self._lock:
+                    self._making.pop(version, None)
+
+    def _hash(self, version: int) -> Holding | None:
+        folder = self.version_dir(version)
+        if folder is None or not os.path.isfile(os.path.join(folder, "manifest.json")):
+            return None
+        started = time.monotonic()
+        path = os.path.join(folder, "manifest.json")
+        with open(path) as f:
+            text = f.read()
+        manifest = WeightManifest.from_json(text, where=path)
+        chunks = ChunkList.of_folder(folder, manifest, text, self.chunk_bytes)
+        held = Holding(chunks, folder, set(range(chunks.total)))
+        log.info(
+            "weight version %d: %d chunks of %d KiB over %d files hashed in %.1f s",
+            version,
+            chunks.total,
+            self.chunk_bytes >> 10,
+            len(chunks.files),
+            time.monotonic() - started,
+        )
+        with self._lock:
+            self._held[version] = held
+            while len(self._held) > CACHED_VERSIONS:
+                self._held.popitem(last=False)
+        return held
 
     def _covered(self, version: int, requester: str, avoid: set[str]) -> set[int]:
         """Chunks that live peers (heard from within weights_peer_ttl_s, not the requester nor
@@ -295,7 +321,7 @@ class WeightService:
             live = [
                 (p, e.have)
                 for p, e in self.peers.get(version, {}).items()
-                if now - e.seen <= ttl and p != requester and p not in avoid
+                if now - e.seen <= ttl and p != requester and p not in avoid and e.address in self.answered
             ]
         bits = 0
         for _, have in live:
@@ -322,25 +348,35 @@ class WeightService:
 
     def Peers(self, raw: bytes, context) -> bytes:
         """Record the caller's holdings; answer with up to weights_max_peers live peers that
-        hold chunks it lacks: in random order (load spreads), first those that add chunks the
-        ones before do not hold (the answer covers what the registry knows), then others."""
+        answered a probe and hold chunks it lacks: in random order (load spreads), first those
+        that add chunks the ones before do not hold (the answer covers what the registry
+        knows), then others. Reports for versions not published, with more bits than the
+        version has chunks, or past weights_max_registered_peers are refused."""
         check_token(context, self.chunks.expected)
         rep = decode_or_abort(PeerReport, raw, context)
-        now, ttl = time.monotonic(), self.cfg.weights_peer_ttl_s
-        lacks = ~int.from_bytes(rep.have, "little")
+        have = self._check_report(rep, context)
+        now = time.monotonic()
+        lacks = ~int.from_bytes(have, "little")
         with self._lock:
+            self._expire(now)
             table = self.peers.setdefault(rep.version, {})
             if rep.address:
-                table[rep.peer_id] = _Peer(rep.address, rep.have, now)
-            for gone in [p for p, e in table.items() if now - e.seen > ttl]:
-                del table[gone]
-            for version in [v for v, t in self.peers.items() if not t]:
-                del self.peers[version]
+                if rep.peer_id not in table and self._registered() >= self.cfg.weights_max_registered_peers:
+                    self.count(peers_refused=1)
+                    context.abort(
+                        grpc.StatusCode.RESOURCE_EXHAUSTED,
+                        f"{self.cfg.weights_max_registered_peers} peers registered "
+                        "(buffer.weights_max_registered_peers): report again later",
+                    )
+                table[rep.peer_id] = _Peer(rep.address, have, now)
+                self._probe(rep.version, rep.address, now)
             useful = [
                 PeerInfo(p, e.address, e.have)
                 for p, e in table.items()
-                if p != rep.peer_id and int.from_bytes(e.have, "little") & lacks
+                if p != rep.peer_id and e.address in self.answered and int.from_bytes(e.have, "little") & lacks
             ]
+            if not table:
+                del self.peers[rep.version]
         random.shuffle(useful)
         first: list[PeerInfo] = []
         rest: list[PeerInfo] = []
@@ -349,6 +385,81 @@ class WeightService:
             (first if adds else rest).append(peer)
             lacks &= ~adds
         return PeerList(rep.version, (first + rest)[: self.cfg.weights_max_peers]).encode()
+
+    def count(self, **add: int) -> None:
+        self.chunks.count(**add)
+
+    def _check_report(self, rep: PeerReport, context) -> bytes:
+        """The report's bitmap, if the report may enter the registry (else it aborts)."""
+        if len(rep.peer_id) > MAX_PEER_ID or len(rep.address) > MAX_ADDRESS:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"a peer id or address over {MAX_ADDRESS} characters")
+        try:
+            held = self._holding(rep.version)
+        except (OSError, ManifestError, ValueError) as e:
+            held, why = None, str(e)
+        else:
+            why = "pruned, or not yet"
+        if held is None:
+            self.count(reports_refused=1)
+            context.abort(
+                grpc.StatusCode.NOT_FOUND, f"weight version {rep.version} is not published on the trainer ({why})"
+            )
+        if len(rep.have) > (held.chunks.total + 7) // 8:
+            context.abort(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"a bitmap of {len(rep.have)} bytes for {held.chunks.total} chunks of v{rep.version}",
+            )
+        return rep.have
+
+    def _registered(self) -> int:
+        return sum(len(t) for t in self.peers.values())
+
+    def _expire(self, now: float) -> None:
+        """Drop every peer not heard from within weights_peer_ttl_s, of every version, and what
+        is known of addresses no peer uses any more (under _lock)."""
+        ttl = self.cfg.weights_peer_ttl_s
+        for version, table in list(self.peers.items()):
+            for gone in [p for p, e in table.items() if now - e.seen > ttl]:
+                del table[gone]
+            if not table:
+                del self.peers[version]
+        used = {e.address for t in self.peers.values() for e in t.values()}
+        for known in (self.answered, self.probing):
+            for address in [a for a in known if a not in used and now - known[a] > ttl]:
+                del known[address]
+
+    def _probe(self, version: int, address: str, now: float) -> None:
+        """Ask a new address one request (under _lock), in the background; until it answers it
+        is never handed out. One probe per address per weights_peer_ttl_s at most."""
+        if address in self.answered or now - self.probing.get(address, -math.inf) <= self.cfg.weights_peer_ttl_s:
+            return
+        self.probing[address] = now
+        try:
+            self.prober.submit(self._ask, version, address)
+        except RuntimeError:  # closed: the server is stopping
+            pass
+
+    def _ask(self, version: int, address: str) -> None:
+        request = ChunkRequest(version, "trainer-probe", want=b"").encode()  # no chunk: a quick NOT_FOUND
+        channel = open_channel(self.cfg, address, OPTIONS)
+        token = [("authorization", self.chunks.expected.decode())]
+        try:
+            channel.unary_unary(CHUNK_METHOD)(request, timeout=self.cfg.weights_probe_timeout_s, metadata=token)
+            ok = True
+        except grpc.RpcError as e:
+            ok = e.code() in PROBE_OK
+        finally:
+            channel.close()
+        with self._lock:
+            if ok:
+                self.answered[address] = time.monotonic()
+            else:
+                self.probing[address] = time.monotonic()
+        self.count(**{"probes_answered" if ok else "probes_failed": 1})
+        if not ok:
+            log.warning(
+                "weight peer %s did not answer within buffer.weights_probe_timeout_s: not handed to others", address
+            )
 
 
 def add_weight_service(
