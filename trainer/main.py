@@ -38,7 +38,7 @@ from trainer.config import TrainerConfig, device_problem
 from trainer.critic import Critic
 from trainer.lifeline import die_with_agent
 from trainer.metrics import MetricsLog, generation_seconds, length_metrics, memory_metrics, mfu, timed
-from trainer.model import build_actor
+from trainer.model import build_actor, packed_attention
 from trainer.publish import publish_version
 from trainer.run_lock import RunLock, RunLocked
 from trainer.validation import ValidationLog, validation_due
@@ -102,9 +102,13 @@ class Trainer:
         torch.manual_seed(cfg.trainer.seed)
         self.model_path = os.path.expanduser(cfg.actor_rollout_ref.model.path)  # verl writes ~/models/...
         grad_ckpt = cfg.actor_rollout_ref.model.enable_gradient_checkpointing
-        self.model = build_actor(self.model_path, device, gradient_checkpointing=grad_ckpt)
+        self.packed = cfg.actor_rollout_ref.model.use_remove_padding  # every pass: pi_old, ref, policy
+        attn = packed_attention(device) if self.packed else None
+        self.model = build_actor(self.model_path, device, gradient_checkpointing=grad_ckpt, attn_implementation=attn)
         use_ref = cfg.actor_rollout_ref.actor.use_kl_loss or cfg.algorithm.use_kl_in_reward
-        self.ref_model = build_actor(self.model_path, device, trainable=False) if use_ref else None
+        self.ref_model = (
+            build_actor(self.model_path, device, trainable=False, attn_implementation=attn) if use_ref else None
+        )
         optim = cfg.actor_rollout_ref.actor.optim
         self.optimizer = torch.optim.AdamW(
             self.model.parameters(), lr=optim.lr, weight_decay=optim.weight_decay, betas=tuple(optim.betas)
@@ -358,13 +362,14 @@ class Trainer:
         # 1. The step's anchors at its starting weights, before any update: pi_old, pi_ref, V_old.
         actor = self.cfg.actor_rollout_ref.actor
         timing: dict[str, float] = {}
-        passes = update.plan([torch.arange(len(batch))], batch, actor)[0].passes
+        packed = self.packed
+        passes = update.plan([torch.arange(len(batch))], batch, actor, packed)[0].passes
         with timed(timing, "old_log_prob"):
-            old = update.infer(lambda c: algo.response_logprobs(self.model, c)[0], batch, passes)
+            old = update.infer(lambda c: algo.response_logprobs(self.model, c)[0], batch, passes, packed)
         ref = values = None
         if self.ref_model is not None:
             with timed(timing, "ref"):
-                ref = update.infer(lambda c: algo.response_logprobs(self.ref_model, c)[0], batch, passes)
+                ref = update.infer(lambda c: algo.response_logprobs(self.ref_model, c)[0], batch, passes, packed)
         if self.critic is not None:
             with timed(timing, "values"):
                 values = self.critic.values(batch)
@@ -449,10 +454,10 @@ class Trainer:
         rows = update.epochs(
             groups, actor.ppo_mini_batch_size, self.cfg.data.train_batch_size, actor.ppo_epochs, actor.shuffle, seed
         )
-        minibatches = update.plan(rows, batch, actor)
+        minibatches = update.plan(rows, batch, actor, self.packed)
 
         def loss_fn(idx, mb):
-            c = batch.select(idx).trimmed()
+            c = update.micro(batch, idx, self.packed)
             r = c.response_mask.shape[1]
             old_lp = old[idx, :r]
             loss_cfg = algo.actor_loss_config(actor, self.world, mb.tokens, mb.seqs)

@@ -58,3 +58,12 @@ def build_actor(
         fully_shard(layer, mesh=mesh, mp_policy=mp)
     fully_shard(model, mesh=mesh, mp_policy=mp)
     return model
+
+
+def packed_attention(device: torch.device) -> str:
+    """The attention kernel for packed micro-batches: varlen flash attention on GPU when
+    flash_attn is installed, else sdpa with transformers' block-diagonal mask (trainer/sft.py's
+    choice, which also refuses a transformers that cannot keep packed rows apart)."""
+    from trainer.sft import attn_implementation
+
+    return attn_implementation("auto", device)

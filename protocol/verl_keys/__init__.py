@@ -243,6 +243,7 @@ RULES: list[Rule] = [
         KERNELS,
         "**.use_torch_compile",
         "**.use_fused_kernels",
+        # verl's actor/ref copies of actor_rollout_ref.model.use_remove_padding (a field)
         "**.use_remove_padding",
         "**.entropy_from_logits_with_chunking",
         "**.entropy_from_logits_chunk_size",
