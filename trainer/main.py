@@ -2,8 +2,9 @@
 
     torchrun --nproc_per_node 2 -m trainer.main root=RUN actor_rollout_ref.model.path=MODEL
 
-Rank 0 owns the experience reader (exactly-once consumption, staleness filter) and scatters
-whole groups to the ranks; every rank trains on its share (mini-batches, epochs and micro-batches
+Rank 0 owns the experience reader (exactly-once consumption, staleness filter) and deals whole
+groups to the ranks by name (shard or checkpoint pool file, group id, digest); each rank reads its
+own; every rank trains on its share (mini-batches, epochs and micro-batches
 as verl's, see trainer/update.py); with GAE a critic trains beside the actor (trainer/critic.py).
 Weight versions of the actor are gathered and written by rank 0. One console line and one JSON
 line per step.
@@ -26,7 +27,7 @@ import torch.distributed as dist
 
 from buffer.control import backpressure, sync
 from buffer.experience import retention
-from buffer.experience.reader import Group
+from buffer.experience.reader import Group, read_groups
 from buffer.ledger import Ledger
 from buffer.run import setup_trainer_run
 from buffer.storage import DISK_FULL_TIMEOUT_S, is_disk_full
@@ -119,6 +120,9 @@ class Trainer:
         self.kl_ctrl = get_kl_controller(cfg.algorithm.kl_ctrl)  # used with use_kl_in_reward
         self.pad_id = self.model.config.pad_token_id or 0
         self.stores = setup_trainer_run(cfg.root)  # the trainer's own run folder (it serves it to others)
+        self.vocab_size = self.model.config.vocab_size
+        self.rank_reads = self._ranks_share_run()
+        self._own: list[Group] = []  # rank 0: its own share of the step's groups
         self.store = self.stores.publisher
         # trainer.max_staleness=0: synchronous rollouts (buffer/control/sync.py)
         self.rounds = sync.TrainerRounds(
@@ -233,6 +237,9 @@ class Trainer:
         )
         if path is None:  # disk full: skipped, nothing new is covered
             return None
+        if self.rank == 0:  # pooled groups' shards may be pruned now: read them from the pool file
+            for g in self.reader.pool:
+                g.source = checkpoint.pool_path(path)
         log.info("checkpoint %s written in %.2f s", path, time.monotonic() - t0)
         if self.rank == 0 and self.cfg.buffer.retention != "keep":
             # Only now are the ledger's shards covered by a committed checkpoint.
@@ -243,7 +250,20 @@ class Trainer:
             log.info("retention: %s, %d stale temporaries removed", pruned, temps)
         return path
 
-    # --- data: rank 0 reads, every rank gets whole groups ------------------------------------
+    # --- data: rank 0 decides, every rank reads its own whole groups --------------------------
+    def _ranks_share_run(self) -> bool:
+        """Collective: whether every rank sees rank 0's run folder (its run id there). Then rank 0
+        sends each rank the names of its groups (GroupRef) and the rank reads them itself;
+        otherwise (ranks on nodes that do not mount the folder) it sends the samples."""
+        ids: list = [None] * self.world
+        dist.all_gather_object(ids, self.stores.state.run_id())
+        shared = all(i is not None and i == ids[0] for i in ids)
+        if not shared and self.rank == 0:
+            log.warning(
+                "not every trainer rank sees %s (run ids %s): rank 0 sends each rank its samples", self.cfg.root, ids
+            )
+        return shared
+
     def next_share(self) -> tuple[list, list[int], dict]:
         """This rank's samples, the step-wide number of each one's group, and the step's info."""
         payloads = None
@@ -256,7 +276,10 @@ class Trainer:
             raise RuntimeError(share["error"])
         if "stop" in share:
             raise StopRequested(share["stop"])
-        return share["samples"], share["groups"], share["info"]
+        if "refs" in share:  # names only: read them here (rank 0 holds its own already)
+            groups = self._own if self.rank == 0 else read_groups(self.cfg.root, share["refs"], self.vocab_size)
+            share["samples"] = [s for g in groups for s in g.samples]
+        return share["samples"], share["groups"], share.get("info", {})
 
     def _read_and_split(self) -> list[dict]:
         t0 = time.monotonic()
@@ -291,11 +314,16 @@ class Trainer:
             "response_length/clip_ratio": sum(s.finish_reason == "length" for s in samples) / len(samples),
         }
         # Group i goes to rank i % world; its number i places it in mini-batch i // mini_size.
+        self._own = groups[:: self.world]
         return [
             {
-                "samples": [s for g in groups[r :: self.world] for s in g.samples],
+                **(
+                    {"refs": [g.ref() for g in groups[r :: self.world]] if r else []}
+                    if self.rank_reads
+                    else {"samples": [s for g in groups[r :: self.world] for s in g.samples]}
+                ),
                 "groups": [i for i in range(r, len(groups), self.world) for _ in groups[i].samples],
-                "info": info,
+                **({"info": info} if r == 0 else {}),  # only rank 0 logs
             }
             for r in range(self.world)
         ]

@@ -61,9 +61,15 @@ def build_actor(
 
 
 def packed_attention(device: torch.device) -> str:
-    """The attention kernel for packed micro-batches: varlen flash attention on GPU when
-    flash_attn is installed, else sdpa with transformers' block-diagonal mask (trainer/sft.py's
-    choice, which also refuses a transformers that cannot keep packed rows apart)."""
+    """The attention kernel for packed micro-batches: varlen flash attention on GPU (flash_attn's
+    when installed, else torch's own, trainer/attention.py), else sdpa with transformers'
+    block-diagonal mask (trainer/sft.py's choice, which also refuses a transformers that cannot
+    keep packed rows apart)."""
+    import importlib.util
+
+    from trainer import attention
     from trainer.sft import attn_implementation
 
+    if device.type == "cuda" and importlib.util.find_spec("flash_attn") is None and attention.available(device):
+        return attention.register()
     return attn_implementation("auto", device)
