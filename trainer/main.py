@@ -121,6 +121,7 @@ class Trainer:
         self.pad_id = self.model.config.pad_token_id or 0
         self.stores = setup_trainer_run(cfg.root)  # the trainer's own run folder (it serves it to others)
         self.vocab_size = self.model.config.vocab_size
+        self.logprob_chunk: int | None = algo.LOGPROB_CHUNK_TOKENS
         self.rank_reads = self._ranks_share_run()
         self._own: list[Group] = []  # rank 0: its own share of the step's groups
         self.store = self.stores.publisher
@@ -255,6 +256,8 @@ class Trainer:
         """Collective: whether every rank sees rank 0's run folder (its run id there). Then rank 0
         sends each rank the names of its groups (GroupRef) and the rank reads them itself;
         otherwise (ranks on nodes that do not mount the folder) it sends the samples."""
+        if self.world == 1:
+            return True
         ids: list = [None] * self.world
         dist.all_gather_object(ids, self.stores.state.run_id())
         shared = all(i is not None and i == ids[0] for i in ids)
@@ -393,11 +396,11 @@ class Trainer:
         packed = self.packed
         passes = update.plan([torch.arange(len(batch))], batch, actor, packed)[0].passes
         with timed(timing, "old_log_prob"):
-            old = update.infer(lambda c: algo.response_logprobs(self.model, c)[0], batch, passes, packed)
+            old = update.infer(lambda c: self.logprobs(self.model, c)[0], batch, passes, packed)
         ref = values = None
         if self.ref_model is not None:
             with timed(timing, "ref"):
-                ref = update.infer(lambda c: algo.response_logprobs(self.ref_model, c)[0], batch, passes, packed)
+                ref = update.infer(lambda c: self.logprobs(self.ref_model, c)[0], batch, passes, packed)
         if self.critic is not None:
             with timed(timing, "values"):
                 values = self.critic.values(batch)
@@ -440,6 +443,11 @@ class Trainer:
                 metrics |= self.update_actor(batch, groups, old, ref, adv, seed + [0])
             metrics["perf/mfu/actor"] = self.mfu(self.model, samples, timing["timing_s/update_actor"], actor.ppo_epochs)
         return metrics | timing
+
+    def logprobs(self, model, batch, **kwargs):
+        """algo.response_logprobs, chunked by `self.logprob_chunk` tokens (None: full logits,
+        the path before issue 25, which benchmarks/trainer_bench.py sets to compare)."""
+        return algo.response_logprobs(model, batch, chunk=self.logprob_chunk, **kwargs)
 
     def mfu(self, model, samples: list, seconds: float, epochs: int) -> float:
         """verl's perf/mfu/<role>: the mean over ranks of each rank's MFU of an update (epochs
@@ -490,7 +498,7 @@ class Trainer:
             old_lp = old[idx, :r]
             loss_cfg = algo.actor_loss_config(actor, self.world, mb.tokens, mb.seqs)
             # verl logs the entropy whatever entropy_coeff; it enters the loss only with a coeff
-            lp, entropy = algo.response_logprobs(self.model, c, with_entropy=True, entropy_grad=actor.entropy_coeff > 0)
+            lp, entropy = self.logprobs(self.model, c, with_entropy=True, entropy_grad=actor.entropy_coeff > 0)
             w = algo.truncated_is_weights(
                 old_lp, c.behaviour_logprobs, c.response_mask, self.cfg.algorithm.rollout_is_threshold
             )
