@@ -47,8 +47,11 @@ def response_logprobs(
     def chunked_head(hidden: torch.Tensor) -> torch.Tensor:
         # Runs inside the model's forward, where FSDP holds the head's weight unsharded.
         h = hidden[rows, cols]  # (K, H): response positions only
+        # One block: its logits live from here to its own backward, nothing to gain by
+        # recomputing them; several: each block's are recomputed in backward, not all kept.
+        step = _checkpointed if len(h) > chunk else (lambda fn, *a: fn(*a))
         parts = [
-            _checkpointed(_logprob_entropy, h[a : a + chunk], head.weight, targets[a : a + chunk], temps[a : a + chunk])
+            step(_logprob_entropy, h[a : a + chunk], head.weight, targets[a : a + chunk], temps[a : a + chunk])
             for a in range(0, len(h), chunk)
         ]
         out["lp_ent"] = torch.cat(parts) if parts else h.new_zeros((0, 2), dtype=torch.float32)
