@@ -5,9 +5,12 @@ itself only, causally, with no (N x N) mask and no work across row boundaries.
 
 transformers builds no mask for an implementation it has no mask function for, so this kernel
 serves packed rows only (one row of position ids, no attention mask); a padded batch is refused.
+`attn_implementation` (moved here from trainer/sft.py, which packs too) picks transformers' own.
 """
 
 from __future__ import annotations
+
+import importlib.util
 
 import torch
 
@@ -47,6 +50,26 @@ def varlen_attention(module, query, key, value, attention_mask, scaling=None, dr
     q, k, v = (t[0].transpose(0, 1) for t in (query, key, value))  # (N, H, D)
     out = varlen_attn(q, k, v, cu, cu, longest, longest, scale=scaling, window_size=(-1, 0), enable_gqa=True)
     return out.unsqueeze(0), None
+
+
+def attn_implementation(name: str, device: torch.device) -> str:
+    """The attention kernel. Packing relies on transformers turning restarting position ids
+    into a block-diagonal mask (sdpa, eager, flex) or varlen calls (flash_attention_2)."""
+    if name == "auto":
+        has_flash = importlib.util.find_spec("flash_attn") is not None
+        name = "flash_attention_2" if device.type == "cuda" and has_flash else "sdpa"
+    if name != "flash_attention_2":
+        from transformers import masking_utils
+
+        if not hasattr(masking_utils, "find_packed_sequence_indices"):
+            import transformers
+
+            raise RuntimeError(
+                f"model.attn_implementation={name}: transformers "
+                f"{transformers.__version__} cannot mask packed sequences apart; "
+                "upgrade transformers or use flash_attention_2"
+            )
+    return name
 
 
 def register() -> str:

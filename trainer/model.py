@@ -68,8 +68,7 @@ def packed_attention(device: torch.device) -> str:
     import importlib.util
 
     from trainer import attention
-    from trainer.sft import attn_implementation
 
     if device.type == "cuda" and importlib.util.find_spec("flash_attn") is None and attention.available(device):
         return attention.register()
-    return attn_implementation("auto", device)
+    return attention.attn_implementation("auto", device)
