@@ -305,6 +305,11 @@ def main(argv=None) -> int:
     }
     for path in args.paths.split(","):
         r = run_path(trainer, path, steps_samples, packed_attn, device)
+        actor = trainer.cfg.actor_rollout_ref.actor
+        if "error" in r and path == "padded" and actor.ppo_micro_batch_size_per_gpu > 1:
+            actor.ppo_micro_batch_size_per_gpu //= 2  # today's path at the largest micro-batch that fits
+            r = run_path(trainer, path, steps_samples, packed_attn, device) | {"first_try": r["error"]}
+        r["micro_rows"] = actor.ppo_micro_batch_size_per_gpu if path == "padded" else None
         timed = r["step_times"][1:]  # step 1: warm-up
         if "error" not in r and timed:
             lengths = [x for b in batches[1 : len(timed) + 1] for x in b]
