@@ -1,6 +1,11 @@
 """Trainer throughput, MFU and weight-publish speed on GPUs.
 
     torchrun --nproc_per_node N benchmarks/trainer_bench.py --out results.json
+    python benchmarks/trainer_bench.py --mix --shape 0.5b --out mix.json   # issue 25's length mix
+
+With --mix: benchmarks/trainer_mix.py (a realistic length mix, 0.5B/1.5B/4B shapes, packed
+against today's padded path in one process; benchmarks/trainer25.sh runs the acceptance table).
+Without: equal-length rows, as issue 4 measured.
 
 Qwen2.5-0.5B shape (random init, built locally), FSDP2 with bf16 compute and fp32 reduction,
 the real `Trainer.train_step` (pi_old forward, verl GRPO advantage and PPO loss, backward,
@@ -38,6 +43,10 @@ def published_equals_model(trainer, version: int, rank: int) -> bool | None:
 
 
 def main() -> int:
+    if "--mix" in sys.argv:
+        from benchmarks.trainer_mix import main as mix
+
+        return mix([a for a in sys.argv[1:] if a != "--mix"])
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--work", default="/tmp/trainer_bench")
     ap.add_argument("--out", required=True)

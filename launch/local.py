@@ -48,8 +48,12 @@ BUILTIN_TRAINER = [
     "data.train_batch_size=16",
     "trainer.max_staleness=4",
     "buffer.poll_interval=0.2",
-    "critic.optim.lr=1e-3",
-]  # the critic's, used with algorithm.adv_estimator=gae
+    "critic.optim.lr=1e-3",  # the critic's, used with algorithm.adv_estimator=gae
+    # The built-in task's rows are all of about one length (nothing to unpad), and on CPU a packed
+    # row attends through a dense block-diagonal mask: padded micro-batches are faster here
+    # (issue 25, benchmarks/README.md). A --config or --trainer setting wins, as always.
+    "actor_rollout_ref.model.use_remove_padding=false",
+]
 # SFT on the built-in task's (question, answer) pairs: 100 steps copy unseen questions greedily
 # (tests/test_sft.py). total_epochs is only a cap: --sft-steps sets the length.
 BUILTIN_SFT = [

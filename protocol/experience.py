@@ -280,3 +280,23 @@ def load_shard(data: bytes, vocab_size: int | None = None) -> pa.Table:
     table = decode(data)
     validate_table(table, vocab_size)
     return table
+
+
+# --- a group named, not sent: what trainer rank 0 hands the other ranks ------------------------
+@dataclasses.dataclass(frozen=True)
+class GroupRef:
+    """One group a trainer rank reads itself: the file holding it (an experience shard, or the
+    pool file of the checkpoint that saved it), its id, and the digest of its samples."""
+
+    path: str  # in the run folder's filesystem, as the trainer's reader found it
+    group_id: str
+    digest: str  # group_digest of its samples, in order
+
+
+def group_digest(samples: Iterable[Sample]) -> str:
+    """sha256 over every field of every sample (floats by their exact repr): a rank that reads a
+    group back checks it is the very group rank 0 dealt it."""
+    h = hashlib.sha256()
+    for s in samples:
+        h.update(repr(dataclasses.astuple(s)).encode())
+    return h.hexdigest()

@@ -47,3 +47,9 @@ class ModelConfig:
     enable_gradient_checkpointing: bool = F(
         False, "trainer: recompute activations in backward (less memory, about a third more compute)"
     )
+    use_remove_padding: bool = F(
+        True,
+        "trainer: pack each micro-batch's rows into one row (position ids restarting per row, no "
+        "padding tokens; varlen flash attention or a block-diagonal mask) instead of padding them "
+        "to the longest; also the critic's default (critic.model.use_remove_padding)",
+    )

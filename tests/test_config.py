@@ -354,7 +354,6 @@ FIXTURE_WARNED = {
     "data.truncation",
     "data.dataloader_num_workers",
     "actor_rollout_ref.hybrid_engine",
-    "actor_rollout_ref.model.use_remove_padding",
     "actor_rollout_ref.actor.fsdp_config.param_offload",
     "actor_rollout_ref.actor.fsdp_config.optimizer_offload",
     "actor_rollout_ref.actor.fsdp_config.wrap_policy.min_num_params",

@@ -22,16 +22,85 @@ import torch
 
 from trainer.batch import Batch
 
+LOGPROB_CHUNK_TOKENS = 2048  # verl's entropy_from_logits_chunk_size: a (2048, vocab) fp32 block at a time
 
-def response_logprobs(model, batch: Batch, with_entropy: bool = False, entropy_grad: bool = True):
+
+def response_logprobs(
+    model, batch: Batch, with_entropy: bool = False, entropy_grad: bool = True, chunk: int | None = LOGPROB_CHUNK_TOKENS
+):
     """log pi(response token) at the sampling temperature, shape (B, R); with the entropy of
     each position's distribution as well when asked (else None), differentiable or, for a
-    metric only, not (`entropy_grad`: no graph kept for it)."""
-    logits = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask, use_cache=False).logits
-    rows = torch.arange(logits.shape[0], device=logits.device).unsqueeze(1)
+    metric only, not (`entropy_grad`: no graph kept for it). Padded or packed batches alike.
+
+    `chunk` tokens at a time: the lm_head runs on the response positions' hidden states only,
+    block by block, each block's logits recomputed in backward instead of kept, so no
+    (tokens x vocab) tensor is ever whole. None: the full logits (the path before chunking)."""
+    if chunk is None:
+        return _full_logits_logprobs(model, batch, with_entropy, entropy_grad)
+    head = model.get_output_embeddings()
+    mask = batch.response_mask.bool()
+    rows, cols = batch.logit_rows()[mask], batch.logit_index[mask]
+    targets = batch.response_ids[mask]
+    temps = batch.temperature.view(-1, 1).expand_as(batch.response_mask)[mask].float()
+    out: dict[str, torch.Tensor] = {}
+
+    def chunked_head(hidden: torch.Tensor) -> torch.Tensor:
+        # Runs inside the model's forward, where FSDP holds the head's weight unsharded.
+        h = hidden[rows, cols]  # (K, H): response positions only
+        # One block: its logits live from here to its own backward, nothing to gain by
+        # recomputing them; several: each block's are recomputed in backward, not all kept.
+        step = _checkpointed if len(h) > chunk else (lambda fn, *a: fn(*a))
+        parts = [
+            step(_logprob_entropy, h[a : a + chunk], head.weight, targets[a : a + chunk], temps[a : a + chunk])
+            for a in range(0, len(h), chunk)
+        ]
+        out["lp_ent"] = torch.cat(parts) if parts else h.new_zeros((0, 2), dtype=torch.float32)
+        return hidden[:, :1, :1]  # what the model returns as "logits": unused
+
+    kwargs = _model_inputs(batch)
+    head.forward = chunked_head  # an instance attribute: parameter names and FSDP units unchanged
+    try:
+        model(**kwargs, use_cache=False)
+    finally:
+        del head.forward  # the class's forward again
+    lp_ent = out["lp_ent"]
+    logprobs = batch.response_mask.new_zeros(batch.response_mask.shape).masked_scatter(mask, lp_ent[:, 0])
+    entropy = None
+    if with_entropy:
+        ent = lp_ent[:, 1] if entropy_grad else lp_ent[:, 1].detach()
+        entropy = batch.response_mask.new_zeros(batch.response_mask.shape).masked_scatter(mask, ent)
+    return logprobs, entropy
+
+
+def _checkpointed(fn, *args):
+    if torch.is_grad_enabled() and any(a.requires_grad for a in args if isinstance(a, torch.Tensor)):
+        return torch.utils.checkpoint.checkpoint(fn, *args, use_reentrant=False)
+    return fn(*args)
+
+
+def _logprob_entropy(h, weight, targets, temps) -> torch.Tensor:
+    """(k, 2): log pi(target) and the entropy of k positions, in fp32 (as verl's
+    entropy_from_logits: logsumexp - sum p * logits)."""
+    logits = (h @ weight.t()).float() / temps.unsqueeze(1)
+    lse = torch.logsumexp(logits, dim=-1)
+    target = logits.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
+    entropy = lse - (torch.softmax(logits, dim=-1) * logits).sum(-1)
+    return torch.stack([target - lse, entropy], dim=1)
+
+
+def _model_inputs(batch: Batch) -> dict:
+    """Packed: position ids and no attention mask (transformers masks the rows apart by their
+    positions, as trainer/sft.py relies on); padded: the attention mask."""
+    if batch.is_packed:
+        return {"input_ids": batch.input_ids, "position_ids": batch.position_ids}
+    return {"input_ids": batch.input_ids, "attention_mask": batch.attention_mask}
+
+
+def _full_logits_logprobs(model, batch: Batch, with_entropy: bool, entropy_grad: bool):
+    logits = model(**_model_inputs(batch), use_cache=False).logits
     # Only response positions, upcast once; log pi = logit - logsumexp, without materialising a
     # full (B, R, vocab) log-softmax (the largest tensor of the step for a 150k vocabulary).
-    picked = logits[rows, batch.logit_index].float() / batch.temperature.view(-1, 1, 1)
+    picked = logits[batch.logit_rows(), batch.logit_index].float() / batch.temperature.view(-1, 1, 1)
     target = picked.gather(-1, batch.response_ids.unsqueeze(-1)).squeeze(-1)
     logprobs = target - torch.logsumexp(picked, dim=-1)
     entropy = None
@@ -45,11 +114,8 @@ def response_logprobs(model, batch: Batch, with_entropy: bool = False, entropy_g
 def response_values(critic, batch: Batch) -> torch.Tensor:
     """V(s_j) for each response position j, shape (B, R): the value head's output at the
     position that predicts token j (the state before it), as verl's critic reads values[:, -R-1:-1]."""
-    out = critic(input_ids=batch.input_ids, attention_mask=batch.attention_mask, use_cache=False).logits.squeeze(
-        -1
-    )  # (B, T)
-    rows = torch.arange(out.shape[0], device=out.device).unsqueeze(1)
-    return out[rows, batch.logit_index].float() * batch.response_mask
+    out = critic(**_model_inputs(batch), use_cache=False).logits.squeeze(-1)  # (B, T), or (1, N) packed
+    return out[batch.logit_rows(), batch.logit_index].float() * batch.response_mask
 
 
 def kl_and_entropy_terms(

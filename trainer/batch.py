@@ -1,8 +1,13 @@
-"""Turn experience samples into padded tensors for the actor.
+"""Turn experience samples into padded tensors for the actor, and micro-batches into packed rows.
 
 Sequences are prompt + response, right-padded to the longest in the batch. Response-aligned
 tensors have shape (B, R) with R the longest response; position j of row i is the j-th response
 token, predicted by the logits at absolute position len(prompt_i) - 1 + j.
+
+`Batch.packed()` (use_remove_padding) concatenates a micro-batch's rows into one row of N tokens,
+position ids restarting at 0 per row and no attention mask, so transformers keeps the rows apart
+(varlen flash attention, or a block-diagonal mask for sdpa/eager/flex) and no token is padding.
+Response-aligned tensors keep their (b, R) shape; `logit_index` then points into the N tokens.
 """
 
 from __future__ import annotations
@@ -25,6 +30,32 @@ class Batch:
     token_level_rewards: torch.Tensor  # (B, R) float, the reward on the last response token
     temperature: torch.Tensor  # (B,) float
     group_ids: list[str]
+    position_ids: torch.Tensor | None = None  # (1, N) long when packed, else None
+
+    @property
+    def is_packed(self) -> bool:
+        return self.position_ids is not None
+
+    def logit_rows(self) -> torch.Tensor:
+        """(b, R): the row of the model's output that holds each response position's logits."""
+        if self.is_packed:
+            return torch.zeros_like(self.logit_index)
+        return torch.arange(len(self), device=self.logit_index.device).unsqueeze(1).expand_as(self.logit_index)
+
+    def packed(self) -> Batch:
+        """This micro-batch's rows as one packed row (after `select(...).trimmed()`): row i's
+        tokens start at offset_i, so its logit positions shift by offset_i."""
+        lengths = self.attention_mask.sum(1)
+        keep = self.attention_mask.bool()
+        offsets = torch.cumsum(lengths, 0) - lengths
+        positions = torch.cat([torch.arange(int(n), device=lengths.device) for n in lengths])
+        return dataclasses.replace(
+            self,
+            input_ids=self.input_ids[keep].unsqueeze(0),
+            attention_mask=torch.ones((1, int(lengths.sum())), dtype=torch.long, device=lengths.device),
+            position_ids=positions.unsqueeze(0),
+            logit_index=(self.logit_index + offsets.unsqueeze(1)) * self.response_mask.long(),
+        )
 
     def to(self, device) -> Batch:
         return dataclasses.replace(
@@ -37,12 +68,14 @@ class Batch:
         )
 
     def select(self, rows: torch.Tensor) -> Batch:
-        """The rows at indices `rows` (1-D long)."""
+        """The rows at indices `rows` (1-D long), of a padded batch."""
+        assert not self.is_packed, "select rows before packing"
         picked = rows.tolist()
         return Batch(
             **{
                 f.name: (v[rows.to(v.device)] if isinstance(v, torch.Tensor) else [v[i] for i in picked])
                 for f in dataclasses.fields(self)
+                if f.name != "position_ids"
                 for v in [getattr(self, f.name)]
             }
         )
@@ -63,7 +96,8 @@ class Batch:
         )
 
     def __len__(self) -> int:
-        return self.input_ids.shape[0]
+        """Rows (sequences), packed or not."""
+        return self.response_ids.shape[0]
 
 
 def collate(samples: list[Sample], pad_id: int = 0) -> Batch:

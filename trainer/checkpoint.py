@@ -180,4 +180,10 @@ def load(model, optimizer, path: str, critic=None) -> tuple[dict, list[Group]]:
     groups: dict[str, list] = {}
     for s in samples:
         groups.setdefault(s.group_id, []).append(s)
-    return trainer_state, [Group(gid, m[0].weight_version, m) for gid, m in groups.items()]
+    return trainer_state, [Group(gid, m[0].weight_version, m, pool_path(path)) for gid, m in groups.items()]
+
+
+def pool_path(checkpoint: str) -> str:
+    """The file in a committed checkpoint that holds the reader's pool (its groups are read
+    from there once their shards may be pruned)."""
+    return pool_file(checkpoint)

@@ -68,7 +68,10 @@ class ActorConfig:
     ppo_micro_batch_size_per_gpu: int = F(32, "samples per forward/backward on each rank", ge=1)
     use_dynamic_bsz: bool = F(False, "micro-batches by token budget instead of sample count")
     ppo_max_token_len_per_gpu: int = F(
-        16384, "with use_dynamic_bsz: tokens (prompt+response, padded) per micro-batch on each rank", ge=1
+        16384,
+        "with use_dynamic_bsz: tokens (prompt+response) per micro-batch on each rank: real tokens when "
+        "packed (actor_rollout_ref.model.use_remove_padding), rows x longest row when padded",
+        ge=1,
     )
     use_kl_loss: bool = F(False, "add a KL loss against the frozen initial model (reference)")
     kl_loss_coef: float = F(0.001, "weight of the KL loss", ge=0)
@@ -222,6 +225,7 @@ class CriticModelConfig:
         None, "HF model folder the value model starts from (a value head is added); None: actor_rollout_ref.model.path"
     )
     enable_gradient_checkpointing: bool = F(False, "recompute activations in backward")
+    use_remove_padding: bool | None = F(None, "pack micro-batches (None: actor_rollout_ref.model.use_remove_padding)")
 
 
 @dataclasses.dataclass
@@ -271,6 +275,8 @@ class TrainerConfig:
         ):
             if getattr(critic, name) is None:
                 setattr(critic, name, getattr(actor, name))
+        if critic.model.use_remove_padding is None:
+            critic.model.use_remove_padding = self.actor_rollout_ref.model.use_remove_padding
         if critic.model.path is None:
             critic.model.path = self.actor_rollout_ref.model.path
         for key, mini in (

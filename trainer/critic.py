@@ -16,22 +16,29 @@ import torch
 
 from trainer import algo, update
 from trainer.batch import Batch
-from trainer.model import build_actor
+from trainer.model import build_actor, packed_attention
 
 
 class Critic:
     def __init__(self, cfg, device: torch.device):
         """cfg: trainer.config.CriticConfig (None fields already taken from the actor)."""
         self.cfg = cfg
-        self.model = build_actor(cfg.model.path, device, cfg.model.enable_gradient_checkpointing, value_head=True)
+        self.packed = bool(cfg.model.use_remove_padding)
+        self.model = build_actor(
+            cfg.model.path,
+            device,
+            cfg.model.enable_gradient_checkpointing,
+            value_head=True,
+            attn_implementation=packed_attention(device) if self.packed else None,
+        )
         self.optimizer = torch.optim.AdamW(
             self.model.parameters(), lr=cfg.optim.lr, weight_decay=cfg.optim.weight_decay, betas=tuple(cfg.optim.betas)
         )
 
     def values(self, batch: Batch) -> torch.Tensor:
         """V_old, (B, R), at the weights before this step's update. Collective."""
-        passes = update.plan([torch.arange(len(batch))], batch, self.cfg)[0].passes
-        return update.infer(lambda c: algo.response_values(self.model, c), batch, passes)
+        passes = update.plan([torch.arange(len(batch))], batch, self.cfg, self.packed)[0].passes
+        return update.infer(lambda c: algo.response_values(self.model, c), batch, passes, self.packed)
 
     def update(
         self,
@@ -48,10 +55,10 @@ class Critic:
         cfg = self.cfg
         world = torch.distributed.get_world_size()
         rows = update.epochs(group_index, cfg.ppo_mini_batch_size, num_groups, cfg.ppo_epochs, cfg.shuffle, seed)
-        minibatches = update.plan(rows, batch, cfg)
+        minibatches = update.plan(rows, batch, cfg, self.packed)
 
         def loss_fn(idx, mb):
-            c = batch.select(idx).trimmed()
+            c = update.micro(batch, idx, self.packed)
             r = c.response_mask.shape[1]
             vpreds = algo.response_values(self.model, c)
             loss, clipfrac = algo.value_loss(

@@ -2,8 +2,9 @@
 
     torchrun --nproc_per_node 2 -m trainer.main root=RUN actor_rollout_ref.model.path=MODEL
 
-Rank 0 owns the experience reader (exactly-once consumption, staleness filter) and scatters
-whole groups to the ranks; every rank trains on its share (mini-batches, epochs and micro-batches
+Rank 0 owns the experience reader (exactly-once consumption, staleness filter) and deals whole
+groups to the ranks by name (shard or checkpoint pool file, group id, digest); each rank reads its
+own; every rank trains on its share (mini-batches, epochs and micro-batches
 as verl's, see trainer/update.py); with GAE a critic trains beside the actor (trainer/critic.py).
 Weight versions of the actor are gathered and written by rank 0. One console line and one JSON
 line per step.
@@ -26,7 +27,7 @@ import torch.distributed as dist
 
 from buffer.control import backpressure, sync
 from buffer.experience import retention
-from buffer.experience.reader import Group
+from buffer.experience.reader import Group, read_groups
 from buffer.ledger import Ledger
 from buffer.run import setup_trainer_run
 from buffer.storage import DISK_FULL_TIMEOUT_S, is_disk_full
@@ -38,7 +39,7 @@ from trainer.config import TrainerConfig, device_problem
 from trainer.critic import Critic
 from trainer.lifeline import die_with_agent
 from trainer.metrics import MetricsLog, generation_seconds, length_metrics, memory_metrics, mfu, timed
-from trainer.model import build_actor
+from trainer.model import build_actor, packed_attention
 from trainer.publish import publish_version
 from trainer.run_lock import RunLock, RunLocked
 from trainer.validation import ValidationLog, validation_due
@@ -102,9 +103,13 @@ class Trainer:
         torch.manual_seed(cfg.trainer.seed)
         self.model_path = os.path.expanduser(cfg.actor_rollout_ref.model.path)  # verl writes ~/models/...
         grad_ckpt = cfg.actor_rollout_ref.model.enable_gradient_checkpointing
-        self.model = build_actor(self.model_path, device, gradient_checkpointing=grad_ckpt)
+        self.packed = cfg.actor_rollout_ref.model.use_remove_padding  # every pass: pi_old, ref, policy
+        attn = packed_attention(device) if self.packed else None
+        self.model = build_actor(self.model_path, device, gradient_checkpointing=grad_ckpt, attn_implementation=attn)
         use_ref = cfg.actor_rollout_ref.actor.use_kl_loss or cfg.algorithm.use_kl_in_reward
-        self.ref_model = build_actor(self.model_path, device, trainable=False) if use_ref else None
+        self.ref_model = (
+            build_actor(self.model_path, device, trainable=False, attn_implementation=attn) if use_ref else None
+        )
         optim = cfg.actor_rollout_ref.actor.optim
         self.optimizer = torch.optim.AdamW(
             self.model.parameters(), lr=optim.lr, weight_decay=optim.weight_decay, betas=tuple(optim.betas)
@@ -115,6 +120,10 @@ class Trainer:
         self.kl_ctrl = get_kl_controller(cfg.algorithm.kl_ctrl)  # used with use_kl_in_reward
         self.pad_id = self.model.config.pad_token_id or 0
         self.stores = setup_trainer_run(cfg.root)  # the trainer's own run folder (it serves it to others)
+        self.vocab_size = self.model.config.vocab_size
+        self.logprob_chunk: int | None = algo.LOGPROB_CHUNK_TOKENS
+        self.rank_reads = self._ranks_share_run()
+        self._own: list[Group] = []  # rank 0: its own share of the step's groups
         self.store = self.stores.publisher
         self.store.publish_full_freq = cfg.trainer.publish_full_freq
         # trainer.max_staleness=0: synchronous rollouts (buffer/control/sync.py)
@@ -230,6 +239,9 @@ class Trainer:
         )
         if path is None:  # disk full: skipped, nothing new is covered
             return None
+        if self.rank == 0:  # pooled groups' shards may be pruned now: read them from the pool file
+            for g in self.reader.pool:
+                g.source = checkpoint.pool_path(path)
         log.info("checkpoint %s written in %.2f s", path, time.monotonic() - t0)
         if self.rank == 0 and self.cfg.buffer.retention != "keep":
             # Only now are the ledger's shards covered by a committed checkpoint.
@@ -240,7 +252,22 @@ class Trainer:
             log.info("retention: %s, %d stale temporaries removed", pruned, temps)
         return path
 
-    # --- data: rank 0 reads, every rank gets whole groups ------------------------------------
+    # --- data: rank 0 decides, every rank reads its own whole groups --------------------------
+    def _ranks_share_run(self) -> bool:
+        """Collective: whether every rank sees rank 0's run folder (its run id there). Then rank 0
+        sends each rank the names of its groups (GroupRef) and the rank reads them itself;
+        otherwise (ranks on nodes that do not mount the folder) it sends the samples."""
+        if self.world == 1:
+            return True
+        ids: list = [None] * self.world
+        dist.all_gather_object(ids, self.stores.state.run_id())
+        shared = all(i is not None and i == ids[0] for i in ids)
+        if not shared and self.rank == 0:
+            log.warning(
+                "not every trainer rank sees %s (run ids %s): rank 0 sends each rank its samples", self.cfg.root, ids
+            )
+        return shared
+
     def next_share(self) -> tuple[list, list[int], dict]:
         """This rank's samples, the step-wide number of each one's group, and the step's info."""
         payloads = None
@@ -253,7 +280,10 @@ class Trainer:
             raise RuntimeError(share["error"])
         if "stop" in share:
             raise StopRequested(share["stop"])
-        return share["samples"], share["groups"], share["info"]
+        if "refs" in share:  # names only: read them here (rank 0 holds its own already)
+            groups = self._own if self.rank == 0 else read_groups(self.cfg.root, share["refs"], self.vocab_size)
+            share["samples"] = [s for g in groups for s in g.samples]
+        return share["samples"], share["groups"], share.get("info", {})
 
     def _read_and_split(self) -> list[dict]:
         t0 = time.monotonic()
@@ -288,11 +318,16 @@ class Trainer:
             "response_length/clip_ratio": sum(s.finish_reason == "length" for s in samples) / len(samples),
         }
         # Group i goes to rank i % world; its number i places it in mini-batch i // mini_size.
+        self._own = groups[:: self.world]
         return [
             {
-                "samples": [s for g in groups[r :: self.world] for s in g.samples],
+                **(
+                    {"refs": [g.ref() for g in groups[r :: self.world]] if r else []}
+                    if self.rank_reads
+                    else {"samples": [s for g in groups[r :: self.world] for s in g.samples]}
+                ),
                 "groups": [i for i in range(r, len(groups), self.world) for _ in groups[i].samples],
-                "info": info,
+                **({"info": info} if r == 0 else {}),  # only rank 0 logs
             }
             for r in range(self.world)
         ]
@@ -359,13 +394,14 @@ class Trainer:
         # 1. The step's anchors at its starting weights, before any update: pi_old, pi_ref, V_old.
         actor = self.cfg.actor_rollout_ref.actor
         timing: dict[str, float] = {}
-        passes = update.plan([torch.arange(len(batch))], batch, actor)[0].passes
+        packed = self.packed
+        passes = update.plan([torch.arange(len(batch))], batch, actor, packed)[0].passes
         with timed(timing, "old_log_prob"):
-            old = update.infer(lambda c: algo.response_logprobs(self.model, c)[0], batch, passes)
+            old = update.infer(lambda c: self.logprobs(self.model, c)[0], batch, passes, packed)
         ref = values = None
         if self.ref_model is not None:
             with timed(timing, "ref"):
-                ref = update.infer(lambda c: algo.response_logprobs(self.ref_model, c)[0], batch, passes)
+                ref = update.infer(lambda c: self.logprobs(self.ref_model, c)[0], batch, passes, packed)
         if self.critic is not None:
             with timed(timing, "values"):
                 values = self.critic.values(batch)
@@ -409,6 +445,11 @@ class Trainer:
             metrics["perf/mfu/actor"] = self.mfu(self.model, samples, timing["timing_s/update_actor"], actor.ppo_epochs)
         return metrics | timing
 
+    def logprobs(self, model, batch, **kwargs):
+        """algo.response_logprobs, chunked by `self.logprob_chunk` tokens (None: full logits,
+        the path before issue 25, which benchmarks/trainer_bench.py sets to compare)."""
+        return algo.response_logprobs(model, batch, chunk=self.logprob_chunk, **kwargs)
+
     def mfu(self, model, samples: list, seconds: float, epochs: int) -> float:
         """verl's perf/mfu/<role>: the mean over ranks of each rank's MFU of an update (epochs
         passes over its samples in `seconds`). Collective."""
@@ -450,15 +491,15 @@ class Trainer:
         rows = update.epochs(
             groups, actor.ppo_mini_batch_size, self.cfg.data.train_batch_size, actor.ppo_epochs, actor.shuffle, seed
         )
-        minibatches = update.plan(rows, batch, actor)
+        minibatches = update.plan(rows, batch, actor, self.packed)
 
         def loss_fn(idx, mb):
-            c = batch.select(idx).trimmed()
+            c = update.micro(batch, idx, self.packed)
             r = c.response_mask.shape[1]
             old_lp = old[idx, :r]
             loss_cfg = algo.actor_loss_config(actor, self.world, mb.tokens, mb.seqs)
             # verl logs the entropy whatever entropy_coeff; it enters the loss only with a coeff
-            lp, entropy = algo.response_logprobs(self.model, c, with_entropy=True, entropy_grad=actor.entropy_coeff > 0)
+            lp, entropy = self.logprobs(self.model, c, with_entropy=True, entropy_grad=actor.entropy_coeff > 0)
             w = algo.truncated_is_weights(
                 old_lp, c.behaviour_logprobs, c.response_mask, self.cfg.algorithm.rollout_is_threshold
             )

@@ -58,3 +58,17 @@ def build_actor(
         fully_shard(layer, mesh=mesh, mp_policy=mp)
     fully_shard(model, mesh=mesh, mp_policy=mp)
     return model
+
+
+def packed_attention(device: torch.device) -> str:
+    """The attention kernel for packed micro-batches: varlen flash attention on GPU (flash_attn's
+    when installed, else torch's own, trainer/attention.py), else sdpa with transformers'
+    block-diagonal mask (trainer/sft.py's choice, which also refuses a transformers that cannot
+    keep packed rows apart)."""
+    import importlib.util
+
+    from trainer import attention
+
+    if device.type == "cuda" and importlib.util.find_spec("flash_attn") is None and attention.available(device):
+        return attention.register()
+    return attention.attn_implementation("auto", device)

@@ -14,7 +14,6 @@ end), OUT/hf (the final one), OUT/checkpoints/step_<N>/, OUT/metrics.jsonl.
 
 from __future__ import annotations
 
-import importlib.util
 import logging
 import math
 import os
@@ -29,6 +28,7 @@ import torch.nn.functional as F
 from buffer.run import setup_trainer_run
 from protocol.config import parse_cli, to_dict
 from trainer import algo, checkpoint
+from trainer.attention import attn_implementation
 from trainer.main import init_distributed
 from trainer.metrics import MetricsLog
 from trainer.model import build_actor
@@ -37,26 +37,6 @@ from trainer.sft_config import SFTConfig
 from trainer.sft_data import Packed, Sequences, SFTDataError, load_sequences, micro_batches, pack, split_by_tokens
 
 log = logging.getLogger("trainer.sft")
-
-
-def attn_implementation(name: str, device: torch.device) -> str:
-    """The attention kernel. Packing relies on transformers turning restarting position ids
-    into a block-diagonal mask (sdpa, eager, flex) or varlen calls (flash_attention_2)."""
-    if name == "auto":
-        has_flash = importlib.util.find_spec("flash_attn") is not None
-        name = "flash_attention_2" if device.type == "cuda" and has_flash else "sdpa"
-    if name != "flash_attention_2":
-        from transformers import masking_utils
-
-        if not hasattr(masking_utils, "find_packed_sequence_indices"):
-            import transformers
-
-            raise RuntimeError(
-                f"model.attn_implementation={name}: transformers "
-                f"{transformers.__version__} cannot mask packed sequences apart; "
-                "upgrade transformers or use flash_attention_2"
-            )
-    return name
 
 
 def packed_nll(model, p: Packed) -> torch.Tensor:

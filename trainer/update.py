@@ -26,6 +26,7 @@ import torch
 import torch.distributed as dist
 
 from trainer.batch import Batch
+from trainer.sft_data import micro_batches as first_fit
 
 
 @dataclasses.dataclass
@@ -55,15 +56,22 @@ def micro_spans(lengths: list[int], cfg) -> list[tuple[int, int]]:
     return spans
 
 
-def plan(row_sets: list[torch.Tensor], batch: Batch, cfg) -> list[MiniBatch]:
+def micro_batches(rows: torch.Tensor, lengths: list[int], cfg, packed: bool) -> list[torch.Tensor]:
+    """A mini-batch's rows cut into micro-batches. Packed with use_dynamic_bsz: the token budget
+    counts real tokens, filled first fit, longest first (trainer/sft_data.py's packing; a row
+    longer than the budget goes alone); otherwise contiguous spans (`micro_spans`)."""
+    if packed and cfg.use_dynamic_bsz:
+        local = first_fit(lengths, list(range(len(lengths))), cfg.ppo_max_token_len_per_gpu, None)
+        return [rows[torch.tensor(sorted(b))] for b in local]
+    return [rows[a:b] for a, b in micro_spans(lengths, cfg)]
+
+
+def plan(row_sets: list[torch.Tensor], batch: Batch, cfg, packed: bool = False) -> list[MiniBatch]:
     """One MiniBatch per set of rows, its micro-batch passes padded to the most any rank has.
     Collective: two all-reduces for the whole plan."""
     lengths = batch.attention_mask.sum(1).tolist()
     response = batch.response_mask.sum(1)
-    passes = []
-    for rows in row_sets:
-        spans = micro_spans([lengths[i] for i in rows.tolist()], cfg)
-        passes.append([rows[a:b] for a, b in spans])
+    passes = [micro_batches(rows, [lengths[i] for i in rows.tolist()], cfg, packed) for rows in row_sets]
     device = batch.input_ids.device
     count = torch.tensor([len(p) for p in passes], device=device)
     sizes = torch.tensor(
@@ -75,6 +83,13 @@ def plan(row_sets: list[torch.Tensor], batch: Batch, cfg) -> list[MiniBatch]:
         MiniBatch(p + [None] * (int(n) - len(p)), int(s[0]), int(s[1]))
         for p, n, s in zip(passes, count.tolist(), sizes.tolist())
     ]
+
+
+def micro(batch: Batch, rows: torch.Tensor | None, packed: bool) -> Batch:
+    """The micro-batch of `rows` (None: a padding pass over row 0), padded to its longest row or
+    packed into one row (use_remove_padding)."""
+    c = batch.select(rows if rows is not None else _DUMMY).trimmed()
+    return c.packed() if packed else c
 
 
 def epochs(
@@ -101,13 +116,13 @@ def epochs(
     return out
 
 
-def infer(fn: Callable[[Batch], torch.Tensor], batch: Batch, passes: list) -> torch.Tensor:
+def infer(fn: Callable[[Batch], torch.Tensor], batch: Batch, passes: list, packed: bool = False) -> torch.Tensor:
     """fn's (b, r) output for every row, no gradient, as one (B, R) tensor (zeros past a row's
     response). Collective through the model's FSDP all-gathers: all ranks, same passes."""
     out = torch.zeros(batch.response_mask.shape, device=batch.input_ids.device)
     with torch.no_grad():
         for rows in passes:
-            part = fn(batch.select(rows if rows is not None else _DUMMY).trimmed())
+            part = fn(micro(batch, rows, packed))
             if rows is not None:
                 out[rows, : part.shape[1]] = part
     return out

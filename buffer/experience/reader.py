@@ -43,7 +43,7 @@ from buffer.experience.base import ExperienceSource
 from buffer.layout import SHARD_SUFFIX, RunLayout, check_worker_id
 from buffer.ledger import Ledger, as_ledger, shard_key
 from buffer.storage import atomic_write, filesystem, is_local, stop_watch, watch
-from protocol.experience import RUN_ID_KEY, Sample, SchemaError, from_table, load_shard
+from protocol.experience import RUN_ID_KEY, GroupRef, Sample, SchemaError, from_table, group_digest, load_shard
 
 log = logging.getLogger(__name__)
 
@@ -58,6 +58,14 @@ class Group:
     group_id: str
     weight_version: int
     samples: list[Sample]
+    # The file holding it (its shard, or the pool file of the checkpoint that saved it): where
+    # the other trainer ranks read it (read_groups).
+    source: str | None = None
+
+    def ref(self) -> GroupRef:
+        if self.source is None:
+            raise ValueError(f"group {self.group_id}: no file holds it, so no rank can read it")
+        return GroupRef(self.source, self.group_id, group_digest(self.samples))
 
 
 class ExperienceReader(ExperienceSource):
@@ -261,7 +269,7 @@ class ExperienceReader(ExperienceSource):
         for s in samples:
             groups.setdefault(s.group_id, []).append(s)
         for gid, members in groups.items():
-            self.pool.append(Group(gid, members[0].weight_version, members))
+            self.pool.append(Group(gid, members[0].weight_version, members, path))
             self.stats["group_size"] = max(self.stats["group_size"], len(members))
 
     def _consume(self, key: str) -> None:
@@ -362,6 +370,35 @@ class ExperienceReader(ExperienceSource):
             f"(written, not yet retired, per {self.layout.workers_dir}) is {size}. Are "
             f"rollout workers running, and do they reload new weights?"
         )
+
+
+def read_groups(root: str, refs: list[GroupRef], vocab_size: int | None = None) -> list[Group]:
+    """The groups `refs` name, in order, read from the run folder at `root` by a trainer rank
+    that did not read the shards itself: each file read once and checked in full (trailer,
+    schema, values), each group against the digest rank 0 took of it."""
+    fs, _ = filesystem(root)
+    files: dict[str, dict[str, list[Sample]]] = {}
+    out = []
+    for ref in refs:
+        if ref.path not in files:
+            try:
+                table = load_shard(fs.cat_file(ref.path), vocab_size)
+            except (OSError, SchemaError, pa.ArrowException) as e:
+                raise RuntimeError(
+                    f"cannot read group {ref.group_id} from {ref.path} ({type(e).__name__}: {e}); every trainer "
+                    "rank reads its own groups, so every rank must see the run folder"
+                ) from e
+            files[ref.path] = {}
+            for s in from_table(table):
+                files[ref.path].setdefault(s.group_id, []).append(s)
+        samples = files[ref.path].get(ref.group_id)
+        if samples is None or group_digest(samples) != ref.digest:
+            raise RuntimeError(
+                f"group {ref.group_id} in {ref.path} is not the group trainer rank 0 dealt "
+                f"({'absent' if samples is None else 'digest differs'}): the file changed after rank 0 read it"
+            )
+        out.append(Group(ref.group_id, samples[0].weight_version, samples, ref.path))
+    return out
 
 
 def _declared_samples(data: bytes | None, path: str) -> int:

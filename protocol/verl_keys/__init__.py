@@ -199,7 +199,13 @@ RULES: list[Rule] = [
         one_of("dp", "fsdp", "fsdp2"),
         "model_engine",
     ),
-    *same("sequence parallelism (Ulysses) is not supported yet", one_of(1), "**.ulysses_sequence_parallel_size"),
+    *same(
+        "sequence parallelism (Ulysses) is not supported yet: every rank runs whole rows, packed into "
+        "micro-batches of at most ppo_max_token_len_per_gpu tokens; for long rows set "
+        "actor_rollout_ref.model.enable_gradient_checkpointing=true and a smaller token budget",
+        one_of(1),
+        "**.ulysses_sequence_parallel_size",
+    ),
     *same(
         "LoRA is not supported yet: tandem trains and publishes full weights", one_of(0), "**.lora_rank", "**.lora.rank"
     ),
@@ -243,6 +249,7 @@ RULES: list[Rule] = [
         KERNELS,
         "**.use_torch_compile",
         "**.use_fused_kernels",
+        # verl's actor/ref copies of actor_rollout_ref.model.use_remove_padding (a field)
         "**.use_remove_padding",
         "**.entropy_from_logits_with_chunking",
         "**.entropy_from_logits_chunk_size",

@@ -1,0 +1,32 @@
+#!/usr/bin/env bash
+# Issue 25's acceptance table on one H200 in one device call (<= 8.5 minutes):
+#   bash benchmarks/trainer25.sh OUT          # OUT/table.md, OUT/trainer25.json, OUT/stage-*.json
+#   bash benchmarks/trainer25.sh OUT --cpu    # wiring check on this machine's CPU, tiny shape
+# First the logprob path alone at the 0.5B head (benchmarks/logprob_bench.py, OUT/logprob.json).
+# Stages (benchmarks/trainer_mix.py), each under its own time limit so that a slow or failing one
+# leaves the others' rows: 0.5B packed vs today's padded path (same process, same samples),
+# 1.5B packed, 4B packed with activation checkpointing. PYTHON: the interpreter (python3).
+set -uo pipefail
+cd "$(dirname "$0")/.."
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+OUT=${1:?usage: trainer25.sh OUT [--cpu]}
+CPU=${2:-}
+PY=${PYTHON:-python3}
+mkdir -p "$OUT"
+WORK=${TANDEM_BENCH_WORK:-/tmp/trainer25}
+stage() {  # name, seconds, arguments...
+  local name=$1 limit=$2
+  shift 2
+  echo "== $name (limit ${limit} s) $(date -u +%T)"
+  timeout -k 10 "$limit" "$PY" -m benchmarks.trainer_mix --work "$WORK" --out "$OUT/stage-$name.json" $CPU "$@" \
+    >"$OUT/stage-$name.log" 2>&1
+  echo "   exit $? $(date -u +%T); last lines:"
+  grep -v -i warn "$OUT/stage-$name.log" | tail -n 3
+}
+echo "== 0-logprob (limit 40 s)"
+timeout -k 5 40 "$PY" -m benchmarks.logprob_bench $CPU --out "$OUT/logprob.json" >"$OUT/logprob.log" 2>&1
+echo "   exit $?"; tail -n 2 "$OUT/logprob.log"
+stage 1-0.5b 160 --shape 0.5b --paths packed,padded
+stage 2-1.5b 120 --shape 1.5b --paths packed
+stage 3-4b 190 --shape 4b --paths packed --grad-ckpt --token-budget 16384
+"$PY" -m benchmarks.trainer_mix --table "$OUT"

@@ -1,0 +1,339 @@
+"""Trainer throughput on a realistic length mix, packed (issue 25) against today's padded path.
+
+    python -m benchmarks.trainer_mix --shape 0.5b --paths packed,padded --out RES/0.5b.json
+    python -m benchmarks.trainer_mix --cpu --out /tmp/mix.json      # wiring check, tiny shape
+
+The real `Trainer.train_step` (pi_old forward, verl GRPO advantage and PPO loss with truncated
+IS, backward, AdamW) on one GPU, Qwen2.5 shapes (random init, built here), bf16 compute with fp32
+master weights. Each step: groups of 8 samples, prompts uniform in 64-512 tokens, responses
+long-tailed (64 + lognormal, median 400, clipped at --max-response), the same samples for every
+path. Paths, in one process on the same model:
+  packed  use_remove_padding, token-budget micro-batches (--token-budget real tokens, first
+          fit), chunked lm_head logprobs, varlen attention;
+  padded  today's: micro-batches of --padded-micro rows padded to the longest, full logits.
+Reported per path: tokens/s (prompt + response tokens trained per second), peak memory, MFU
+under 6·N per trained token (the usual convention), and MFU counting every forward (pi_old,
+the recompute of activation checkpointing) plus causal attention, against the dense bf16 peak.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import random
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from benchmarks.rollout_bench import QWEN25_05B, QWEN25_15B  # noqa: E402
+
+PEAK_BF16 = {"H200": 989e12, "H100": 989e12, "A100": 312e12}
+# Qwen3-4B's dimensions (hidden 2560, 36 layers, 32/8 heads of 128, MLP 9728, tied 151,936
+# vocabulary) on the Qwen2 architecture tandem trains (q/k/v biases, no q/k norm): ~4.0 B.
+QWEN_4B = dict(
+    QWEN25_05B,
+    hidden_size=2560,
+    intermediate_size=9728,
+    num_hidden_layers=36,
+    num_attention_heads=32,
+    num_key_value_heads=8,
+    head_dim=128,
+)
+TINY = dict(
+    QWEN25_05B,
+    hidden_size=64,
+    intermediate_size=256,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    vocab_size=512,
+)
+SHAPES = {"tiny": TINY, "0.5b": QWEN25_05B, "1.5b": QWEN25_15B, "4b": QWEN_4B}
+GROUP = 8
+
+
+def build_model(path: str, shape: dict, device: str) -> None:
+    """Random-init weights written in bf16 (the trainer loads them in fp32)."""
+    import torch
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    from rollout import builtin_task
+
+    torch.manual_seed(0)
+    config = Qwen2Config(**shape, eos_token_id=1, pad_token_id=0, bos_token_id=None)
+    config.max_position_embeddings = 1 << 15
+    with torch.device(device):  # 4 B parameters initialise in seconds on the GPU, minutes on CPU
+        model = Qwen2ForCausalLM(config).to(torch.bfloat16)
+    model.save_pretrained(path)
+    builtin_task.build_tokenizer().save_pretrained(path)
+
+
+def length_mix(rng: random.Random, n: int, max_prompt: int, max_response: int, min_len: int) -> list[tuple[int, int]]:
+    """(prompt, response) lengths: prompts uniform, responses 64 + lognormal(median 400, sigma 1)
+    clipped at the maximum (the long tail that padding pays for)."""
+    out = []
+    for _ in range(n):
+        p = rng.randint(min_len, max_prompt)
+        r = min(max_response, min_len + int(rng.lognormvariate(math.log(max(1, max_response // 10)), 1.0)))
+        out.append((p, r))
+    return out
+
+
+def make_samples(rng: random.Random, lengths: list[tuple[int, int]], vocab: int, step: int) -> list:
+    from protocol.experience import Sample
+
+    out = []
+    for i, (p, r) in enumerate(lengths):
+        g = f"s{step}-g{i // GROUP}"
+        out.append(
+            Sample(
+                f"{g}/{i}",
+                g,
+                "p",
+                "w",
+                0,
+                [rng.randrange(2, vocab) for _ in range(p)],
+                [rng.randrange(2, vocab) for _ in range(r)],
+                [-5.0] * r,
+                float(i % 2),
+                "length",
+                1.0,
+                "x",
+                0.0,
+                0.0,
+            )
+        )
+    return out
+
+
+def flops(shape: dict, n_params: int, lengths: list[tuple[int, int]], grad_ckpt: bool) -> tuple[float, float]:
+    """(6·N per trained token; every pass counted: pi_old forward 2N, train 6N, recompute 2N
+    with activation checkpointing, plus causal attention 2·L²·heads·head_dim per layer and
+    forward, x3 for forward + backward)."""
+    tokens = sum(p + r for p, r in lengths)
+    six_n = 6.0 * n_params * tokens
+    head_dim = shape.get("head_dim", shape["hidden_size"] // shape["num_attention_heads"])
+    attn_fwd = sum(2.0 * (p + r) ** 2 * shape["num_attention_heads"] * head_dim for p, r in lengths)
+    attn_fwd *= shape["num_hidden_layers"]
+    forwards = 1 + (1 if grad_ckpt else 0)  # pi_old, the recompute
+    every = six_n + forwards * 2.0 * n_params * tokens + (3 + forwards) * attn_fwd
+    return six_n, every
+
+
+def use_path(trainer, path: str, packed_attn: str) -> None:
+    """Switch the trainer between the packed and today's padded path, in place."""
+    from trainer import algo
+
+    packed = path == "packed"
+    trainer.packed = packed
+    trainer.logprob_chunk = algo.LOGPROB_CHUNK_TOKENS if packed else None
+    trainer.cfg.actor_rollout_ref.actor.use_dynamic_bsz = packed
+    want = packed_attn if packed else "sdpa"
+    if trainer.model.config._attn_implementation != want:
+        trainer.model.set_attn_implementation(want)
+
+
+def agreement(trainer, samples, packed_attn: str) -> float:
+    """max |pi_old packed - pi_old padded| over one micro-batch's response tokens: the varlen
+    kernel keeps rows apart exactly when this is bf16 noise (~1e-2), not O(1)."""
+    import torch
+
+    from trainer import algo, update
+    from trainer.batch import collate
+
+    batch = collate(samples[:GROUP], trainer.pad_id).to(trainer.device)
+    rows = torch.arange(len(batch))
+    out = []
+    for path in ("packed", "padded"):
+        use_path(trainer, path, packed_attn)
+        with torch.no_grad():
+            lp, _ = algo.response_logprobs(
+                trainer.model, update.micro(batch, rows, path == "packed"), chunk=trainer.logprob_chunk
+            )
+        out.append(lp)
+    return float((out[0] - out[1]).abs().max())
+
+
+def run_path(trainer, path, steps_samples, packed_attn, device) -> dict:
+    import torch
+
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    use_path(trainer, path, packed_attn)
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(device)
+    times = []
+    try:
+        for step, samples in enumerate(steps_samples):
+            trainer.step = step + 1
+            sync()
+            t0 = time.perf_counter()
+            trainer.train_step(samples)
+            sync()
+            times.append(time.perf_counter() - t0)
+    except torch.OutOfMemoryError as e:
+        return {"path": path, "error": f"out of memory: {str(e)[:200]}", "step_times": times}
+    peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None
+    return {"path": path, "step_times": times, "peak_memory_gib": peak / 2**30 if peak else None}
+
+
+ACCEPT = {"0.5b": "packed/padded >= 2", "1.5b": "MFU 6N >= 35 %", "4b": "MFU 6N >= 40 %"}
+
+
+def write_table(folder: str) -> str:
+    """The acceptance table of every stage's JSON in `folder` (markdown), and all of them in one JSON."""
+    import glob
+
+    results = []
+    for f in sorted(glob.glob(os.path.join(folder, "stage-*.json"))):
+        with open(f) as fh:
+            results.append(json.load(fh))
+    rows = ["| shape | path | tokens/s | peak GiB | MFU 6·N | MFU every pass | packed/padded | acceptance |"]
+    rows.append("| --- | --- | --- | --- | --- | --- | --- | --- |")
+    for r in results:
+        for path, p in r["paths"].items():
+            label = f"{r['shape']}{' +ckpt' if r['grad_ckpt'] else ''}"
+            if "error" in p:
+                rows.append(f"| {label} | {path} | {p['error'][:60]} | | | | | |")
+                continue
+            peak = f"{p['peak_memory_gib']:.1f}" if p.get("peak_memory_gib") else "-"
+            ratio = f"{r['packed_over_padded']:.2f}" if path == "packed" and "packed_over_padded" in r else ""
+            accept = ACCEPT.get(r["shape"], "") if path == "packed" else ""
+            rows.append(
+                f"| {label} | {path} | {p['tokens_per_s']:,.0f} | {peak} | {100 * p['mfu_6n']:.1f} % | "
+                f"{100 * p['mfu_every_pass']:.1f} % | {ratio} | {accept} |"
+            )
+    notes = [
+        f"- {r['shape']}: {r['device']}, {r['params'] / 1e9:.2f} B params, attention {r['packed_attention']}, "
+        f"{r['samples_per_step']} samples/step, max response {r['max_response']}, token budget {r['token_budget']}, "
+        f"padded micro {r['padded_micro']}, "
+        f"pi_old max |packed - padded| {r['pi_old_max_abs_diff_packed_vs_padded']:.3g}"
+        for r in results
+    ]
+    text = "\n".join(rows + [""] + notes) + "\n"
+    with open(os.path.join(folder, "table.md"), "w") as f:
+        f.write(text)
+    with open(os.path.join(folder, "trainer25.json"), "w") as f:
+        json.dump(results, f, indent=1)
+    return text
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--shape", default="0.5b", choices=sorted(SHAPES))
+    ap.add_argument("--paths", default="packed,padded", help="comma-separated: packed, padded")
+    ap.add_argument("--samples", type=int, default=64, help="samples per step (groups of 8)")
+    ap.add_argument("--steps", type=int, default=4, help="timed steps per path, after one warm-up step")
+    ap.add_argument("--max-response", type=int, default=4096)
+    ap.add_argument("--max-prompt", type=int, default=512)
+    ap.add_argument("--token-budget", type=int, default=32768, help="packed: real tokens per micro-batch")
+    ap.add_argument("--padded-micro", type=int, default=8, help="padded: rows per micro-batch")
+    ap.add_argument("--grad-ckpt", action="store_true", help="activation checkpointing")
+    ap.add_argument("--work", default="/tmp/trainer_mix")
+    ap.add_argument("--cpu", action="store_true", help="wiring check on CPU: tiny shape, short rows")
+    ap.add_argument("--out", help="the result JSON")
+    ap.add_argument("--table", metavar="DIR", help="instead: DIR/*.json to DIR/table.md and DIR/trainer25.json")
+    args = ap.parse_args(argv)
+    if args.table:
+        print(write_table(args.table))
+        return 0
+    if not args.out:
+        ap.error("--out is required")
+    if args.cpu:
+        args.shape, args.samples, args.steps, args.max_prompt, args.max_response = "tiny", 16, 1, 24, 48
+        args.token_budget = 256
+    min_len = 8 if args.cpu else 64
+
+    import torch
+
+    from protocol.config import build
+    from trainer.config import TrainerConfig
+    from trainer.main import Trainer, init_distributed
+    from trainer.model import packed_attention
+
+    shape = SHAPES[args.shape]
+    device = init_distributed("cpu" if args.cpu else "cuda", 1800)
+    model_dir = f"{args.work}/model-{args.shape}"
+    if not os.path.exists(os.path.join(model_dir, "config.json")):
+        t0 = time.perf_counter()
+        build_model(model_dir, shape, device.type)
+        print(f"built {model_dir} in {time.perf_counter() - t0:.1f} s", flush=True)
+    cfg = build(
+        TrainerConfig,
+        {
+            "root": f"{args.work}/run-{time.time_ns()}",
+            "actor_rollout_ref.model.path": model_dir,
+            "actor_rollout_ref.model.enable_gradient_checkpointing": str(args.grad_ckpt).lower(),
+            "trainer.resume_mode": "disable",
+            "data.train_batch_size": str(args.samples // GROUP),
+            "actor_rollout_ref.actor.optim.lr": "1e-6",
+            "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu": str(args.padded_micro),
+            "actor_rollout_ref.actor.ppo_max_token_len_per_gpu": str(args.token_budget),
+        },
+    )
+    t0 = time.perf_counter()
+    trainer = Trainer(cfg, device)  # packed by default (use_remove_padding=true)
+    load_s = time.perf_counter() - t0
+    packed_attn = packed_attention(device)
+    rng = random.Random(0)
+    vocab = shape["vocab_size"]
+    batches = [
+        length_mix(rng, args.samples, args.max_prompt, args.max_response, min_len) for _ in range(args.steps + 1)
+    ]
+    steps_samples = [make_samples(rng, b, vocab, i) for i, b in enumerate(batches)]
+    n_params = sum(p.numel() for p in trainer.model.parameters())
+    gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+    peak = next((v for k, v in PEAK_BF16.items() if k in gpu), 989e12)
+    result = {
+        "date": time.strftime("%Y-%m-%d"),
+        "device": gpu,
+        "shape": args.shape,
+        "params": n_params,
+        "grad_ckpt": args.grad_ckpt,
+        "packed_attention": packed_attn,
+        "samples_per_step": args.samples,
+        "token_budget": args.token_budget,
+        "padded_micro": args.padded_micro,
+        "load_s": load_s,
+        "max_response": args.max_response,
+        "lengths": batches,
+        "pi_old_max_abs_diff_packed_vs_padded": agreement(trainer, steps_samples[0], packed_attn),
+        "paths": {},
+    }
+    for path in args.paths.split(","):
+        r = run_path(trainer, path, steps_samples, packed_attn, device)
+        actor = trainer.cfg.actor_rollout_ref.actor
+        if "error" in r and path == "padded" and actor.ppo_micro_batch_size_per_gpu > 1:
+            actor.ppo_micro_batch_size_per_gpu //= 2  # today's path at the largest micro-batch that fits
+            r = run_path(trainer, path, steps_samples, packed_attn, device) | {"first_try": r["error"]}
+        r["micro_rows"] = actor.ppo_micro_batch_size_per_gpu if path == "padded" else None
+        timed = r["step_times"][1:]  # step 1: warm-up
+        if "error" not in r and timed:
+            lengths = [x for b in batches[1 : len(timed) + 1] for x in b]
+            six_n, every = flops(shape, n_params, lengths, args.grad_ckpt)
+            seconds = sum(timed)
+            r |= {
+                "tokens": sum(p + q for p, q in lengths),
+                "tokens_per_s": sum(p + q for p, q in lengths) / seconds,
+                "mfu_6n": six_n / seconds / peak,
+                "mfu_every_pass": every / seconds / peak,
+            }
+        result["paths"][path] = r
+        print(json.dumps({k: v for k, v in r.items() if k != "step_times"}), flush=True)
+    p = result["paths"]
+    if "tokens_per_s" in p.get("packed", {}) and "tokens_per_s" in p.get("padded", {}):
+        result["packed_over_padded"] = p["packed"]["tokens_per_s"] / p["padded"]["tokens_per_s"]
+    with open(args.out, "w") as f:
+        json.dump(result, f, indent=1)
+    trainer.close()
+    import torch.distributed as dist
+
+    dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
