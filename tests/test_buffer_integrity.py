@@ -243,6 +243,29 @@ def test_truncated_and_foreign_shards_are_quarantined(tmp_path):
     assert sorted(os.listdir(root / "experience" / "w0")) == ["000000001.arrow", "000000005.arrow", "notes.txt"]
 
 
+def test_a_shard_re_encoded_under_another_worker_id_is_quarantined(tmp_path):
+    """Issue 30 item 7: w0's rows, re-encoded without worker/seq metadata (the run id kept) and
+    published as w1's shard 0, are refused: each sample id is read once."""
+    root = tmp_path / "run"
+    w = _publish(str(root), "w0", 2)
+    lay = w.sink.layout
+    table = decode(Path(lay.shard("w0", 0)).read_bytes())
+    meta = {k: v for k, v in table.schema.metadata.items() if k not in (b"tandem.worker_id", b"tandem.shard_seq")}
+    os.makedirs(lay.worker_shard_dir("w1"))
+    atomic_write(w.sink.fs, lay.shard("w1", 0), encode(table.replace_schema_metadata(meta)))
+    reader = _reader(str(root))
+    try:
+        got = _drain(reader, 2)
+        with pytest.raises(TimeoutError):
+            reader.next_batch(1, 0, timeout_s=0.3)
+    finally:
+        reader.close()
+    ids = [s.sample_id for g in got for s in g.samples]
+    assert len(ids) == len(set(ids)) == 2 * N
+    assert reader.stats["foreign_row_shards"] == 1 == reader.stats["quarantined_shards"]
+    assert "foreign rows" in _quarantined(root, "w1")["000000000.arrow"]
+
+
 def test_out_of_vocab_and_nan_shards_quarantined_reader_continues(tmp_path):
     root = tmp_path / "run"
     fs, _ = filesystem(str(root))
