@@ -76,7 +76,9 @@ class BufferConfig:
     grpc_server_threads: int = F(
         16, "trainer: pushes handled at once (over all workers); more wait in the gRPC queue", ge=1
     )
-    grpc_max_inflight: int = F(8, "shards a worker may have unacknowledged before it blocks", ge=1)
+    grpc_max_inflight: int = F(
+        8, "shards a worker may have unacknowledged before it blocks", ge=1, le=1024
+    )  # le: the trainer refuses a shard more than 1024 past the highest it accepted
     grpc_timeout_s: float = F(60.0, "seconds one push may take before it is retried", gt=0)
     grpc_idle_timeout_s: float = F(
         30.0,
