@@ -40,6 +40,18 @@ class ExperienceSink(abc.ABC):
         restarted writer's resume; a sink that cannot list (network) returns []."""
 
     @abc.abstractmethod
+    def settled(self, beat_next_seq: int) -> int:
+        """Below which shard number a previous writer's heartbeat `next_seq` says every shard
+        reached the trainer: that number on a filesystem (the heartbeat names published shards
+        only), 0 over gRPC (it counts shards never acknowledged)."""
+
+    @abc.abstractmethod
+    def recover(self) -> list[int]:
+        """At a restart, hand over again what a previous writer of this worker published that the
+        trainer may not have (over gRPC: the outbox); returns the shard numbers it cannot
+        (damaged copies), which the writer declares lost. A filesystem has nothing to resend."""
+
+    @abc.abstractmethod
     def samples_in(self, seq: int) -> int:
         """Samples recorded in published shard `seq`'s metadata (`tandem.num_samples`).
         Raises OSError/ValueError when it cannot be read (gone or damaged)."""

@@ -40,6 +40,12 @@ class FsExperienceSink(FsStore, ExperienceSink):
     def unsure_from(self, seq: int) -> int:
         return seq
 
+    def settled(self, beat_next_seq: int) -> int:
+        return beat_next_seq
+
+    def recover(self) -> list[int]:
+        return []
+
     def published(self) -> list[int]:
         listed = (RunLayout.shard_seq(p) for p in self.fs.ls(self.dir, detail=False))
         return sorted(s for s in listed if s is not None)

@@ -43,7 +43,7 @@ from buffer.experience.base import ExperienceSource
 from buffer.layout import SHARD_SUFFIX, RunLayout, check_worker_id
 from buffer.ledger import Ledger, as_ledger, shard_key
 from buffer.storage import atomic_write, filesystem, is_local, stop_watch, watch
-from protocol.experience import RUN_ID_KEY, Sample, SchemaError, from_table, load_shard
+from protocol.experience import DECLARED_LOST_KEY, RUN_ID_KEY, Sample, SchemaError, from_table, load_shard
 
 log = logging.getLogger(__name__)
 
@@ -258,6 +258,9 @@ class ExperienceReader(ExperienceSource):
             self._reject(worker, seq, path, e, size=len(data), data=data)
             return
         self.stats["shards_read"] += 1
+        if DECLARED_LOST_KEY in (table.schema.metadata or {}):  # its writer could not re-send it
+            self.stats["declared_lost_shards"] += 1
+            log.error("shard %s was declared lost by its worker (unacknowledged, its copy damaged)", key)
         groups: dict[str, list[Sample]] = {}
         for s in samples:
             groups.setdefault(s.group_id, []).append(s)
