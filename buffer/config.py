@@ -76,6 +76,12 @@ class BufferConfig:
     grpc_server_threads: int = F(
         16, "trainer: pushes handled at once (over all workers); more wait in the gRPC queue", ge=1
     )
+    worker_lock_wait_s: float = F(
+        30.0,
+        "seconds a starting worker waits for the lock of its worker id (an older process of the id "
+        "still exiting) before it fails with WorkerIdInUse",
+        ge=0,
+    )
     grpc_max_inflight: int = F(
         8, "shards a worker may have unacknowledged before it blocks", ge=1, le=1024
     )  # le: the trainer refuses a shard more than 1024 past the highest it accepted

@@ -234,6 +234,10 @@ class RunLayout:
     def heartbeat(self, worker_id: str) -> str:
         return self._p("workers", f"{check_worker_id(worker_id)}.json")
 
+    def worker_lock(self, worker_id: str) -> str:
+        """Held (fcntl) by the one live writer of a worker id for its whole life."""
+        return self._p("workers", f"{check_worker_id(worker_id)}.lock")
+
     def seq_claim(self, worker_id: str) -> str:
         """ShardWriter's claim of its shard numbers, written before each shard is published."""
         return self._p("workers", f"{check_worker_id(worker_id)}.claim")

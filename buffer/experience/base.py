@@ -16,6 +16,10 @@ from collections.abc import Callable
 from buffer.control.base import ShouldStop
 
 
+class WorkerIdInUse(RuntimeError):
+    """Another live process writes shards under this worker id; the message names it."""
+
+
 class ExperienceSink(abc.ABC):
     """Where one worker's encoded shards go (`protocol.experience.encode` output: Arrow IPC
     stream + sha256 trailer). `buffer.writer.ShardWriter` does the batching, sequence claims and
