@@ -96,6 +96,14 @@ def hold_lock(path: str, what: str, wait_s: float, note_s: float = 10.0) -> bool
         return True
 
 
+def release_lock(path: str) -> None:
+    """Drop a lock `hold_lock` took (a writer closed: its worker id is free again)."""
+    with _HELD_GUARD:
+        fd = _HELD.pop(path, None)
+    if fd is not None:
+        os.close(fd)
+
+
 def _lock_waiting(fd: int, path: str, what: str, wait_s: float, note_s: float) -> bool:
     start = noted = time.monotonic()
     while True:

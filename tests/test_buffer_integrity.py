@@ -169,6 +169,7 @@ def test_flipped_bytes_quarantined_while_a_writer_process_keeps_publishing(tmp_p
     quarantines it with a reason, keeps going and consumes every good shard, the later ones too."""
     root = tmp_path / "run"
     first = _publish(str(root), "w0", 4)  # seq 0..3
+    first.close()  # that worker ended: the process below takes its id
     victim = first.sink.layout.shard("w0", 1)
     _mutate(victim, lambda d: _flip(d, len(d) // 3))
     script = tmp_path / "writer.py"

@@ -15,7 +15,7 @@ from buffer.control.base import ShouldStop
 from buffer.control.fs import FsStore
 from buffer.experience.base import ExperienceSink, WorkerIdInUse
 from buffer.layout import RunLayout
-from buffer.storage import LockHeld, atomic_write, atomic_write_json, hold_lock, is_local, read_json
+from buffer.storage import LockHeld, atomic_write, atomic_write_json, hold_lock, is_local, read_json, release_lock
 
 
 @dataclasses.dataclass
@@ -94,7 +94,9 @@ class FsExperienceSink(FsStore, ExperienceSink):
         return self.room(limit, timeout_s, should_stop, on_wait=on_wait, group_size=group_size)
 
     def close(self, timeout_s: float = 60.0) -> None:
-        pass  # every shard was renamed into place by `publish`
+        # every shard was renamed into place by `publish`; the worker id is free again
+        if is_local(self.fs):
+            release_lock(self.layout.worker_lock(self.worker_id))
 
     def where(self) -> str:
         return self.dir

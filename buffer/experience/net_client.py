@@ -225,6 +225,7 @@ class GrpcSink(ExperienceSink):
             self.stopping = True
             self.senders.shutdown(wait=True)
             self.channel.close()
+            self.local.close()  # the worker id's lock
         if self.fatal:
             raise RuntimeError(f"the trainer refused a shard ({left} unacknowledged): {self.last_error}")
         if left:
