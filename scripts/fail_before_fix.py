@@ -1,4 +1,5 @@
-"""Issue 15's fixes (and issue 30's, keys "30.N"), each removed in turn: its tests must fail without it and pass with it.
+"""Issue 15's fixes (and issue 30's, keys "30.N"), each removed in turn: its tests must fail without it
+and pass with it.
 
     python scripts/fail_before_fix.py [--only 2,5b] [--no-pass-run] [--timeout 1800] [--check]
 
