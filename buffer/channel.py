@@ -139,6 +139,10 @@ class RunServiceError(RuntimeError):
     """The trainer's run service refused a call; retrying the same call cannot help."""
 
 
+class Interrupted(Exception):
+    """A call waiting for an unreachable trainer gave up because the process is stopping."""
+
+
 class RunClient:
     """One channel to the run service at buffer.grpc_address; `call` with a deadline and
     retries. Every call carries the token, the schema and this process's writer key (its claim
@@ -154,6 +158,13 @@ class RunClient:
             (WRITER_KEY, uuid.uuid4().hex),
         )
         self._stubs: dict[str, Callable] = {}
+        self._interrupted = False  # a plain flag: set from a signal handler (no lock taken)
+
+    def interrupt(self) -> None:
+        """A signal came: calls waiting for an unreachable trainer raise Interrupted at once
+        (now and from now on) instead of retrying for buffer.grpc_trainer_wait_s. Safe in a
+        signal handler (it only sets a flag)."""
+        self._interrupted = True
 
     def _stub(self, name: str):
         if name not in self._stubs:
@@ -182,6 +193,11 @@ class RunClient:
                 code, details = e.code(), e.details()
                 if code not in RETRIED or details.startswith(DISK_FULL):
                     raise self._error(what, code, details) from None
+                if self._interrupted:
+                    raise Interrupted(
+                        f"stopping: the trainer's run service at {self.address} did not answer {what} "
+                        f"({code.name}: {details}) and a signal asked this process to stop"
+                    ) from None
                 now = time.monotonic()
                 start = now if start is None else start
                 waited = now - start
@@ -203,7 +219,9 @@ class RunClient:
                         self.cfg.grpc_trainer_wait_s,
                     )
                     noted = now
-                time.sleep(backoff)
+                until = time.monotonic() + backoff
+                while not self._interrupted and time.monotonic() < until:  # a signal ends the wait
+                    time.sleep(0.05)
                 backoff = min(backoff * 2, MAX_BACKOFF_S)
                 continue
             if noted is not None:

@@ -63,6 +63,9 @@ class WorkerRun:
     control: ControlStore
     validation: ValidationStore
     make_sink: Callable[[str], ExperienceSink]
+    # a signal came: calls waiting for an unreachable trainer give up at once (raise
+    # buffer.channel.Interrupted); nothing waits so on the run folder
+    interrupt: Callable[[], None] = lambda: None
 
     def sink(self, worker_id: str) -> ExperienceSink:
         """Where worker `worker_id`'s shards go (one per writer)."""
@@ -190,6 +193,7 @@ def _network_run(root: str, buffer: BufferConfig) -> WorkerRun:
         control=NetControl(client),
         validation=NetValidation(client),
         make_sink=make_sink,
+        interrupt=client.interrupt,
     )
 
 

@@ -10,6 +10,7 @@ The id is the next free one; the file is created without overwriting anything
 from __future__ import annotations
 
 import argparse
+import logging
 import sys
 
 from buffer.run import setup_trainer_run
@@ -24,6 +25,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("action", choices=control.ACTIONS)
     p.add_argument("count", type=int, nargs="?", default=1)
     args = p.parse_args(argv)
+    logging.basicConfig(level=logging.WARNING, format="launch.control: %(message)s")  # e.g. control.json set aside
     try:
         cmd, where = setup_trainer_run(args.root).control.submit(args.action, args.count)
     except control.ControlError as e:

@@ -156,14 +156,21 @@ def parse_args(argv):
         "gRPC, nothing by path",
     )
     p.add_argument("--timeout", type=float, default=3600, help="seconds before giving up (default 3600)")
+    p.add_argument(
+        "--max-restarts",
+        type=int,
+        default=3,
+        help="start a worker or the validator that died again, at most this many times each "
+        "(default 3; 0: a death ends the run); one that refused to run (exit code 2) is never restarted",
+    )
     p.add_argument("--trainer-gpus", help="CUDA_VISIBLE_DEVICES of the trainer, e.g. 0")
     p.add_argument("--worker-gpus", help="GPUs for the workers, one each in turn, e.g. 1,2")
     p.add_argument("--validator-gpu", help="CUDA_VISIBLE_DEVICES of the validator, e.g. 3")
     args = p.parse_args(argv)
     if (args.steps is not None and args.steps < 1) or args.workers < 1 or args.nproc < 1:
         p.error("--steps, --workers and --nproc must be at least 1")
-    if args.sft_steps < 0 or (args.test_freq is not None and args.test_freq < 0):
-        p.error("--sft-steps and --test-freq must be at least 0")
+    if args.sft_steps < 0 or (args.test_freq is not None and args.test_freq < 0) or args.max_restarts < 0:
+        p.error("--sft-steps, --test-freq and --max-restarts must be at least 0")
     if args.sft_config and not args.sft_steps:
         p.error("--sft-config needs --sft-steps")
     return args
@@ -264,13 +271,23 @@ def recipe(config: dict, args) -> tuple[list[str], list[str]]:
 
 class Child:
     def __init__(self, name: str, cmd: list[str], log_path: str, gpus: str | None = None):
-        self.name, self.log_path = name, log_path
+        self.name, self.log_path, self.cmd, self.restarts = name, log_path, cmd, 0
         Path(log_path).parent.mkdir(parents=True, exist_ok=True)
         self.log = open(log_path, "ab")
-        env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", TOKENIZERS_PARALLELISM="false")
+        self.env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", TOKENIZERS_PARALLELISM="false")
         if gpus is not None:
-            env["CUDA_VISIBLE_DEVICES"] = gpus
-        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+            self.env["CUDA_VISIBLE_DEVICES"] = gpus
+        self.proc = self._start()
+
+    def _start(self) -> subprocess.Popen:
+        return subprocess.Popen(
+            self.cmd, stdout=self.log, stderr=subprocess.STDOUT, env=self.env, start_new_session=True
+        )
+
+    def restart(self) -> None:
+        """The same command again (its log appended to); the dead process was waited for."""
+        self.restarts += 1
+        self.proc = self._start()
 
     def poll(self):
         return self.proc.poll()
@@ -573,14 +590,36 @@ def supervise(trainer: Child, workers: list[Child], run: TrainerRun, args) -> Ch
             code = trainer.poll()
             if code is not None:
                 return None if code == 0 else trainer
-            for w in workers:
-                if w.poll() not in (None, 0):
-                    return w
+            if (dead := restart_dead(workers, args.max_restarts)) is not None:
+                return dead
             if time.monotonic() > deadline:
                 raise TimeoutError(f"launch.local: the trainer did not finish within --timeout {args.timeout:.0f} s")
             time.sleep(0.5)
     finally:
         bar.close()
+
+
+REFUSED = 2  # a role's exit code for a refusal (config, data, reward set-up): never restarted
+
+
+def restart_dead(children: list[Child], max_restarts: int) -> Child | None:
+    """Start again each child that died (a crash, a kill) while the run goes on, up to
+    `max_restarts` times each: one worker's death costs its batch in flight, not the run. The
+    child that refused to run (exit code 2: it would refuse again) or died once too often is
+    returned; None otherwise."""
+    for child in children:
+        code = child.poll()
+        if code in (None, 0):
+            continue
+        if code == REFUSED or child.restarts >= max_restarts:
+            return child
+        print(
+            f"launch.local: {child.name} exited with code {code}; starting it again "
+            f"(restart {child.restarts + 1} of --max-restarts {max_restarts}; log {child.log_path})",
+            file=sys.stderr,
+        )
+        child.restart()
+    return None
 
 
 class Signals:

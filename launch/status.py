@@ -126,6 +126,8 @@ def _worker(worker: str, beat: dict, now: float, silent_after: float) -> dict:
         "samples_written": beat.get("samples_written"),
         "batches": beat.get("batches"),
         **{k: beat.get(k) for k in ("generate_s", "reload_s", "wait_s", "reload_fraction")},
+        # what a worker contained instead of dying (issue 30): damaged versions, failing rewards
+        **{k: beat.get(k, 0) for k in ("versions_skipped", "reward_failures", "rewards_dropped")},
         "last_beat_age_s": age,
         "silent": state != "stopped" and (age is None or age > silent_after),
     }

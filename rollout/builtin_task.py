@@ -28,6 +28,8 @@ CHAT_TEMPLATE = "{% for m in messages %}{{ m['content'] }}{% endfor %}{% if add_
 def compute_score(data_source: str, solution_str: str, ground_truth: str, extra_info=None) -> float:
     """Fraction of answer positions right; extra or missing characters count as wrong."""
     target = str(ground_truth)
+    if not target and not solution_str:  # nothing asked, nothing said: right (not 0 / 0)
+        return 1.0
     hits = sum(a == b for a, b in zip(solution_str, target))
     return hits / max(len(target), len(solution_str))
 

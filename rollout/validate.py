@@ -73,6 +73,7 @@ class Validator:
     def _on_signal(self, signum, _frame) -> None:
         log.info("%s received: finishing the current version, then stopping", signal.Signals(signum).name)
         self.stopping = True
+        self.stores.interrupt()  # a call waiting for an unreachable trainer stops waiting
 
     def start(self) -> bool:
         """Wait for weights, load the engine and the prompts; False when a signal came first."""

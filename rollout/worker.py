@@ -25,6 +25,7 @@ import sys
 import time
 import zlib
 
+from buffer.channel import Interrupted
 from buffer.control import sync
 from buffer.layout import check_worker_id
 from buffer.run import setup_worker_run
@@ -42,6 +43,7 @@ from rollout.engine import Completion, SamplingSettings, build_engine, engine_pr
 log = logging.getLogger("rollout.worker")
 
 HISTORY_ROWS = 256  # heartbeat history bound: at this length every other row is dropped
+NAMED_ERRORS = 16  # distinct reward errors (and skipped versions) named in the log; the rest counted
 WAITING_BEAT_S = 5.0  # heartbeat period while held back by backpressure (launch.status: not silent)
 
 
@@ -56,23 +58,46 @@ def _bounded(rows: list, row: list) -> list:
     return rows[::2] + rows[-1:] if len(rows) >= HISTORY_ROWS else rows
 
 
-def start_engine(store: WeightSource, rollout_cfg, device: str, timeout_s: float, who: str, should_stop=lambda: False):
+def start_engine(
+    store: WeightSource,
+    rollout_cfg,
+    device: str,
+    timeout_s: float,
+    who: str,
+    should_stop=lambda: False,
+    skip=lambda version, error: log.warning("weight version %d is damaged (%s): skipped", version, error),
+):
     """(engine, version): an engine built from the newest published version, waiting up to
-    `timeout_s` for the trainer's first one; (None, None) when `should_stop()` says so first."""
-    for attempt in range(5):
-        version = store.wait_latest(timeout_s, should_stop=should_stop)
-        if version is None:
+    `timeout_s` for the trainer's first one; (None, None) when `should_stop()` says so first.
+    A damaged version (manifest or files not as published) is handed to `skip` and the next
+    older one still published is tried; when none is good, the next newer one is waited for."""
+    deadline, bad = time.monotonic() + timeout_s, set[int]()
+    while True:
+        newest = store.wait_latest(max(deadline - time.monotonic(), 0.0), should_stop=should_stop)
+        if newest is None:
             return None, None
-        try:
-            model_dir = store.fetch(version)
+        if bad and newest <= max(bad):  # every version there was damaged: wait for a new one
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{who}: no weight version newer than the damaged v{max(bad)} in {timeout_s:.0f} s")
+            time.sleep(0.5)
+            continue
+        for version in range(newest, -1, -1):
+            if version in bad or (version < newest and not store.exists(version)):
+                break  # older ones are pruned (or known bad): wait for a newer one
+            try:
+                model_dir = store.fetch(version)
+            except (ManifestError, FileNotFoundError) as e:  # damaged, or pruned while it loaded
+                if not store.exists(version):
+                    log.warning("weight version %d was pruned while loading; retrying", version)
+                    break
+                bad.add(version)
+                skip(version, e)
+                continue
             log.info("%s starting engine %s from %s", who, rollout_cfg.name, model_dir)
             return build_engine(model_dir, rollout_cfg, device), version
-        except (OSError, ValueError):
-            # The trainer keeps only the newest versions: this one may have been pruned
-            # while it loaded. Start again from the newest; anything else is a real error.
-            if store.exists(version) or attempt == 4:
-                raise
-            log.warning("weight version %d was pruned while loading; retrying", version)
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{who}: no usable weight version within {timeout_s:.0f} s (damaged: {sorted(bad)})")
+        time.sleep(0.5)  # pruned while it loaded: LATEST names a newer one in a moment
 
 
 @dataclasses.dataclass
@@ -88,7 +113,11 @@ class RolloutWorker:
         self.cfg = cfg
         self.id = cfg.worker.id or f"{socket.gethostname()}-{os.getpid()}"
         check_worker_id(self.id)  # before any work
+        self.stopping = False
         self.stores = setup_worker_run(cfg)
+        # from here on: the next line may already wait for an unreachable trainer
+        signal.signal(signal.SIGTERM, self._on_signal)
+        signal.signal(signal.SIGINT, self._on_signal)
         self.score = reward.resolve(cfg.custom_reward_function.path, cfg.custom_reward_function.name)
         # Before writing anything, waiting for weights or loading an engine: every row can be scored.
         reward.check_data_sources(data_sources(cfg.data.train_files), cfg.custom_reward_function.path)
@@ -96,7 +125,6 @@ class RolloutWorker:
         self.writer = ShardWriter(
             self.stores.sink(self.id), self.id, cfg.buffer, resume=self.stores.heartbeats.read(self.id)
         )
-        self.stopping = False
         self.version: int | None = None
         self.versions_loaded: list[int] = []
         # For launch.report: [version, unix time loaded] per load (weight-sync latency, version
@@ -116,21 +144,24 @@ class RolloutWorker:
         # the trainer runs asynchronously: generate freely).
         self.rounds = sync.WorkerRounds(self.stores.sync, self.id)
         self.resumed_on_new_weights = 0  # responses continued on newer weights (interruptible)
+        self.skipped: set[int] = set()  # damaged versions, never loaded (a few: the trainer moves on)
+        self.versions_skipped = 0
         self.rewards_dropped = 0  # samples whose reward was not a finite float32
         # Synchronous mode: claimed groups of the loaded version whose every reward was dropped
         # (the trainer waits for each claimed group: drawn again), and redraws in a row.
         self.owed = 0
         self.redraws = 0
+        self.reward_failures = 0  # samples scored 0 because the reward function raised
+        self._reward_errors_named: set[str] = set()  # kinds logged, at most NAMED_ERRORS
         self.seed = cfg.worker.seed * 1_000_003 + zlib.crc32(self.id.encode())
 
     def _on_signal(self, signum, _frame) -> None:
         log.info("%s received: finishing the current batch, then flushing", signal.Signals(signum).name)
         self.stopping = True
+        self.stores.interrupt()  # a call waiting for an unreachable trainer stops waiting
 
     def start(self) -> bool:
         """Wait for weights, load the engine and the prompts; False when a signal came first."""
-        signal.signal(signal.SIGTERM, self._on_signal)
-        signal.signal(signal.SIGINT, self._on_signal)
         self.engine, self.version = start_engine(
             self.store,
             self.cfg.actor_rollout_ref.rollout,
@@ -138,6 +169,7 @@ class RolloutWorker:
             self.cfg.worker.weights_timeout_s,
             f"worker {self.id}",
             should_stop=lambda: self.stopping,
+            skip=self._skip_version,
         )
         if self.engine is None:
             return False
@@ -167,7 +199,7 @@ class RolloutWorker:
     def maybe_reload(self) -> bool:
         """Load the newest published version in place, if it is newer; True when loaded."""
         pointer = self.store.pointer()
-        if pointer is None or pointer["version"] == self.version:
+        if pointer is None or pointer["version"] == self.version or pointer["version"] in self.skipped:
             return False
         latest = pointer["version"]
         if not self.rounds.on and not self.store.ready(latest):
@@ -179,10 +211,11 @@ class RolloutWorker:
             count = self.engine.load_files(files)
         except (FileNotFoundError, ManifestError) as e:
             # Pruned while we read (its folder gone, or newer versions published meanwhile): the
-            # next batch sees a newer one. The newest version still there but bad is an error.
+            # next batch sees a newer one. Still there: damaged, skipped; the current one stays.
             if self.store.exists(latest) and self.store.latest() == latest:
-                raise
-            log.warning("weight version %d vanished while loading (%s); retrying later", latest, e)
+                self._skip_version(latest, e)
+            else:
+                log.warning("weight version %d vanished while loading (%s); retrying later", latest, e)
             return False
         self.version = latest
         self.owed = 0  # a newer version: the trainer no longer waits for the older one's groups
@@ -202,6 +235,18 @@ class RolloutWorker:
         )
         return True
 
+    def _skip_version(self, version: int, e: Exception) -> None:
+        """A damaged version costs that version: never loaded, counted (versions_skipped), named."""
+        self.skipped.add(version)
+        self.versions_skipped += 1
+        log.warning(
+            "weight version %d is damaged (%s): skipped, staying on %s (%d versions skipped so far)",
+            version,
+            e,
+            "no version yet" if self.version is None else f"v{self.version}",
+            self.versions_skipped,
+        )
+
     def _samples(self, prompt: Prompt, group: list[Completion], versions: list[int], started: float) -> list[Sample]:
         """Scored samples of one group; the shard writer assigns their group and sample ids."""
         out = []
@@ -215,6 +260,8 @@ class RolloutWorker:
                     "dropped a sample of prompt %s: %s (%d dropped so far)", prompt.prompt_id, e, self.rewards_dropped
                 )
                 continue
+            except Exception as e:  # noqa: BLE001 - a user's reward raising costs that sample's score only
+                r = self._reward_failed(prompt, e)
             out.append(
                 Sample(
                     sample_id="",
@@ -234,6 +281,23 @@ class RolloutWorker:
                 )
             )
         return out
+
+    def _reward_failed(self, prompt: Prompt, e: Exception) -> float:
+        """A reward function that raised scores the sample 0 (its group stays whole for the
+        advantage); counted in the heartbeat, named in the log once per kind of error."""
+        self.reward_failures += 1
+        kind = f"{type(e).__name__}: {e}"[:200]
+        if kind not in self._reward_errors_named and len(self._reward_errors_named) < NAMED_ERRORS:
+            self._reward_errors_named.add(kind)
+            log.warning(
+                "the reward function raised %s on prompt %s (data_source %r): scored 0; "
+                "later samples failing the same way are only counted (reward_failures)",
+                kind,
+                prompt.prompt_id,
+                prompt.data_source,
+                exc_info=e,
+            )
+        return 0.0
 
     def generate_batch(self, count: int | None = None) -> GeneratedBatch:
         """`count` prompts (default: prompts_per_batch), n responses each."""
@@ -344,8 +408,13 @@ class RolloutWorker:
     def wait_for_next_version(self) -> None:
         self.heartbeat("waiting")
         self.wait_seconds += self.rounds.wait_newer(
-            self.store.latest, self.version, self.cfg.buffer.backlog_timeout_s, self._stop_while_waiting
+            self._latest_usable, self.version, self.cfg.buffer.backlog_timeout_s, self._stop_while_waiting
         )
+
+    def _latest_usable(self) -> int | None:
+        """The newest version, unless it is one skipped as damaged (then: none newer yet)."""
+        latest = self.store.latest()
+        return self.version if latest in self.skipped else latest
 
     def heartbeat(self, state: str) -> None:
         try:
@@ -381,6 +450,8 @@ class RolloutWorker:
                 "synchronous": self.rounds.on,
                 "resumed_on_new_weights": self.resumed_on_new_weights,
                 "rewards_dropped": self.rewards_dropped,
+                "reward_failures": self.reward_failures,
+                "versions_skipped": self.versions_skipped,
                 "loads": self.loads,
                 "history": self.history,
                 "last_beat": time.time(),
@@ -483,6 +554,9 @@ def run_role(role, config_cls, argv: list[str] | None, prog: str, description: s
     except (DatasetError, reward.RewardError) as e:  # the dataset or the reward set-up
         print(f"{prog}: {e}", file=sys.stderr)
         return 2
+    except Interrupted as e:  # a stop asked while the trainer was unreachable: a clean stop
+        log.warning("%s", e)
+        return 0
     return 0
 
 

@@ -1,5 +1,5 @@
-"""Issue 15's fixes (and issue 30's, keys "30.N"), each removed in turn: its tests must fail without it
-and pass with it.
+"""Issue 15's fixes (and issue 30's, keys 30.<item>), each removed in turn: its tests must fail
+without it and pass with it.
 
     python scripts/fail_before_fix.py [--only 2,5b] [--no-pass-run] [--timeout 1800] [--check]
 
@@ -32,6 +32,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 F = "tests/test_faults.py::"
+C = "tests/test_contained_failures.py::"
 
 
 @dataclasses.dataclass
@@ -231,10 +232,84 @@ CASES = [
         ["tests/test_buffer_integrity.py::test_a_shard_re_encoded_under_another_worker_id_is_quarantined"],
     ),
     Case(
-        "30.s",
+        "30.sync",
         "sync mode: a claimed group whose rewards were all dropped is not drawn again",
         [("rollout/worker.py", "                    count = self._redraw()\n", "                    count = 0\n")],
         ["tests/test_sync.py::test_a_synchronous_group_whose_rewards_are_all_dropped_is_drawn_again"],
+    ),
+    # issue 30's items 8-12 (keys 30.<item>)
+    Case(
+        "30.8",
+        "a NOT_FOUND from the trainer mid-download is retried unless it says 'not published'",
+        [
+            (
+                "buffer/weights/net_client.py",
+                "if code == grpc.StatusCode.NOT_FOUND:  # the trainer holds every chunk",
+                'if code == grpc.StatusCode.NOT_FOUND and "not published" in _why(e):  #',
+            )
+        ],
+        [C + "test_a_version_pruned_mid_download_fails_fast"],
+    ),
+    Case(
+        "30.9",
+        "a full weight cache disk fails the fetch (no when_space around it)",
+        [
+            (
+                "buffer/weights/net_client.py",
+                "when_space(lambda: fetcher.fetch(version, folder), folder)",
+                "fetcher.fetch(version, folder)",
+            )
+        ],
+        [C + "test_a_full_weight_cache_is_waited_out_not_a_crash"],
+    ),
+    Case(
+        "30.10a",
+        "a damaged version is not skipped: the worker raises",
+        [
+            (
+                "rollout/worker.py",
+                "                bad.add(version)\n                skip(version, e)\n",
+                "                raise\n",
+            ),
+            ("rollout/worker.py", "                self._skip_version(latest, e)\n", "                raise\n"),
+        ],
+        [C + "test_a_damaged_version_is_skipped_and_the_worker_keeps_a_good_one"],
+    ),
+    Case(
+        "30.10b",
+        "launch.local never restarts a dead worker",
+        [("launch/local.py", "if code == REFUSED or child.restarts >= max_restarts:", "if True:")],
+        [C + "test_launch_local_restarts_a_dead_worker_but_not_a_refusal"],
+    ),
+    Case(
+        "30.11",
+        "only RewardError is caught around the reward function",
+        [
+            (
+                "rollout/worker.py",
+                "            except Exception as e:  # noqa: BLE001 - a user's reward",
+                "            except KeyboardInterrupt as e:  #",
+            )
+        ],
+        [C + "test_a_reward_function_that_raises_costs_that_samples_score_only"],
+    ),
+    Case(
+        "30.12",
+        "a garbage control.json is not set aside",
+        [("buffer/control/fs.py", "            self._set_aside(e)\n", "            raise\n")],
+        [C + "test_a_garbage_control_file_is_set_aside_and_commands_go_on"],
+    ),
+    Case(
+        "30.s",
+        "RunClient ignores interrupt(): it retries until buffer.grpc_trainer_wait_s",
+        [
+            (
+                "buffer/channel.py",
+                "                if self._interrupted:\n                    raise Interrupted(",
+                "                if False:\n                    raise Interrupted(",
+            )
+        ],
+        [C + "test_sigterm_stops_a_worker_waiting_for_an_unreachable_trainer"],
     ),
 ]
 

@@ -247,9 +247,25 @@ class FsControl(FsStore, ControlStore):
 
     def _taken_ids(self) -> set[str]:
         ids = {n[: -len(".json")] for n in self._command_names() if n.endswith(".json")}
-        if self.fs.exists(self.layout.control):
-            ids |= {c.id for c in control.parse(self.fs.cat_file(self.layout.control).decode(), self.layout.control)}
+        try:
+            ids |= {c.id for c in control.parse(self.fs.cat_file(self.layout.control), self.layout.control)}
+        except FileNotFoundError:
+            pass
+        except control.ControlError as e:
+            self._set_aside(e)
         return ids
+
+    def _set_aside(self, e: control.ControlError) -> None:
+        """A control.json that is no command list (a bad hand edit) would block every new
+        command: it is moved to control.json.damaged-<unix time> (kept for whoever wrote it)
+        and replaced by an empty list; a warning names both."""
+        aside = f"{self.layout.control}.damaged-{time.time():.0f}"
+        try:
+            self.fs.mv(self.layout.control, aside)
+        except FileNotFoundError:  # another launch.control moved it first
+            return
+        atomic_write_json(self.fs, self.layout.control, {"commands": []})
+        log.warning("%s; moved it to %s and started an empty one (its commands are not applied)", e, aside)
 
     def submit(self, action: str, count: int) -> tuple[control.Command, str]:
         # The id is allocated by creating the file under the next free name without overwriting

@@ -49,6 +49,7 @@ import grpc
 from buffer.channel import RunClient, bind_hosts, open_channel, server_credentials, token
 from buffer.config import BufferConfig
 from buffer.layout import RunLayout
+from buffer.storage import when_space
 from buffer.weights.base import WeightSource
 from buffer.weights.net_server import OPTIONS, REDIRECT, ChunkServicer, Holding
 from protocol import run_service as rs
@@ -655,8 +656,8 @@ class _Transfer:
                 f"the trainer at {self.f.address} refused the token "
                 f"(buffer.grpc_token_file or $TANDEM_GRPC_TOKEN): {_why(e)}"
             )
-        if code == grpc.StatusCode.NOT_FOUND and "not published" in _why(e):
-            raise ManifestError(f"weight version {self.version}: {_why(e)}")
+        if code == grpc.StatusCode.NOT_FOUND:  # the trainer holds every chunk of what it publishes
+            raise ManifestError(f"weight version {self.version}: no longer on the trainer (pruned?): {_why(e)}")
         log.warning(
             "a chunk request to the trainer at %s failed (%s); retrying in %.1f s",
             self.f.address,
@@ -813,7 +814,10 @@ class NetWeightSource(WeightSource):
         if self._fetcher is None:
             self._fetcher = WeightFetcher(self.client.address, token(self.client.cfg), self.client.cfg)
         t0 = time.monotonic()
-        self._fetcher.fetch(version, folder)  # a folder already there is checked, else fetched
+        # a folder already there is checked, else fetched; a full cache disk is waited out
+        # (resuming the verified chunks), never handed to the worker as a crash
+        fetcher = self._fetcher
+        when_space(lambda: fetcher.fetch(version, folder), folder)
         self._verified.add(version)
         log.info("weight version %d in %s (%.2f s)", version, folder, time.monotonic() - t0)
         self._prune()
