@@ -301,11 +301,10 @@ class _Servicer:
     def _seq_bound(self, head: pb.ShardHeader, key: str, context) -> None:
         """Refuse (INVALID_ARGUMENT, SeqOutOfWindow) a shard more than SEQ_WINDOW past its
         worker's highest accepted one: spooled here, consumed (the ledger) or in the spool."""
-        if head.worker_id not in self.highest:  # first push of this worker since the start
-            known = [self._ledger_next(head.worker_id) - 1, *self._spooled_seqs(head.worker_id)]
-            with self.lock:
-                self.highest.setdefault(head.worker_id, max(known))
-        top = self.highest[head.worker_id]
+        top = self.highest.get(head.worker_id)
+        if top is None:  # nothing spooled by this server yet (kept once one is: ids a client
+            # invents must not grow the table)
+            top = max([self._ledger_next(head.worker_id) - 1, *self._spooled_seqs(head.worker_id)])
         if head.seq > top + SEQ_WINDOW:
             self.stats["seq_out_of_window"] += 1
             context.abort(
