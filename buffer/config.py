@@ -80,7 +80,15 @@ class BufferConfig:
         "those they wait in the gRPC queue",
         ge=1,
     )
-    grpc_max_inflight: int = F(8, "shards a worker may have unacknowledged before it blocks", ge=1)
+    worker_lock_wait_s: float = F(
+        30.0,
+        "seconds a starting worker waits for the lock of its worker id (an older process of the id "
+        "still exiting) before it fails with WorkerIdInUse",
+        ge=0,
+    )
+    grpc_max_inflight: int = F(
+        8, "shards a worker may have unacknowledged before it blocks", ge=1, le=1024
+    )  # le: the trainer refuses a shard more than 1024 past the highest it accepted
     grpc_max_workers: int = F(
         8,
         "trainer: threads of the run service's pool and of the weight service's pool, each "

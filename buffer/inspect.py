@@ -23,7 +23,7 @@ from typing import Any
 import pyarrow as pa
 
 from buffer.control.backpressure import backlog
-from buffer.experience.reader import check_origin
+from buffer.experience.reader import check_origin, check_rows_origin
 from buffer.layout import SHARD_SUFFIX, TMP_MARK, check_worker_id
 from buffer.run import setup_trainer_run
 from buffer.storage import read_json
@@ -78,6 +78,7 @@ def verify_shard(
     data = fs.cat_file(path)
     table = load_shard(data, vocab_size)
     check_origin(table.schema.metadata or {}, worker, seq, path, run_id)
+    check_rows_origin(table, worker)
     versions = table.column("weight_version").to_pylist()
     from_table(table)
     return table.num_rows, versions

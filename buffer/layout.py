@@ -118,6 +118,17 @@ class RunLayout:
         never creates experience/<worker>/."""
         return self._p("experience", f".{check_worker_id(worker_id)}.{seq:09d}{SHARD_SUFFIX}{TMP_MARK}{pid}")
 
+    def outbox_dir(self, worker_id: str) -> str:
+        """A gRPC worker's own folder: the shards it pushed that the trainer has not
+        acknowledged yet (re-sent by a restarted worker)."""
+        return self._p("outbox", check_worker_id(worker_id))
+
+    def outbox_shard(self, worker_id: str, seq: int) -> str:
+        return self._p("outbox", check_worker_id(worker_id), f"{seq:09d}{SHARD_SUFFIX}")
+
+    def outbox_tmp(self, worker_id: str, seq: int, pid: int | str) -> str:
+        return self._p("outbox", check_worker_id(worker_id), f".{seq:09d}{SHARD_SUFFIX}{TMP_MARK}{pid}")
+
     @staticmethod
     def shard_seq(name: str) -> int | None:
         """Sequence number of a published shard file name, None for anything else."""
@@ -222,6 +233,10 @@ class RunLayout:
 
     def heartbeat(self, worker_id: str) -> str:
         return self._p("workers", f"{check_worker_id(worker_id)}.json")
+
+    def worker_lock(self, worker_id: str) -> str:
+        """Held (fcntl) by the one live writer of a worker id for its whole life."""
+        return self._p("workers", f"{check_worker_id(worker_id)}.lock")
 
     def seq_claim(self, worker_id: str) -> str:
         """ShardWriter's claim of its shard numbers, written before each shard is published."""

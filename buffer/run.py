@@ -137,19 +137,19 @@ def setup_worker_run(cfg) -> WorkerRun:
     """The WorkerRun of a role config: `cfg.root` and, if it has one, `cfg.buffer.transport`."""
     buffer = getattr(cfg, "buffer", None) or BufferConfig()
     if buffer.transport == "fs":
-        return _shared_folder_run(cfg.root)
+        return _shared_folder_run(cfg.root, buffer)
     elif buffer.transport == "grpc":
         return _network_run(cfg.root, buffer)
     raise ValueError(f"buffer.transport={buffer.transport!r}: 'fs' or 'grpc'")
 
 
-def _folder_sink(folder: TrainerRun, worker_id: str) -> FsExperienceSink:
+def _folder_sink(folder: TrainerRun, buffer: BufferConfig, worker_id: str) -> FsExperienceSink:
     """Shards into `folder`'s experience/<worker>/, backpressure from its heartbeats and progress."""
     room = functools.partial(backpressure.wait_for_room, folder.heartbeats, folder.progress)
-    return FsExperienceSink(folder.fs, folder.files, worker_id, room)
+    return FsExperienceSink(folder.fs, folder.files, worker_id, room, buffer.worker_lock_wait_s)
 
 
-def _shared_folder_run(root: str) -> WorkerRun:
+def _shared_folder_run(root: str, buffer: BufferConfig) -> WorkerRun:
     """`buffer.transport=fs`: every store on the shared run folder."""
     folder = setup_trainer_run(root)
     return WorkerRun(
@@ -162,7 +162,7 @@ def _shared_folder_run(root: str) -> WorkerRun:
         sync=folder.sync,
         control=folder.control,
         validation=folder.validation,
-        make_sink=functools.partial(_folder_sink, folder),
+        make_sink=functools.partial(_folder_sink, folder, buffer),
     )
 
 
@@ -180,7 +180,7 @@ def _network_run(root: str, buffer: BufferConfig) -> WorkerRun:
     state = NetRunState(client)
 
     def make_sink(worker_id: str) -> GrpcSink:  # shards pushed; the claim file in `root`
-        return GrpcSink(_folder_sink(own, worker_id), buffer, state)
+        return GrpcSink(_folder_sink(own, buffer, worker_id), buffer, state)
 
     return WorkerRun(
         root=root,

@@ -9,9 +9,12 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import fcntl
 import json
 import logging
 import os
+import socket
+import threading
 import time
 
 import fsspec
@@ -53,6 +56,82 @@ def when_space(action, path: str, timeout_s: float = DISK_FULL_TIMEOUT_S):
                 noted = waited
             time.sleep(wait)
             wait = min(wait * 2, 30.0)
+
+
+class LockHeld(RuntimeError):
+    """Another live process holds the lock; `holder` is what it wrote ({host, pid, started})."""
+
+    def __init__(self, message: str, holder: dict):
+        super().__init__(message)
+        self.holder = holder
+
+
+_HELD: dict[str, int] = {}  # path -> fd of the locks this process holds (never closed)
+_HELD_GUARD = threading.Lock()
+_LOCK_UNSUPPORTED = (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL)
+
+
+def hold_lock(path: str, what: str, wait_s: float, note_s: float = 10.0) -> bool:
+    """Hold an exclusive POSIX record lock (`fcntl.lockf`) on `path` for the rest of this
+    process's life (the kernel, or the NFS lock manager, drops it when the process dies, even by
+    SIGKILL). A holder still exiting (a pool restarting a worker) is waited for, up to `wait_s`,
+    saying so every `note_s`; then LockHeld names its pid and host. The lock is per process:
+    taking it again in the holder returns at once. False where the filesystem has no locks."""
+    with _HELD_GUARD:
+        if path in _HELD:
+            return True
+        os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            if not _lock_waiting(fd, path, what, wait_s, note_s):
+                os.close(fd)
+                return False
+        except BaseException:
+            os.close(fd)
+            raise
+        me = {"host": socket.gethostname(), "pid": os.getpid(), "started": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, (json.dumps(me) + "\n").encode(), 0)
+        _HELD[path] = fd  # closing any fd of the file would drop the process's lock: never closed
+        return True
+
+
+def release_lock(path: str) -> None:
+    """Drop a lock `hold_lock` took (a writer closed: its worker id is free again)."""
+    with _HELD_GUARD:
+        fd = _HELD.pop(path, None)
+    if fd is not None:
+        os.close(fd)
+
+
+def _lock_waiting(fd: int, path: str, what: str, wait_s: float, note_s: float) -> bool:
+    start = noted = time.monotonic()
+    while True:
+        try:
+            fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return True
+        except OSError as e:
+            if e.errno in _LOCK_UNSUPPORTED:
+                log.warning("%s: no file locks on this filesystem (%s): %s is not enforced", path, e, what)
+                return False
+            if e.errno not in (errno.EACCES, errno.EAGAIN):
+                raise
+        holder = _lock_holder(fd)
+        who = f"pid {holder.get('pid', '?')} on host {holder.get('host', '?')} (since {holder.get('started', '?')})"
+        waited = time.monotonic() - start
+        if waited >= wait_s:
+            raise LockHeld(f"{what}: held by {who} ({path}); waited {waited:.0f} s", holder)
+        if time.monotonic() - noted >= note_s:
+            log.warning("%s: waiting for %s to exit (%s; at most %.0f s)", what, who, path, wait_s)
+            noted = time.monotonic()
+        time.sleep(min(0.1, wait_s))
+
+
+def _lock_holder(fd: int) -> dict:
+    try:
+        return json.loads(os.pread(fd, 4096, 0) or b"{}")
+    except (OSError, ValueError):
+        return {}  # being written by its holder right now
 
 
 def filesystem(root: str) -> tuple[fsspec.AbstractFileSystem, str]:

@@ -15,7 +15,7 @@ from buffer.config import BufferConfig
 from buffer.experience.base import ExperienceSink
 from buffer.run import setup_worker_run
 from buffer.storage import when_space
-from protocol.experience import Sample, check_rows, encode, to_table
+from protocol.experience import DECLARED_LOST_KEY, Sample, check_rows, encode, to_table
 
 log = logging.getLogger(__name__)
 
@@ -43,6 +43,11 @@ class ShardWriter:
     publishes an empty shard under it, which closes the gap the trainer's ledger would otherwise
     wait on for ever, and which the trainer skips if the number was consumed. So shard keys and
     sample ids are unique across restarts.
+
+    Over gRPC "published" means acknowledged: a heartbeat's next_seq proves nothing there
+    (`sink.settled`), and the shards the trainer never acknowledged wait in the worker's outbox:
+    the restarted writer re-sends them (`sink.recover`), and publishes each it cannot (a damaged
+    copy) as an empty shard marked `tandem.declared_lost`, counted by the trainer.
     """
 
     def __init__(
@@ -83,15 +88,17 @@ class ShardWriter:
         listed = [s for s in self.sink.published() if s >= base]
         for seq in listed:  # published after the claim or heartbeat, before a crash
             try:
-                counted += self.sink.samples_in(seq)
+                self._unsure_samples[seq] = n = self.sink.samples_in(seq)
+                counted += n
             except (OSError, pa.ArrowException, KeyError, ValueError, TypeError) as e:
                 # damaged, or quarantined/pruned meanwhile: never reuse its name, count nothing
                 log.warning("cannot count the samples of shard %d of %s: %s", seq, self.worker_id, e)
+        self._lost = self.sink.recover()  # listed, but cannot be handed over again
         # The heartbeat counts only published shards: never less than what it says.
         self.samples_written = max(counted, int(beat.get("samples_written", 0)))
         claimed = int(claim.get("next_seq", 0))
         self.seq = max([base, claimed, int(beat.get("next_seq", 0)), *(s + 1 for s in listed)])
-        published = int(beat.get("next_seq", 0))  # the heartbeat names only published shards
+        published = self.sink.settled(int(beat.get("next_seq", 0)))
         self._gaps = [s for s in range(max(base, published), claimed) if s not in set(listed)]
 
     def _claim(self, seq: int) -> None:
@@ -116,6 +123,11 @@ class ShardWriter:
                     "published an empty shard %d of %s: claimed before a restart, not published", seq, self.worker_id
                 )
         self._gaps = []
+        while self._lost:  # one at a time: a full disk retries only what is left
+            seq = self._lost[0]
+            self.sink.publish(seq, self._encode(seq, [], declared_lost=True))
+            log.warning("declared shard %d of %s lost (its copy could not be re-sent)", seq, self.worker_id)
+            self._lost.pop(0)
 
     def add_group(self, group: list[Sample]) -> str | None:
         check_rows(group)
@@ -150,7 +162,7 @@ class ShardWriter:
         finally:
             self.sink.close(timeout_s)
 
-    def _encode(self, seq: int, samples: list[Sample]) -> bytes:
+    def _encode(self, seq: int, samples: list[Sample], declared_lost: bool = False) -> bytes:
         meta: dict[str, object] = {
             "tandem.worker_id": self.worker_id,
             "tandem.shard_seq": seq,
@@ -159,6 +171,8 @@ class ShardWriter:
         }
         if self.run_id is not None:
             meta["tandem.run_id"] = self.run_id
+        if declared_lost:
+            meta[DECLARED_LOST_KEY.decode()] = 1
         if samples:
             versions = [s.weight_version for s in samples]
             meta |= {"tandem.min_weight_version": min(versions), "tandem.max_weight_version": max(versions)}
@@ -171,7 +185,7 @@ class ShardWriter:
     def _flush(self) -> str | None:
         if not self.pending:
             return None
-        if self._gaps:
+        if self._gaps or self._lost:
             when_space(self._fill_gaps, self.sink.where())
         data = self._encode(self.seq, self.pending)
 

@@ -167,6 +167,7 @@ def _buffer(run: TrainerRun, rows: list[dict]) -> dict:
         "dropped_stale_samples": last.get("buffer/dropped_stale_samples"),
         "bad_shards": last.get("buffer/bad_shards"),
         "quarantined_shards": _quarantined(run),
+        "declared_lost_shards": last.get("buffer/declared_lost_shards"),
         "bytes": {
             "experience": _bytes(fs, files.experience_dir),
             "weights": _bytes(fs, files.weights_dir),
@@ -270,6 +271,7 @@ def buffer_lines(b: dict) -> list[tuple[str, str]]:
         ),
         ("dropped stale", f"{_num(b['dropped_stale_samples'], '{:,}')} samples"),
         ("bad / quarantined", f"{_num(b['bad_shards'], '{}')} rejected, {b['quarantined_shards']} in quarantine/"),
+        ("declared lost", f"{_num(b['declared_lost_shards'], '{}')} shards (unacknowledged, not re-sendable)"),
         ("disk", f"{sizes}; {free}"),
     ]
 

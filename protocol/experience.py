@@ -37,6 +37,9 @@ SCHEMA_VERSION = "3"
 READABLE_VERSIONS = ("2", "3")
 SCHEMA_VERSION_KEY = b"tandem.schema_version"
 RUN_ID_KEY = b"tandem.run_id"
+# On an empty shard: its number held samples its writer could not hand over again after a restart
+# (a damaged outbox copy): the trainer counts it (buffer/declared_lost_shards), the hole closes.
+DECLARED_LOST_KEY = b"tandem.declared_lost"
 
 TRAILER_MAGIC = b"TNDMSHA2"
 _TRAILER = struct.Struct("<8sQ32s")

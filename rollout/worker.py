@@ -48,6 +48,9 @@ NAMED_ERRORS = 16  # distinct reward errors (and skipped versions) named in the 
 WAITING_BEAT_S = 5.0  # heartbeat period while held back by backpressure (launch.status: not silent)
 
 
+MAX_REDRAWS = 8  # synchronous mode: whole batches dropped in a row before the worker gives up
+
+
 def _bounded(rows: list, row: list) -> list:
     """Append `row`; at HISTORY_ROWS (even) keep every other row, the first and the newest
     included: the history spans the whole run, older parts at a coarser step, and a heartbeat
@@ -148,6 +151,10 @@ class RolloutWorker:
         self.skipped: set[int] = set()  # damaged versions, never loaded (a few: the trainer moves on)
         self.versions_skipped = 0
         self.rewards_dropped = 0  # samples whose reward was not a finite float32
+        # Synchronous mode: claimed groups of the loaded version whose every reward was dropped
+        # (the trainer waits for each claimed group: drawn again), and redraws in a row.
+        self.owed = 0
+        self.redraws = 0
         self.reward_failures = 0  # samples scored 0 because the reward function raised
         self._reward_errors_named: set[str] = set()  # kinds logged, at most NAMED_ERRORS
         self.seed = cfg.worker.seed * 1_000_003 + zlib.crc32(self.id.encode())
@@ -223,6 +230,7 @@ class RolloutWorker:
                 log.warning("weight version %d vanished while loading (%s); retrying later", latest, e)
             return False
         self.version = latest
+        self.owed = 0  # a newer version: the trainer no longer waits for the older one's groups
         self.rounds.follow(pointer, latest)
         self.versions_loaded.append(latest)
         self.loads = _bounded(self.loads, [latest, time.time()])
@@ -366,13 +374,17 @@ class RolloutWorker:
 
     def finish_batch(self, batch: GeneratedBatch) -> float:
         """Score and publish one generated batch; returns its mean reward."""
-        rewards = []
+        rewards, empty = [], 0
         for prompt, group, versions in zip(batch.prompts, batch.groups, batch.versions):
             samples = self._samples(prompt, group, versions, batch.started)
             rewards += [s.reward for s in samples]
-            if samples:  # every reward of the group dropped: nothing to write
+            if samples:
                 self.writer.add_group(samples)
+            else:  # every reward of the group dropped: nothing to write
+                empty += 1
         if self.rounds.on:
+            self.owed += empty  # read by the main thread once this batch's future is done
+            self.redraws = self.redraws + 1 if empty == len(batch.groups) else 0
             self.writer.flush()  # the trainer waits for exactly these groups
         return sum(rewards) / len(rewards) if rewards else float("nan")
 
@@ -393,6 +405,20 @@ class RolloutWorker:
     def claim(self) -> int:
         """Synchronous mode: claim this worker's share of the loaded version's groups."""
         return self.rounds.claim(self.version, self.cfg.actor_rollout_ref.rollout.prompts_per_batch)
+
+    def _redraw(self) -> int:
+        """Synchronous mode: how many claimed groups to draw again (with the next prompts)
+        because every reward of theirs was dropped; the trainer waits for each claimed group.
+        Fails after MAX_REDRAWS batches in a row dropped whole: the reward function is broken."""
+        owed, self.owed = self.owed, 0
+        if owed and self.redraws >= MAX_REDRAWS:
+            raise RuntimeError(
+                f"worker {self.id}: every reward of {MAX_REDRAWS} batches in a row was dropped "
+                f"({self.rewards_dropped} samples so far): check custom_reward_function"
+            )
+        if owed:
+            log.warning("every reward of %d claimed groups of v%s was dropped: drawing them again", owed, self.version)
+        return owed
 
     def wait_for_next_version(self) -> None:
         self.heartbeat("waiting")
@@ -499,8 +525,10 @@ class RolloutWorker:
                     if pending is not None:
                         self._log_batch(pending.result())
                         pending = None
-                    self.wait_for_next_version()
-                    continue
+                    count = self._redraw()
+                    if count == 0:
+                        self.wait_for_next_version()
+                        continue
                 batch = self.generate_batch(count)
                 if pending is not None:
                     self._log_batch(pending.result())

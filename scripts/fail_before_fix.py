@@ -63,8 +63,8 @@ CASES = [
         [
             (
                 "buffer/writer.py",
-                '"samples_before": self.samples_written - sum(self._unsure_samples.values())}',
-                '"samples_before": self.samples_written}',
+                '"samples_before": self.samples_written - sum(self._unsure_samples.values()),',
+                '"samples_before": self.samples_written,',
             )
         ],
         [F + "test_a_restarted_grpc_worker_counts_each_written_sample_once"],
@@ -88,6 +88,7 @@ CASES = [
             (
                 "buffer/experience/reader.py",
                 "check_origin(table.schema.metadata or {}, worker, seq, path, self.run_id)\n"
+                "            check_rows_origin(table, worker, self.stats)\n"
                 "            check_not_future(table, current_version)",
                 "check_origin(table.schema.metadata or {}, worker, seq, path, None)",
             )
@@ -293,6 +294,37 @@ CASES = [
         "the Heartbeats reply is every heartbeat, however large",
         [(CN, "if sum(sizes) <= rs.MAX_REPLY_BYTES:", "if True:")],
         [H + "test_claims_heartbeats_and_worker_ids_are_bounded"],
+    ),
+    # issue 30, items 1, 2, 5, 7 and the sync drop
+    Case(
+        "30.1",
+        "a restarted gRPC writer does not re-send its outbox (shards never acknowledged)",
+        [("buffer/experience/net_client.py", "        for seq in self.published():\n", "        for seq in []:\n")],
+        [F + "test_a_killed_grpc_worker_re_sends_its_unacknowledged_shards_or_declares_them_lost"],
+    ),
+    Case(
+        "30.2",
+        "no lock per worker id: two live writers of one id both write",
+        [("buffer/experience/fs.py", "        self._hold_worker_id()\n", "")],
+        ["tests/test_buffer.py::test_a_second_live_writer_of_a_worker_id_fails_naming_the_holder"],
+    ),
+    Case(
+        "30.5",
+        "no seq window: a shard of seq 10**12 is spooled (and bypasses the backlog cap)",
+        [("buffer/experience/net_server.py", "        self._seq_bound(head, key, context)\n", "")],
+        ["tests/test_grpc.py::test_a_seq_far_past_the_highest_accepted_is_refused_and_cannot_bypass_the_cap"],
+    ),
+    Case(
+        "30.7",
+        "a shard's rows are not checked against its key (worker id, sample ids)",
+        [("buffer/experience/reader.py", "            check_rows_origin(table, worker, self.stats)\n", "")],
+        ["tests/test_buffer_integrity.py::test_a_shard_re_encoded_under_another_worker_id_is_quarantined"],
+    ),
+    Case(
+        "30.sync",
+        "sync mode: a claimed group whose rewards were all dropped is not drawn again",
+        [("rollout/worker.py", "                    count = self._redraw()\n", "                    count = 0\n")],
+        ["tests/test_sync.py::test_a_synchronous_group_whose_rewards_are_all_dropped_is_drawn_again"],
     ),
     # issue 30's items 8-12 (keys 30.<item>)
     Case(

@@ -503,3 +503,54 @@ def test_restarted_writer_resumes_count_and_ids_after_shards_are_deleted(tmp_pat
     assert RunLayout.shard_seq(path) == 4
     new_ids = {s.sample_id for s in from_table(decode(open(path, "rb").read()))}
     assert new_ids and not new_ids & ids_before
+
+
+# --- one live writer per worker id ---------------------------------------------------------------
+
+_HOLDER = """
+import sys, time
+from buffer.config import BufferConfig
+from buffer.writer import ShardWriter
+ShardWriter.at(sys.argv[1], "w0", BufferConfig())
+print("holding", flush=True)
+time.sleep(float(sys.argv[2]))
+"""
+
+
+def _holder(root: Path, hold_s: float) -> subprocess.Popen:
+    p = subprocess.Popen(
+        [sys.executable, "-c", _HOLDER, str(root), str(hold_s)],
+        stdout=subprocess.PIPE,
+        text=True,
+        env=subprocess_env(),
+    )
+    assert p.stdout.readline().strip() == "holding", "the first writer did not start"
+    return p
+
+
+def test_a_second_live_writer_of_a_worker_id_fails_naming_the_holder(tmp_path):
+    """Issue 30 item 2: two writers of w0 on one folder would overwrite each other's shards.
+    The second fails (after buffer.worker_lock_wait_s) naming the id and the holder's pid; one
+    that starts while the holder is still exiting waits for it (a pool's restart)."""
+    from buffer.experience.base import WorkerIdInUse
+
+    root = tmp_path / "run"
+    first = _holder(root, 60)
+    try:
+        with pytest.raises(WorkerIdInUse, match=rf"worker id w0 is in use by another live worker, pid {first.pid}"):
+            ShardWriter.at(str(root), "w0", _cfg(worker_lock_wait_s=0.5))
+        ShardWriter.at(str(root), "w1", _cfg(worker_lock_wait_s=0.5))  # another id is free
+    finally:
+        first.kill()  # ours (Popen above), by its pid
+        first.wait(timeout=30)
+    again = _holder(root, 1.5)  # exits 1.5 s from now, while the next writer waits for it
+    try:
+        started = time.monotonic()
+        w = ShardWriter.at(str(root), "w0", _cfg(worker_lock_wait_s=30))
+        assert time.monotonic() - started >= 0.5 and again.wait(timeout=30) == 0
+        w.add_group(make_group("w0", 0, 0, 0, 2))
+        assert w.flush() is not None
+    finally:
+        if again.poll() is None:
+            again.kill()
+            again.wait(timeout=30)

@@ -169,6 +169,7 @@ def test_flipped_bytes_quarantined_while_a_writer_process_keeps_publishing(tmp_p
     quarantines it with a reason, keeps going and consumes every good shard, the later ones too."""
     root = tmp_path / "run"
     first = _publish(str(root), "w0", 4)  # seq 0..3
+    first.close()  # that worker ended: the process below takes its id
     victim = first.sink.layout.shard("w0", 1)
     _mutate(victim, lambda d: _flip(d, len(d) // 3))
     script = tmp_path / "writer.py"
@@ -241,6 +242,29 @@ def test_truncated_and_foreign_shards_are_quarantined(tmp_path):
     assert "no tandem trailer" in q["000000003.arrow"]
     assert "foreign shard" in q["000000004.arrow"] and "w9" in q["000000004.arrow"]
     assert sorted(os.listdir(root / "experience" / "w0")) == ["000000001.arrow", "000000005.arrow", "notes.txt"]
+
+
+def test_a_shard_re_encoded_under_another_worker_id_is_quarantined(tmp_path):
+    """Issue 30 item 7: w0's rows, re-encoded without worker/seq metadata (the run id kept) and
+    published as w1's shard 0, are refused: each sample id is read once."""
+    root = tmp_path / "run"
+    w = _publish(str(root), "w0", 2)
+    lay = w.sink.layout
+    table = decode(Path(lay.shard("w0", 0)).read_bytes())
+    meta = {k: v for k, v in table.schema.metadata.items() if k not in (b"tandem.worker_id", b"tandem.shard_seq")}
+    os.makedirs(lay.worker_shard_dir("w1"))
+    atomic_write(w.sink.fs, lay.shard("w1", 0), encode(table.replace_schema_metadata(meta)))
+    reader = _reader(str(root))
+    try:
+        got = _drain(reader, 2)
+        with pytest.raises(TimeoutError):
+            reader.next_batch(1, 0, timeout_s=0.3)
+    finally:
+        reader.close()
+    ids = [s.sample_id for g in got for s in g.samples]
+    assert len(ids) == len(set(ids)) == 2 * N
+    assert reader.stats["foreign_row_shards"] == 1 == reader.stats["quarantined_shards"]
+    assert "foreign rows" in _quarantined(root, "w1")["000000000.arrow"]
 
 
 def test_out_of_vocab_and_nan_shards_quarantined_reader_continues(tmp_path):

@@ -164,6 +164,60 @@ def test_a_restarted_grpc_worker_counts_each_written_sample_once(tmp_path, monke
     assert again.samples_written == on_disk, "samples counted twice across the restart"
 
 
+def test_a_killed_grpc_worker_re_sends_its_unacknowledged_shards_or_declares_them_lost(tmp_path, monkeypatch):
+    """Issue 30 item 1: the trainer's backpressure holds shards 2-4 unacknowledged when the
+    worker is killed (its heartbeat says next_seq 5). The restarted worker re-sends 2 and 4 from
+    its outbox and declares 3 (its copy damaged) lost: the ledger closes with no hole."""
+    port = free_port()
+    monkeypatch.setenv("TANDEM_GRPC_TOKEN", "t0ken")
+    cfg = _cfg(
+        transport="grpc",
+        grpc_bind=f"127.0.0.1:{port}",
+        grpc_address=f"127.0.0.1:{port}",
+        grpc_timeout_s=10,
+        grpc_claim_ttl_s=1.0,
+        max_backlog_samples=N,
+    )
+    spool, own = str(tmp_path / "trainer"), tmp_path / "worker"
+    retired = [0]
+    server = setup_trainer_run(spool).serve(cfg, retired=lambda: retired[0])
+    writers = []
+    try:
+        w = ShardWriter.at(str(own), "w0", cfg)
+        writers.append(w)
+        for g in range(5):
+            w.add_group(make_group("w0", 0, g, 0, N))  # one shard each
+        _wait(lambda: sorted(w.sink.unacked) == [2, 3, 4], "shards 2-4 to be held back")
+        beat = _beat(w)
+        w.sink.stopping = True  # killed: no close
+        w.sink.senders.shutdown(wait=True)
+        outbox = own / "outbox" / "w0"
+        assert sorted(os.listdir(outbox)) == [f"00000000{i}.arrow" for i in (2, 3, 4)]
+        damaged = bytearray((outbox / "000000003.arrow").read_bytes())
+        damaged[-40] ^= 0xFF
+        (outbox / "000000003.arrow").write_bytes(bytes(damaged))
+        retired[0] = 10**6
+        again = ShardWriter.at(str(own), "w0", cfg, resume=beat)
+        writers.append(again)
+        again.add_group(make_group("w0", 0, 5, 0, N))
+        again.close(timeout_s=30)
+        assert os.listdir(outbox) == []  # every shard acknowledged
+    finally:
+        for w in writers:
+            w.sink.stopping = True
+            w.sink.senders.shutdown(wait=True)
+        server.stop()
+    reader = ExperienceReader(spool, _cfg(), max_staleness=10)
+    try:
+        got = []
+        _wait(lambda: got.extend(reader.next_batch(1, 0, timeout_s=1)) or len(got) == 5, "5 groups", 30)
+        _wait(lambda: reader.consumed.next_seq("w0") == 6 and len(reader.consumed) == 6, "the ledger to close", 10)
+    finally:
+        reader.close()
+    assert reader.stats["declared_lost_shards"] == 1
+    assert sorted(s.sample_id.split("/")[1] for g in got for s in g.samples[:1]) == ["0", "1", "2", "4", "5"]
+
+
 # --- 7. a version pruned while a worker loads it ----------------------------------------------
 
 

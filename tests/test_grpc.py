@@ -13,7 +13,7 @@ from conftest import TESTS_DIR, free_port, make_group, subprocess_env
 
 from buffer.config import BufferConfig
 from buffer.experience.net_client import DAMAGED_RESENDS
-from buffer.experience.net_server import ShardServer
+from buffer.experience.net_server import SEQ_WINDOW, ShardServer
 from buffer.experience.reader import ExperienceReader
 from buffer.layout import RunLayout
 from buffer.run import setup_trainer_run
@@ -89,11 +89,31 @@ def test_token_schema_integrity_and_idempotence(tmp_path):
         assert "grpc_max_shard_mb" in _refused(grpc.StatusCode.INVALID_ARGUMENT, port, data, size=2 << 20)
         assert not spool.exists() or not os.listdir(spool)  # refused pushes leave no file
         for chunk in (1, 47, 48, 49, 1 << 20):  # chunking never matters to the trailer check
-            assert _push(port, data, seq=chunk, chunk=chunk).duplicate is False
-            assert (spool / f"{chunk:09d}.arrow").read_bytes() == data
+            seq = min(chunk, 50)  # within SEQ_WINDOW of the highest accepted
+            assert _push(port, data, seq=seq, chunk=chunk).duplicate is False
+            assert (spool / f"{seq:09d}.arrow").read_bytes() == data
         assert _push(port, data, seq=1).duplicate is True  # a resend is acknowledged, not stored twice
-        assert sorted(os.listdir(spool)) == [f"{c:09d}.arrow" for c in (1, 47, 48, 49, 1 << 20)]
+        assert sorted(os.listdir(spool)) == [f"{c:09d}.arrow" for c in (1, 47, 48, 49, 50)]
         assert server.servicer.stats["refused"] == 2 and server.servicer.stats["spooled"] == 5
+    finally:
+        server.stop()
+
+
+def test_a_seq_far_past_the_highest_accepted_is_refused_and_cannot_bypass_the_cap(tmp_path):
+    """Issue 30 item 5: one shard with seq 10**12 must not make every later shard "below the
+    highest" (always taken) and so bypass the backlog cap."""
+    port = free_port()
+    cfg = _cfg(tmp_path, port, max_backlog_samples=4)
+    server = ShardServer(str(tmp_path / "trainer"), cfg, retired=lambda: 0)
+    try:
+        data = encode(to_table(make_group("w0", 0, 0, 0, 4), {"tandem.num_samples": 4}))
+        assert _push(port, data, seq=0).duplicate is False
+        for seq in (10**12, SEQ_WINDOW + 1):
+            assert "SeqOutOfWindow" in _refused(grpc.StatusCode.INVALID_ARGUMENT, port, data, seq=seq)
+        assert _push(port, data, seq=1).duplicate is False  # 4 spooled: not over the cap yet
+        for seq in (2, 3, SEQ_WINDOW):  # over the cap: every one refused, none "below the highest"
+            assert "over its cap" in _refused(grpc.StatusCode.RESOURCE_EXHAUSTED, port, data, seq=seq)
+        assert server.servicer.stats["seq_out_of_window"] == 2 and server.servicer.stats["spooled"] == 2
     finally:
         server.stop()
 

@@ -233,3 +233,50 @@ def test_trainer_without_workers_names_the_claims_when_it_gives_up(tmp_path):
     assert "Synchronous mode: 0 of the groups of v0 were claimed, by no worker" in out, out[-3000:]
     latest = json.loads((tmp_path / "run" / "weights" / "LATEST").read_text())
     assert latest == {"version": 0, "step": 0, "sync_groups": GROUPS}
+
+
+DROP_FIRST_TWO_GROUPS = """
+from rollout import reward
+from rollout.builtin_task import compute_score
+
+CALLS = [0]
+
+
+def score(data_source, solution_str, ground_truth, extra_info=None):
+    CALLS[0] += 1
+    if CALLS[0] <= 2 * {n}:  # every sample of the first two groups scored
+        raise reward.RewardError("test: this group's rewards are dropped")
+    return compute_score(data_source, solution_str, ground_truth, extra_info)
+"""
+
+
+def test_a_synchronous_group_whose_rewards_are_all_dropped_is_drawn_again(tmp_path):
+    """Issue 30: the trainer waits for every group a worker claimed; a group of which every
+    reward was dropped is written by no one unless the worker draws it again (it would wait
+    until trainer.data_timeout_s)."""
+    n, groups = 2, 4
+    fn = tmp_path / "reward_fn.py"
+    fn.write_text(DROP_FIRST_TWO_GROUPS.format(n=n))
+    root = tmp_path / "run"
+    args = ["--steps", "1", "--nproc", "1", "--workers", "1", "--test-freq", "0", "--timeout", "300"]
+    for role, opt in [
+        ("trainer", "trainer.max_staleness=0"),
+        ("trainer", f"data.train_batch_size={groups}"),
+        ("trainer", "trainer.data_timeout_s=30"),
+        ("worker", f"actor_rollout_ref.rollout.n={n}"),
+        ("worker", "actor_rollout_ref.rollout.prompts_per_batch=2"),
+        ("worker", f"custom_reward_function.path={fn}"),
+        ("worker", "custom_reward_function.name=score"),
+    ]:
+        args += [f"--{role}", opt]
+    proc = subprocess.run(
+        [sys.executable, "-m", "launch.local", "--root", str(root), *args],
+        capture_output=True,
+        text=True,
+        timeout=400,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    rows, _ = rl_metrics(setup_trainer_run(str(root)))
+    assert [r["step"] for r in rows] == [1] and rows[-1]["samples/consumed"] == groups * n
+    [beat] = [json.loads(p.read_text()) for p in (root / "workers").glob("*.json")]
+    assert beat["rewards_dropped"] == 2 * n and beat["samples_written"] == groups * n, beat

@@ -671,6 +671,7 @@ class Trainer:
                         "time/unix": time.time(),
                         "buffer/dropped_stale_samples": self.reader.stats["dropped_stale_samples"],
                         "buffer/bad_shards": self.reader.stats["bad_shards"],
+                        "buffer/declared_lost_shards": self.reader.stats["declared_lost_shards"],
                     }
                 )
                 self.metrics.write(metrics)

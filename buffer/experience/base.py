@@ -16,6 +16,10 @@ from collections.abc import Callable
 from buffer.control.base import ShouldStop
 
 
+class WorkerIdInUse(RuntimeError):
+    """Another live process writes shards under this worker id; the message names it."""
+
+
 class ExperienceSink(abc.ABC):
     """Where one worker's encoded shards go (`protocol.experience.encode` output: Arrow IPC
     stream + sha256 trailer). `buffer.writer.ShardWriter` does the batching, sequence claims and
@@ -38,6 +42,18 @@ class ExperienceSink(abc.ABC):
     def published(self) -> list[int]:
         """Shard numbers of this worker visible where the sink publishes (ascending), for a
         restarted writer's resume; a sink that cannot list (network) returns []."""
+
+    @abc.abstractmethod
+    def settled(self, beat_next_seq: int) -> int:
+        """Below which shard number a previous writer's heartbeat `next_seq` says every shard
+        reached the trainer: that number on a filesystem (the heartbeat names published shards
+        only), 0 over gRPC (it counts shards never acknowledged)."""
+
+    @abc.abstractmethod
+    def recover(self) -> list[int]:
+        """At a restart, hand over again what a previous writer of this worker published that the
+        trainer may not have (over gRPC: the outbox); returns the shard numbers it cannot
+        (damaged copies), which the writer declares lost. A filesystem has nothing to resend."""
 
     @abc.abstractmethod
     def samples_in(self, seq: int) -> int:

@@ -13,9 +13,9 @@ import pyarrow as pa
 
 from buffer.control.base import ShouldStop
 from buffer.control.fs import FsStore
-from buffer.experience.base import ExperienceSink
+from buffer.experience.base import ExperienceSink, WorkerIdInUse
 from buffer.layout import RunLayout
-from buffer.storage import atomic_write, atomic_write_json, read_json
+from buffer.storage import LockHeld, atomic_write, atomic_write_json, hold_lock, is_local, read_json, release_lock
 
 
 @dataclasses.dataclass
@@ -27,10 +27,26 @@ class FsExperienceSink(FsStore, ExperienceSink):
 
     worker_id: str
     room: Callable[..., float]
+    lock_wait_s: float = 30.0  # buffer.worker_lock_wait_s
 
     def __post_init__(self) -> None:
         self.dir = self.layout.worker_shard_dir(self.worker_id)
+        self._hold_worker_id()
         self.fs.makedirs(self.dir, exist_ok=True)
+
+    def _hold_worker_id(self) -> None:
+        """One live writer per worker id: two would overwrite each other's shards (os.replace)
+        and claims. workers/<worker>.lock, held for the process's life."""
+        if not is_local(self.fs):
+            return  # an object store has no locks; its runs use one writer per id by config
+        try:
+            hold_lock(self.layout.worker_lock(self.worker_id), f"worker id {self.worker_id}", self.lock_wait_s)
+        except LockHeld as e:
+            raise WorkerIdInUse(
+                f"worker id {self.worker_id} is in use by another live worker, pid "
+                f"{e.holder.get('pid', '?')} on host {e.holder.get('host', '?')}: give every worker its "
+                f"own worker.id ({e})"
+            ) from None
 
     def publish(self, seq: int, data: bytes) -> str:
         path = self.layout.shard(self.worker_id, seq)
@@ -39,6 +55,12 @@ class FsExperienceSink(FsStore, ExperienceSink):
 
     def unsure_from(self, seq: int) -> int:
         return seq
+
+    def settled(self, beat_next_seq: int) -> int:
+        return beat_next_seq
+
+    def recover(self) -> list[int]:
+        return []
 
     def published(self) -> list[int]:
         listed = (RunLayout.shard_seq(p) for p in self.fs.ls(self.dir, detail=False))
@@ -72,7 +94,9 @@ class FsExperienceSink(FsStore, ExperienceSink):
         return self.room(limit, timeout_s, should_stop, on_wait=on_wait, group_size=group_size)
 
     def close(self, timeout_s: float = 60.0) -> None:
-        pass  # every shard was renamed into place by `publish`
+        # every shard was renamed into place by `publish`; the worker id is free again
+        if is_local(self.fs):
+            release_lock(self.layout.worker_lock(self.worker_id))
 
     def where(self) -> str:
         return self.dir

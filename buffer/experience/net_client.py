@@ -2,27 +2,34 @@
 network ExperienceSink of `buffer.writer.ShardWriter`. Shards are pushed concurrently by an owned
 pool of `grpc_max_inflight` sender threads, at most that many unacknowledged at a time (the
 writer blocks beyond that: flow control), each resent with the same (worker, seq) after any
-failure, with backoff, until acknowledged by buffer/experience/net_server.py."""
+failure, with backoff, until acknowledged by buffer/experience/net_server.py. Until then each
+shard's bytes wait in the worker's own folder (outbox/<worker>/<seq>.arrow, written atomically
+before the first push, removed on the acknowledgement): a restarted worker re-sends them, or
+declares lost those it cannot (`recover`)."""
 
 from __future__ import annotations
 
 import collections
 import logging
 import math
+import os
 import threading
 import time
 import uuid
 from concurrent import futures
 
 import grpc
+import pyarrow as pa
 
 from buffer.channel import MAX_MESSAGE_BYTES, WRITER_KEY, open_channel, token
 from buffer.config import BufferConfig
 from buffer.control.base import RunState
 from buffer.experience.base import ExperienceSink
 from buffer.experience.fs import FsExperienceSink
+from buffer.layout import RunLayout
+from buffer.storage import atomic_write
 from protocol import experience_pb2 as pb
-from protocol.experience import SCHEMA_VERSION
+from protocol.experience import SCHEMA_VERSION, IntegrityError, payload
 from protocol.shard_stream import PUSH_METHOD, encode_chunk
 
 log = logging.getLogger(__name__)
@@ -81,19 +88,56 @@ class GrpcSink(ExperienceSink):
                 self.cond.wait(timeout=min(1.0, max(0.0, deadline - time.monotonic())))
             if self.fatal:
                 raise RuntimeError(f"the trainer refused a shard: {self.last_error}")
+        # Durable before any push: a kill from here on leaves it for the restarted worker.
+        tmp = self.local.layout.outbox_tmp(self.worker_id, seq, os.getpid())
+        atomic_write(self.local.fs, self._outbox(seq), data, tmp=tmp)
+        self._send(seq, data)
+        return f"grpc://{self.cfg.grpc_address}/{self.worker_id}/{seq}"
+
+    def _send(self, seq: int, data: bytes) -> None:
+        with self.cond:
             self.unacked[seq] = data
         self.senders.submit(self._push_until_acked, seq, data)
-        return f"grpc://{self.cfg.grpc_address}/{self.worker_id}/{seq}"
+
+    def _outbox(self, seq: int) -> str:
+        return self.local.layout.outbox_shard(self.worker_id, seq)
+
+    def settled(self, beat_next_seq: int) -> int:
+        return 0  # the heartbeat's next_seq counts shards never acknowledged
+
+    def recover(self) -> list[int]:
+        """Push again every shard of the outbox; remove and return those whose copy is damaged."""
+        lost = []
+        for seq in self.published():
+            path = self._outbox(seq)
+            try:
+                data = self.local.fs.cat_file(path)
+                payload(data)  # the trailer's sha256
+            except (OSError, IntegrityError) as e:
+                log.error("shard %d of %s cannot be re-sent (%s): declaring it lost", seq, self.worker_id, e)
+                self.local.fs.rm(path)
+                lost.append(seq)
+                continue
+            log.info("re-sending shard %d of %s from %s (not acknowledged before a restart)", seq, self.worker_id, path)
+            self._send(seq, data)
+        return lost
 
     def unsure_from(self, seq: int) -> int:
         with self.cond:  # a shard is published once acknowledged
             return min([seq, *self.unacked])
 
     def published(self) -> list[int]:
-        return self.local.published()
+        """The outbox: shards pushed and not acknowledged yet (ascending)."""
+        folder = self.local.layout.outbox_dir(self.worker_id)
+        if not self.local.fs.exists(folder):
+            return []
+        listed = (RunLayout.shard_seq(p) for p in self.local.fs.ls(folder, detail=False))
+        return sorted(s for s in listed if s is not None)
 
     def samples_in(self, seq: int) -> int:
-        return self.local.samples_in(seq)
+        with self.local.fs.open(self._outbox(seq), "rb") as f:
+            meta = pa.ipc.open_stream(f).schema.metadata
+        return int(meta[b"tandem.num_samples"])
 
     def has(self, seq: int) -> bool:
         return self.local.has(seq)
@@ -153,6 +197,10 @@ class GrpcSink(ExperienceSink):
                 # the trainer's backpressure lifts as soon as it trains: look again soon
                 backoff = min(backoff * 2, 2.0 if code == grpc.StatusCode.RESOURCE_EXHAUSTED else 10.0)
                 continue
+            try:
+                self.local.fs.rm(self._outbox(seq))
+            except FileNotFoundError:
+                pass
             with self.cond:
                 self.unacked.pop(seq, None)
                 self.cond.notify_all()
@@ -177,6 +225,7 @@ class GrpcSink(ExperienceSink):
             self.stopping = True
             self.senders.shutdown(wait=True)
             self.channel.close()
+            self.local.close()  # the worker id's lock
         if self.fatal:
             raise RuntimeError(f"the trainer refused a shard ({left} unacknowledged): {self.last_error}")
         if left:

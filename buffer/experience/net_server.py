@@ -52,6 +52,10 @@ MAX_CLAIMS = 4096  # worker-id claims kept before the expired ones are dropped
 NOTE_S = 10.0  # at most one line per this many seconds about cancelled pushes
 EVICT_AFTER_S = 0.5  # client time before a push's rate can get it evicted (a new one's is noise)
 SPARE_THREADS = 4  # push threads per buffer.grpc_server_threads: the spare ones take new pushes
+# A shard more than this past its worker's highest accepted one is refused: one seq of 10**12
+# would otherwise make every later shard "below the highest", past the backlog cap. An honest
+# writer is at most buffer.grpc_max_inflight (<= SEQ_WINDOW) ahead.
+SEQ_WINDOW = 1024
 
 
 @dataclasses.dataclass
@@ -326,6 +330,7 @@ class _Servicer:
         if key in self.consumed() or self.spool.has(head.worker_id, head.seq):
             self.stats["duplicates"] += 1
             return True
+        self._seq_bound(head, key, context)
         self._backpressure(head, key, context)
         verifier = StreamVerifier()
         try:  # spooled beside experience/<worker>/ (that folder appears with the first good
@@ -363,6 +368,32 @@ class _Servicer:
             self.spooled_samples += samples
             self.highest[head.worker_id] = max(head.seq, self.highest.get(head.worker_id, -1))
         return False
+
+    def _seq_bound(self, head: pb.ShardHeader, key: str, context) -> None:
+        """Refuse (INVALID_ARGUMENT, SeqOutOfWindow) a shard more than SEQ_WINDOW past its
+        worker's highest accepted one: spooled here, consumed (the ledger) or in the spool."""
+        top = self.highest.get(head.worker_id)
+        if top is None:  # nothing spooled by this server yet (kept once one is: ids a client
+            # invents must not grow the table)
+            top = max([self._ledger_next(head.worker_id) - 1, *self._spooled_seqs(head.worker_id)])
+        if head.seq > top + SEQ_WINDOW:
+            self.stats["seq_out_of_window"] += 1
+            context.abort(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"SeqOutOfWindow: {key}: seq {head.seq} is more than {SEQ_WINDOW} past the highest "
+                f"accepted shard {top} of worker {head.worker_id}",
+            )
+
+    def _ledger_next(self, worker_id: str) -> int:
+        ledger = self.consumed()
+        return ledger.next_seq(worker_id) if hasattr(ledger, "next_seq") else 0
+
+    def _spooled_seqs(self, worker_id: str) -> list[int]:
+        folder = self.spool.layout.worker_shard_dir(worker_id)
+        if not self.spool.fs.exists(folder):
+            return []
+        listed = (RunLayout.shard_seq(p) for p in self.spool.fs.ls(folder, detail=False))
+        return [s for s in listed if s is not None]
 
     def _backpressure(self, head: pb.ShardHeader, key: str, context) -> None:
         """Refuse a new shard (RESOURCE_EXHAUSTED: the worker retries later) while the trainer

@@ -43,7 +43,16 @@ from buffer.experience.base import ExperienceSource
 from buffer.layout import SHARD_SUFFIX, RunLayout, check_worker_id
 from buffer.ledger import Ledger, as_ledger, shard_key
 from buffer.storage import atomic_write, filesystem, is_local, stop_watch, watch
-from protocol.experience import RUN_ID_KEY, GroupRef, Sample, SchemaError, from_table, group_digest, load_shard
+from protocol.experience import (
+    DECLARED_LOST_KEY,
+    RUN_ID_KEY,
+    GroupRef,
+    Sample,
+    SchemaError,
+    from_table,
+    group_digest,
+    load_shard,
+)
 
 log = logging.getLogger(__name__)
 
@@ -259,12 +268,16 @@ class ExperienceReader(ExperienceSource):
         try:
             table = load_shard(data, self.vocab_size)
             check_origin(table.schema.metadata or {}, worker, seq, path, self.run_id)
+            check_rows_origin(table, worker, self.stats)
             check_not_future(table, current_version)
             samples = from_table(table)
         except (SchemaError, pa.ArrowException, ValueError, TypeError, KeyError) as e:
             self._reject(worker, seq, path, e, size=len(data), data=data)
             return
         self.stats["shards_read"] += 1
+        if DECLARED_LOST_KEY in (table.schema.metadata or {}):  # its writer could not re-send it
+            self.stats["declared_lost_shards"] += 1
+            log.error("shard %s was declared lost by its worker (unacknowledged, its copy damaged)", key)
         groups: dict[str, list[Sample]] = {}
         for s in samples:
             groups.setdefault(s.group_id, []).append(s)
@@ -434,6 +447,23 @@ def check_origin(meta: dict, worker: str, seq: int, path: str, run_id: str | Non
             )
         if got.decode() != run_id:
             raise SchemaError(f"from another run: run id {got.decode()}, this run is {run_id}")
+
+
+def check_rows_origin(table: pa.Table, worker: str, stats: collections.Counter | None = None) -> None:
+    """Every row must be the shard's worker's: its worker_id, and a sample id under it. A shard
+    re-encoded under another worker's key (or without its metadata) would otherwise hand the
+    trainer the same sample ids twice. Counted in stats['foreign_row_shards']."""
+    import pyarrow.compute as pc
+
+    wrong_worker = pc.sum(pc.not_equal(table.column("worker_id"), worker)).as_py() or 0
+    wrong_id = pc.sum(pc.invert(pc.starts_with(table.column("sample_id"), f"{worker}/"))).as_py() or 0
+    if wrong_worker or wrong_id:
+        if stats is not None:
+            stats["foreign_row_shards"] += 1
+        raise SchemaError(
+            f"foreign rows: {wrong_worker} rows name another worker and {wrong_id} sample ids are"
+            f" not under {worker}/, in a shard of {worker}"
+        )
 
 
 def check_not_future(table: pa.Table, current_version: int) -> None:

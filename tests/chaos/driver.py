@@ -3,7 +3,9 @@
     python tests/chaos/driver.py --root RUN --logs LOGS --report REPORT.json --seed 7 [--disk-full]
 
 A 2-rank torchrun trainer (gRPC server on) and two rollout workers on the built-in task: w0
-publishes to the shared folder, w1 pushes over gRPC. After every fault the driver waits for the
+publishes to the shared folder, w1 pushes over gRPC from a folder of its own (LOGS/w1-root: its
+claim, its outbox of unacknowledged shards, its weight cache, as launch.local --remote-workers
+gives each). After every fault the driver waits for the
 trainer to take a new step, waits a random fraction of the time the trainer's last step took
 (at most 3 s), and injects the next one (their order is shuffled by the seed):
 
@@ -22,7 +24,10 @@ quarantine/) against the trainer's final timeline (the last metrics line of each
 `samples/ids`) and its last checkpoint (the ledger of consumed shards and the pool of groups read
 but not trained): samples trained twice, samples consumed but never trained (lost), a shard number
 written twice, and whether the mean reward of the last 10 steps beats the first 10. The report is
-JSON; the exit code is 0 only if nothing was doubled or lost and every fault was survived.
+JSON; the exit code is 0 only if nothing was doubled or lost and every fault was survived. Lost
+includes the acknowledged-never: a shard number below a worker's highest that is nowhere on the
+trainer (a gRPC shard pushed, never acknowledged, never re-sent) unless its worker declared it
+lost (an empty shard marked tandem.declared_lost, counted as shards_declared_lost).
 """
 
 from __future__ import annotations
@@ -47,7 +52,7 @@ from conftest import descendants, fill_disk, free_port  # noqa: E402
 from buffer.layout import RunLayout  # noqa: E402
 from buffer.ledger import Ledger  # noqa: E402
 from launch.local import BUILTIN_TRAINER, BUILTIN_WORKER  # noqa: E402
-from protocol.experience import decode, from_table  # noqa: E402
+from protocol.experience import DECLARED_LOST_KEY, decode, from_table  # noqa: E402
 from rollout import builtin_task  # noqa: E402
 
 FAULTS = {"worker": 12, "trainer": 3, "both": 2, "grpc_side": 2, "second_trainer": 2}
@@ -170,6 +175,7 @@ class Chaos:
             self.logs / "trainer.log",
             env,
         )
+        self.own = {1: self.logs / "w1-root"}  # the gRPC worker's own folder
         self.workers = [
             Proc(
                 f"w{i}",
@@ -177,7 +183,7 @@ class Chaos:
                     sys.executable,
                     "-m",
                     "rollout.worker",
-                    f"root={root}",
+                    f"root={self.own.get(i, root)}",
                     f"worker.id=w{i}",
                     f"worker.seed={i}",
                     f"data.train_files=[{self.layout.train_parquet}]",
@@ -341,6 +347,7 @@ class Chaos:
             raise Failure(f"final timeline has steps {sorted(final)[:5]}..., not 1..{self.args.steps}")
         trained = collections.Counter(i for row in final.values() for i in row["samples/ids"])
         shards: dict[str, list[str]] = {}
+        declared_lost: set[str] = set()
         doubled_keys = []
         for folder in ("experience", "archive", "quarantine"):
             for path in Path(self.layout.root, folder).rglob("*.arrow*"):
@@ -352,6 +359,8 @@ class Chaos:
                 if key in shards:
                     doubled_keys.append(key)
                 shards[key] = [s.sample_id for s in from_table(table)]
+                if DECLARED_LOST_KEY in meta:
+                    declared_lost.add(key)
         last = sorted(Path(self.layout.checkpoints_dir).glob("step_*"))[-1]
         state = json.loads((last / "trainer_state.json").read_text())
         if state["step"] != self.args.steps:
@@ -373,6 +382,9 @@ class Chaos:
             samples_read_not_yet_trained=len(pooled),
             samples_not_yet_read=len(written - in_consumed),
             shard_numbers_written_twice=len(doubled_keys),
+            shard_numbers_missing=len(missing := _missing_numbers(shards)),
+            shards_declared_lost=len(declared_lost),
+            samples_unacknowledged_at_end=self._outbox_samples(),
             quarantined_shards=len(list(Path(self.layout.quarantine_dir).rglob("*.reason.txt"))),
             restarts={p.name: p.starts - 1 for p in [self.trainer, *self.workers]},
         )
@@ -386,21 +398,41 @@ class Chaos:
                 "samples_lost",
                 "samples_trained_never_written",
                 "shard_numbers_written_twice",
+                "shard_numbers_missing",
                 "quarantined_shards",
             )
             if r[k]
         }
         if bad:
-            raise Failure(f"audit: {bad}; e.g. lost {sorted(lost)[:3]}, shard numbers twice {doubled_keys[:3]}")
+            raise Failure(
+                f"audit: {bad}; e.g. lost {sorted(lost)[:3]}, shard numbers twice {doubled_keys[:3]}, "
+                f"missing (acknowledged never) {missing[:3]}"
+            )
         if r["faults_total"] < self.args.min_faults:
             raise Failure(f"only {r['faults_total']} faults injected (want {self.args.min_faults})")
         if not r["reward_last10"] > r["reward_first10"]:
             raise Failure(f"reward did not rise: {r['reward_first10']:.3f} -> {r['reward_last10']:.3f}")
 
+    def _outbox_samples(self) -> int:
+        """Samples a gRPC worker still held unacknowledged when the run ended (it stops pushing
+        on DONE): never trained, as any not yet read; reported, not a loss."""
+        return sum(
+            len(from_table(decode(p.read_bytes()))) for own in self.own.values() for p in own.glob("outbox/*/*.arrow")
+        )
+
     def stop_all(self) -> None:
         for proc in [self.trainer, *self.workers]:
             if proc.p is not None and proc.p.poll() is None:
                 proc.kill_group()
+
+
+def _missing_numbers(shards: dict[str, list[str]]) -> list[str]:
+    """Keys below their worker's highest written shard that are nowhere on the trainer."""
+    seqs = collections.defaultdict(set)
+    for key in shards:
+        worker, _, seq = key.rpartition("/")
+        seqs[worker].add(int(seq))
+    return [f"{w}/{q}" for w, have in sorted(seqs.items()) for q in range(max(have)) if q not in have]
 
 
 def _rank(pid: int) -> int | None:

@@ -50,5 +50,6 @@ def test_nothing_lost_nothing_doubled_under_chaos(tmp_path):
     r = json.loads(report.read_text())
     assert p.returncode == 0 and not r["failures"], (r, p.stderr[-3000:], tails)
     assert r["faults_total"] >= 20 and r["samples_doubled"] == 0 and r["samples_lost"] == 0
+    assert r["shard_numbers_missing"] == 0  # acknowledged never, and not declared lost
     assert r["second_trainers_refused"] == r["faults"]["second_trainer"]
     assert r["reward_last10"] > r["reward_first10"]
