@@ -177,7 +177,7 @@ CASES = [
     Case(
         "10b",
         "no checkpoint by default (trainer.save_freq default 0)",
-        [("trainer/config.py", "save_freq: int = F(10,", "save_freq: int = F(0,")],
+        [("trainer/config.py", "save_freq: int = F(\n        10,", "save_freq: int = F(\n        0,")],
         [F + "test_a_trainer_killed_before_its_first_checkpoint_starts_again"],
     ),
     Case(
