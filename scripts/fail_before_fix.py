@@ -312,13 +312,19 @@ CASES = [
         "30.5",
         "no seq window: a shard of seq 10**12 is spooled (and bypasses the backlog cap)",
         [("buffer/experience/net_server.py", "        self._seq_bound(head, key, context)\n", "")],
-        ["tests/test_grpc.py::test_a_seq_far_past_the_highest_accepted_is_refused_and_cannot_bypass_the_cap"],
+        [
+            "tests/test_grpc.py::test_a_seq_far_past_the_highest_accepted_is_refused_and_cannot_bypass_the_cap",
+            H + "test_seq_jumps_and_foreign_rows_cost_the_attacker_only",
+        ],
     ),
     Case(
         "30.7",
         "a shard's rows are not checked against its key (worker id, sample ids)",
         [("buffer/experience/reader.py", "            check_rows_origin(table, worker, self.stats)\n", "")],
-        ["tests/test_buffer_integrity.py::test_a_shard_re_encoded_under_another_worker_id_is_quarantined"],
+        [
+            "tests/test_buffer_integrity.py::test_a_shard_re_encoded_under_another_worker_id_is_quarantined",
+            H + "test_seq_jumps_and_foreign_rows_cost_the_attacker_only",
+        ],
     ),
     Case(
         "30.sync",

@@ -1,4 +1,4 @@
-"""Hostile clients against the trainer's real gRPC servers on loopback (issue 30, items 3, 4, 6):
+"""Hostile clients against the trainer's real gRPC servers on loopback (issue 30, items 3 to 7):
 attackers are real gRPC clients holding the token, run in threads this test owns; honest calls are
 timed unloaded, then while the attack runs, and must stay under 2x their unloaded time; the
 servers' memory (their registries, the files they write) must stay bounded.
@@ -8,8 +8,7 @@ jobs moves a median little), and the unloaded median is floored at FLOOR_S: a ca
 doubles with one scheduler tick, which says nothing about the server. Before the fixes the honest
 calls waited for seconds (their CALL_TIMEOUT_S) or failed: far over either bound.
 
-Items 5 and 7 (seq bound, rows against the shard's key) are another branch's (i30a) and are not
-covered here."""
+Items 5 and 7 (seq bound, rows against the shard's key): the last test."""
 
 from __future__ import annotations
 
@@ -379,3 +378,56 @@ def test_claims_heartbeats_and_worker_ids_are_bounded(tmp_path):
         assert len(os.listdir(run.files.workers_dir)) <= cfg.grpc_max_worker_ids
         assert set(run.sync.claims(0).values()) == {"h0"}  # the honest claims' slots only
         assert len(server.run_service.seen) <= cfg.grpc_max_worker_ids
+
+
+def test_seq_jumps_and_foreign_rows_cost_the_attacker_only(tmp_path):
+    """Items 5 and 7: while honest pushes are timed, token holders push shards with seq 10**12
+    (a new id each) and push h0's rows under ids of their own. Before: the first seq jump made
+    every later shard of that id "below the highest", accepted past the backlog cap, and the
+    re-keyed rows were read a second time. Now a seq more than SEQ_WINDOW past the highest
+    accepted is refused (INVALID_ARGUMENT) and a shard whose rows are not its worker's is
+    quarantined when read: only h0's rows are read, and the spool holds h0's shards, one
+    in-window shard per jumping id and the foreign ones, never a jump."""
+    from buffer.experience.net_server import SEQ_WINDOW
+    from buffer.experience.reader import ExperienceReader
+
+    with _trainer(tmp_path) as (run, server, cfg):
+        port, seqs = server.port, iter(range(10**6))
+        honest_rows = to_table(make_group("h0", 0, 0, 0, 4))
+        shard = encode(honest_rows)
+        unloaded = {"push": _median_s(lambda: _push(port, "h0", next(seqs), shard))}
+        ids, foreign = iter(range(10**9)), Counter()
+
+        def attack(i, stop):
+            worker = f"x{next(ids)}"
+            if i == 0:  # one shard in the window, then one far past it
+                _push(port, worker, 0, shard)
+                _push(port, worker, 10**12, shard)
+            elif foreign[i] < 3:  # h0's rows (no worker/seq metadata) as shards of its own
+                foreign[i] += 1
+                _push(port, f"f{i}", foreign[i] - 1, shard)
+            else:
+                _push(port, worker, SEQ_WINDOW + 1, shard)
+
+        attack_ = _Attack(3, attack, pause_s=0.005)
+        try:
+            _wait(lambda: server.servicer.stats["seq_out_of_window"] >= 20, 30, "20 seq jumps refused")
+            loaded = {"push": _median_s(lambda: _push(port, "h0", next(seqs), shard))}
+        finally:
+            attack_.end()
+        _within_2x(unloaded, loaded)
+        assert attack_.codes["INVALID_ARGUMENT"] >= 20, attack_.codes
+        honest = next(seqs)  # shards h0 pushed (its sample ids repeat: one group's, 4 samples)
+        jumpers = attack_.codes["INVALID_ARGUMENT"]
+        # spooled: h0's, the jumpers' in-window shard 0 each, the 6 foreign ones; never a jump
+        assert server.servicer.stats["spooled"] <= honest + jumpers + 6, server.servicer.stats
+        reader = ExperienceReader(str(tmp_path / "trainer"), cfg, max_staleness=100)
+        try:
+            got = []
+            with contextlib.suppress(TimeoutError):
+                while True:
+                    got += reader.next_batch(1, 0, timeout_s=1.0)
+        finally:
+            reader.close()
+        assert reader.stats["foreign_row_shards"] >= 6, reader.stats  # f1's and f2's, and the x's
+        assert all(s.sample_id.startswith("h0/") for g in got for s in g.samples)
