@@ -382,7 +382,7 @@ class Chaos:
             samples_read_not_yet_trained=len(pooled),
             samples_not_yet_read=len(written - in_consumed),
             shard_numbers_written_twice=len(doubled_keys),
-            shard_numbers_missing=len(missing := _missing_numbers(shards)),
+            shard_numbers_missing=len(missing := _missing_numbers(shards, self._outbox_keys())),
             shards_declared_lost=len(declared_lost),
             samples_unacknowledged_at_end=self._outbox_samples(),
             quarantined_shards=len(list(Path(self.layout.quarantine_dir).rglob("*.reason.txt"))),
@@ -413,6 +413,12 @@ class Chaos:
         if not r["reward_last10"] > r["reward_first10"]:
             raise Failure(f"reward did not rise: {r['reward_first10']:.3f} -> {r['reward_last10']:.3f}")
 
+    def _outbox_keys(self) -> set[str]:
+        """Shard keys ("worker/seq") still in a gRPC worker's outbox at the end: pushed
+        concurrently (buffer.grpc_max_inflight), a later number may be acknowledged before
+        them, so they sit below the worker's highest on the trainer without being lost."""
+        return {f"{p.parent.name}/{int(p.stem)}" for own in self.own.values() for p in own.glob("outbox/*/*.arrow")}
+
     def _outbox_samples(self) -> int:
         """Samples a gRPC worker still held unacknowledged when the run ended (it stops pushing
         on DONE): never trained, as any not yet read; reported, not a loss."""
@@ -426,13 +432,15 @@ class Chaos:
                 proc.kill_group()
 
 
-def _missing_numbers(shards: dict[str, list[str]]) -> list[str]:
-    """Keys below their worker's highest written shard that are nowhere on the trainer."""
+def _missing_numbers(shards: dict[str, list[str]], unacknowledged: set[str]) -> list[str]:
+    """Keys below their worker's highest written shard that are nowhere on the trainer nor
+    still held, unacknowledged, in the worker's outbox."""
     seqs = collections.defaultdict(set)
     for key in shards:
         worker, _, seq = key.rpartition("/")
         seqs[worker].add(int(seq))
-    return [f"{w}/{q}" for w, have in sorted(seqs.items()) for q in range(max(have)) if q not in have]
+    keys = (f"{w}/{q}" for w, have in sorted(seqs.items()) for q in range(max(have)) if q not in have)
+    return [k for k in keys if k not in unacknowledged]
 
 
 def _rank(pid: int) -> int | None:
