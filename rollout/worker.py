@@ -95,7 +95,15 @@ def start_engine(
                 skip(version, e)
                 continue
             log.info("%s starting engine %s from %s", who, rollout_cfg.name, model_dir)
-            return build_engine(model_dir, rollout_cfg, device), version
+            try:
+                return build_engine(model_dir, rollout_cfg, device), version
+            except (OSError, ValueError):
+                # The trainer keeps only its newest versions: this one may have been pruned
+                # while the engine read it. Start again from the newest; else a real error.
+                if store.exists(version):
+                    raise
+                log.warning("weight version %d was pruned while the engine loaded it; retrying", version)
+                break
         if time.monotonic() > deadline:
             raise TimeoutError(f"{who}: no usable weight version within {timeout_s:.0f} s (damaged: {sorted(bad)})")
         time.sleep(0.5)  # pruned while it loaded: LATEST names a newer one in a moment

@@ -147,6 +147,19 @@ CASES = [
         [F + "test_worker_survives_a_version_pruned_while_it_loads"],
     ),
     Case(
+        "7b",
+        "the engine's start does not retry a version pruned while the engine loaded it (chaos "
+        "soak, 2026-12-02: a worker died with transformers' OSError for the vanished folder)",
+        [
+            (
+                "rollout/worker.py",
+                '                if store.exists(version):\n                    raise\n                log.warning("weight version %d was pruned while the engine',
+                '                if True:\n                    raise\n                log.warning("weight version %d was pruned while the engine',
+            )
+        ],
+        [F + "test_engine_start_survives_the_version_pruned_while_the_engine_loads"],
+    ),
+    Case(
         "8",
         "the per-shard lock is dropped when its holder ends (waiters or not), and every "
         "push of a shard spools under one temporary name",

@@ -251,6 +251,38 @@ def test_worker_survives_a_version_pruned_while_it_loads(tmp_path):
         worker.engine.close()
 
 
+def test_engine_start_survives_the_version_pruned_while_the_engine_loads(tmp_path):
+    """The worker's real store and engine; between the store's fetch and the engine's load the
+    trainer publishes v1 with keep=1, pruning the version just fetched: the race of a worker
+    starting while the trainer runs (seen in the chaos soak, 2026-12-02: the worker died with
+    transformers' OSError for the vanished folder). The start takes the newest instead."""
+    from buffer.weights.fs import WeightStore
+    from protocol.config import build
+    from rollout import builtin_task
+    from rollout.config import WorkerConfig
+    from rollout.worker import start_engine
+
+    builtin_task.write_model(tmp_path / "m")
+    builtin_task.write_parquet(tmp_path / "t.parquet", builtin_task.make_rows(10, 3))
+    root = tmp_path / "run"
+    trainer = WeightStore(str(root))
+    trainer.publish_hf_folder(tmp_path / "m", 0, 0, keep=1)
+
+    class RacedStore(WeightStore):
+        def fetch(self, version):
+            folder = super().fetch(version)
+            if version == 0:  # the trainer moves on before the engine reads the folder
+                trainer.publish_hf_folder(tmp_path / "m", 1, 1, keep=1)
+            return folder
+
+    cfg = build(WorkerConfig, {"root": str(root), "worker.id": "w", "train_files": f"[{tmp_path / 't.parquet'}]"})
+    engine, version = start_engine(RacedStore(str(root)), cfg.actor_rollout_ref.rollout, "cpu", 60, "worker w")
+    try:
+        assert version == 1 and not os.path.exists(trainer.layout.version_dir(0))
+    finally:
+        engine.close()
+
+
 # --- 8. concurrent pushes of one shard never publish damaged bytes ----------------------------
 
 
