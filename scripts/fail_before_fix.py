@@ -153,8 +153,10 @@ CASES = [
         [
             (
                 "rollout/worker.py",
-                '                if store.exists(version):\n                    raise\n                log.warning("weight version %d was pruned while the engine',
-                '                if True:\n                    raise\n                log.warning("weight version %d was pruned while the engine',
+                "                if store.exists(version):\n                    raise\n"
+                '                log.warning("weight version %d was pruned while the engine',
+                "                if True:\n                    raise\n"
+                '                log.warning("weight version %d was pruned while the engine',
             )
         ],
         [F + "test_engine_start_survives_the_version_pruned_while_the_engine_loads"],
