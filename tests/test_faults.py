@@ -28,6 +28,13 @@ def _cfg(**kw) -> BufferConfig:
     return BufferConfig(**base)
 
 
+def _grpc_cfg(port: int, **kw) -> BufferConfig:
+    """A worker and a trainer on gRPC at `port`."""
+    return _cfg(
+        transport="grpc", grpc_bind=f"127.0.0.1:{port}", grpc_address=f"127.0.0.1:{port}", grpc_timeout_s=10, **kw
+    )
+
+
 def _drain(reader: ExperienceReader, groups: int, timeout_s: float = 30) -> list:
     got = []
     deadline = time.monotonic() + timeout_s
@@ -88,13 +95,7 @@ def test_restarted_grpc_worker_is_not_acknowledged_as_a_duplicate(tmp_path, monk
     monkeypatch.setenv("TANDEM_GRPC_TOKEN", "t0ken")
     # The restarted writer takes worker id w0 over grpc_claim_ttl_s after the killed one's last
     # push (refused and retried until then: test_grpc_security); 1 s instead of 60 keeps it short.
-    cfg = _cfg(
-        transport="grpc",
-        grpc_bind=f"127.0.0.1:{port}",
-        grpc_address=f"127.0.0.1:{port}",
-        grpc_timeout_s=10,
-        grpc_claim_ttl_s=1.0,
-    )
+    cfg = _grpc_cfg(port, grpc_claim_ttl_s=1.0)
     spool, worker_root = str(tmp_path / "trainer"), str(tmp_path / "worker")
     readers = []  # the server asks the trainer's ledger, as trainer.main wires it
     server = setup_trainer_run(spool).serve(cfg, consumed=lambda: readers[0].consumed if readers else ())
@@ -127,14 +128,7 @@ def test_a_restarted_grpc_worker_counts_each_written_sample_once(tmp_path, monke
     takes them all; a restart must count 6 shards' samples, not more."""
     port = free_port()
     monkeypatch.setenv("TANDEM_GRPC_TOKEN", "t0ken")
-    cfg = _cfg(
-        transport="grpc",
-        grpc_bind=f"127.0.0.1:{port}",
-        grpc_address=f"127.0.0.1:{port}",
-        grpc_timeout_s=10,
-        grpc_claim_ttl_s=1.0,
-        max_backlog_samples=N,
-    )
+    cfg = _grpc_cfg(port, grpc_claim_ttl_s=1.0, max_backlog_samples=N)
     root = str(tmp_path / "run")
     retired = [0]  # what the trainer has retired: nothing, then everything
     server = setup_trainer_run(root).serve(cfg, retired=lambda: retired[0])
@@ -170,14 +164,7 @@ def test_a_killed_grpc_worker_re_sends_its_unacknowledged_shards_or_declares_the
     its outbox and declares 3 (its copy damaged) lost: the ledger closes with no hole."""
     port = free_port()
     monkeypatch.setenv("TANDEM_GRPC_TOKEN", "t0ken")
-    cfg = _cfg(
-        transport="grpc",
-        grpc_bind=f"127.0.0.1:{port}",
-        grpc_address=f"127.0.0.1:{port}",
-        grpc_timeout_s=10,
-        grpc_claim_ttl_s=1.0,
-        max_backlog_samples=N,
-    )
+    cfg = _grpc_cfg(port, grpc_claim_ttl_s=1.0, max_backlog_samples=N)
     spool, own = str(tmp_path / "trainer"), tmp_path / "worker"
     retired = [0]
     server = setup_trainer_run(spool).serve(cfg, retired=lambda: retired[0])
@@ -818,15 +805,7 @@ def test_grpc_spool_stops_growing_while_the_trainer_does_not_consume(tmp_path, m
     port = free_port()
     monkeypatch.setenv("TANDEM_GRPC_TOKEN", "t0ken")
     cap, inflight, shards = 4 * N, 2, 20
-    cfg = _cfg(
-        transport="grpc",
-        grpc_bind=f"127.0.0.1:{port}",
-        grpc_address=f"127.0.0.1:{port}",
-        grpc_timeout_s=10,
-        grpc_max_inflight=inflight,
-        max_backlog_samples=cap,
-        backlog_timeout_s=300,
-    )
+    cfg = _grpc_cfg(port, grpc_max_inflight=inflight, max_backlog_samples=cap, backlog_timeout_s=300)
     spool = tmp_path / "trainer"
     reader = ExperienceReader(str(spool), _cfg(), max_staleness=10)
     server = setup_trainer_run(str(spool)).serve(
