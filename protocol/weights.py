@@ -50,6 +50,14 @@ class WeightManifest:
     # version from version B and proves by these checksums that it holds what the trainer held.
     # None: a full version (a snapshot).
     delta: dict | None = None
+    # An adapter-only version (LoRA): `files` hold the adapter in PEFT's layout (ADAPTER_CONFIG,
+    # ADAPTER_WEIGHTS; tensor names as PEFT saves them, `base_model.model.<module>.lora_A.weight`),
+    # `tensors` the adapter's tensors, and `adapter` {"base": base_checksum() of the frozen base
+    # model folder it applies to, "rank": r, "alpha": a, "target_modules": [...]}. A reader applies
+    # it only to a base whose base_checksum() is "base" and refuses it otherwise, naming both (a
+    # worker that kept sampling from its own base would sample a stale policy silently).
+    # None: full weights.
+    adapter: dict | None = None
 
     @property
     def base(self) -> int | None:
@@ -62,8 +70,9 @@ class WeightManifest:
 
     def to_json(self) -> str:
         d = dataclasses.asdict(self)
-        if d["delta"] is None:  # a full version's manifest reads as it always did
-            del d["delta"]
+        for optional in ("delta", "adapter"):  # a full version's manifest reads as it always did
+            if d[optional] is None:
+                del d[optional]
         return json.dumps(d, indent=1, sort_keys=True)
 
     @classmethod
@@ -79,6 +88,7 @@ class WeightManifest:
                 files=[FileEntry(**f) for f in d["files"]],
                 tensors={k: TensorEntry(**v) for k, v in d["tensors"].items()},
                 delta=_delta_field(d.get("delta")),
+                adapter=_adapter_field(d.get("adapter")),
             )
         except (KeyError, TypeError, ValueError, json.JSONDecodeError) as e:
             if isinstance(e, ManifestError):
@@ -93,6 +103,43 @@ def _delta_field(raw) -> dict | None:
         raise ValueError(f"delta: {raw!r}, expected {{'base': int, 'files': [...]}}")
     [FileEntry(**f) for f in raw["files"]]  # each must be a file entry
     return raw
+
+
+ADAPTER_CONFIG = "adapter_config.json"  # PEFT's names: vLLM's LoRA loader and PeftModel read them
+ADAPTER_WEIGHTS = "adapter_model.safetensors"
+
+
+def _adapter_field(raw) -> dict | None:
+    if raw is None:
+        return None
+    ok = (
+        isinstance(raw, dict)
+        and isinstance(raw.get("base"), str)
+        and isinstance(raw.get("rank"), int)
+        and raw["rank"] > 0
+        and isinstance(raw.get("alpha"), (int, float))
+        and isinstance(raw.get("target_modules"), list)
+    )
+    if not ok:
+        expected = "{'base': str, 'rank': int > 0, 'alpha': number, 'target_modules': [...]}"
+        raise ValueError(f"adapter: {raw!r}, expected {expected}")
+    return raw
+
+
+def base_checksum(folder: str | Path, threads: int = 8) -> str:
+    """The identity of a base model folder that adapter-only versions name: sha256 over the sorted
+    `name sha256` lines of its *.safetensors files and config.json. Files are hashed in parallel
+    (hashlib releases the GIL): a 15 GB base takes seconds, once per process."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    root = Path(folder)
+    names = sorted(p.name for p in root.iterdir() if p.suffix == ".safetensors" or p.name == "config.json")
+    if not any(n.endswith(".safetensors") for n in names):
+        raise ManifestError(f"{root}: no *.safetensors files: not a model folder")
+    with ThreadPoolExecutor(max(1, min(threads, len(names)))) as pool:
+        sums = list(pool.map(lambda n: sha256_file(root / n), names))
+    lines = "".join(f"{n} {h}\n" for n, h in zip(names, sums))
+    return hashlib.sha256(lines.encode()).hexdigest()
 
 
 def sha256_file(path: str | Path, chunk: int = 1 << 22) -> str:

@@ -204,3 +204,29 @@ def test_publish_in_many_small_buckets_with_few_writers(tmp_path, monkeypatch):
     assert published.keys() == expected.keys()
     assert all(torch.equal(published[k], v) for k, v in expected.items())
     assert metrics["weights/bytes"] == sum(v.numel() * 4 for v in expected.values())
+
+
+def test_adapter_manifest_round_trip_and_base_checksum(tmp_path, model_dir):
+    """An adapter-only manifest keeps its `adapter` field through JSON, a full one reads as before
+    (no key), a malformed field is refused, and base_checksum follows the base's bytes."""
+    from protocol.weights import WeightManifest, base_checksum
+
+    base = base_checksum(model_dir)
+    assert base == base_checksum(model_dir)  # deterministic
+    adapter = {"base": base, "rank": 8, "alpha": 16, "target_modules": ["q_proj", "v_proj"]}
+    m = WeightManifest(version=3, step=3, created_at=0.0, files=[], tensors={}, adapter=adapter)
+    assert WeightManifest.from_json(m.to_json()).adapter == adapter
+    full = WeightManifest(version=3, step=3, created_at=0.0, files=[], tensors={})
+    assert "adapter" not in full.to_json() and WeightManifest.from_json(full.to_json()).adapter is None
+    with pytest.raises(ManifestError, match="adapter"):
+        WeightManifest.from_json(m.to_json().replace('"rank": 8', '"rank": 0'))
+    copy = tmp_path / "base"
+    shutil.copytree(model_dir, copy)
+    assert base_checksum(copy) == base
+    st = next(copy.glob("*.safetensors"))
+    data = bytearray(st.read_bytes())
+    data[-1] ^= 1  # one bit of one weight
+    st.write_bytes(bytes(data))
+    assert base_checksum(copy) != base
+    with pytest.raises(ManifestError, match="no .*safetensors"):
+        base_checksum(tmp_path)
