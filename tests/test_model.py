@@ -1,0 +1,46 @@
+"""trainer/model.py: what build_actor hands the trainer."""
+
+import socket
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from rollout import builtin_task
+from trainer.model import build_actor, decoder_layers
+
+
+@pytest.fixture
+def one_rank():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("ckpt", [False, True])
+def test_gradient_checkpointing_recomputes_each_layer_in_backward(tmp_path, one_rank, ckpt):
+    """enable_gradient_checkpointing=true must recompute every decoder layer's forward during
+    backward (one more forward call per layer); before the fix the model stayed in eval mode and
+    transformers skipped checkpointing silently. The reference model is frozen and in eval mode."""
+    builtin_task.write_model(tmp_path / "m", seed=0)
+    model = build_actor(str(tmp_path / "m"), torch.device("cpu"), gradient_checkpointing=ckpt)
+    calls = {"n": 0}
+    for layer in decoder_layers(model):  # forward hooks do not fire in the recompute: count calls
+
+        def counted(*args, _forward=layer.forward, **kwargs):
+            calls["n"] += 1
+            return _forward(*args, **kwargs)
+
+        layer.forward = counted
+    ids = torch.tensor([[1, 2, 3, 4, 5, 6]])
+    logits = model(input_ids=ids).logits
+    forward_calls = calls["n"]
+    logits.float().pow(2).mean().backward()
+    layers = len(decoder_layers(model))
+    assert forward_calls == layers
+    assert calls["n"] - forward_calls == (layers if ckpt else 0)
+    ref = build_actor(str(tmp_path / "m"), torch.device("cpu"), trainable=False)
+    assert not ref.training and not any(p.requires_grad for p in ref.parameters())
