@@ -83,6 +83,7 @@ def test_worker_samples_each_adapter_version_as_the_trainer_computes_it(tmp_path
     assert worker.engine.adapter == "v0" and set(worker.engine.model.peft_config) == {"v0"}
     _check_policy(worker.generate_batch(), a, [base, b])
 
+    store.publish_full_freq = 4  # deltas on: an adapter version is published as it is all the same
     publish_adapter(store, tmp_path / "b", models / "base", 1)
     assert worker.maybe_reload() and worker.version == 1
     assert set(worker.engine.model.peft_config) == {"v1"}  # the old adapter is dropped
@@ -242,4 +243,59 @@ def test_adapter_versions_over_the_network_store(tmp_path, models):
         _check_policy(worker.generate_batch(), b, [a])
     finally:
         worker.store.close()
+        server.stop()
+
+
+def test_adapter_versions_fan_out_between_peers(tmp_path):
+    """Two workers fetch an adapter version at once from a trainer whose uplink is slow: chunks
+    flow between the workers' peer servers, both copies verify, and the engine applies them."""
+    import threading
+
+    from buffer.weights.net_client import WeightFetcher
+    from rollout.engine import HFEngine
+
+    builtin_task.write_model(tmp_path / "base", seed=0, hidden=256)  # rank 16: an adapter of 18 chunks of 64 KiB
+    make_adapter(tmp_path / "base", tmp_path / "a", seed=1, rank=16)
+    port = free_port()
+    (tmp_path / "token").write_text("lora-token")
+    cfg = BufferConfig(
+        transport="grpc",
+        grpc_bind=f"127.0.0.1:{port}",
+        grpc_address=f"127.0.0.1:{port}",
+        grpc_token_file=str(tmp_path / "token"),
+        weights_chunk_kb=64,
+        weights_peer_host="127.0.0.1",
+        weights_peer_refresh_s=0.2,
+        weights_upload_mb_s=0.5,  # the trainer's uplink: ~3 s per copy, time for peers to help
+    )
+    trainer = setup_trainer_run(str(tmp_path / "trainer"))
+    trainer.state.ensure_run_id()
+    server = trainer.serve(cfg)
+    store = WeightStore(str(tmp_path / "trainer"))
+    manifest = publish_adapter(store, tmp_path / "a", tmp_path / "base", 0)
+    fetchers = [WeightFetcher(cfg.grpc_address, "lora-token", cfg, f"w{i}") for i in range(2)]
+    dests, errors = {}, []
+
+    def run(i):
+        try:
+            dests[i] = fetchers[i].fetch(0, str(tmp_path / f"w{i}" / "v0"))
+        except BaseException as e:  # reported below
+            errors.append(e)
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(2)]
+    try:
+        for th in threads:
+            th.start()
+        for th in threads:
+            th.join(timeout=300)
+        assert not errors, errors
+        stats = [f.stats[0] for f in fetchers]
+        assert stats[0].chunks >= 8, stats[0].chunks  # enough chunks for a peer to serve some
+        assert sum(s.from_peers for s in stats) > 0, stats
+        for i in range(2):
+            engine = HFEngine(str(tmp_path / "base"))
+            assert engine.load_adapter(dests[i], 0) == len(manifest.tensors)
+    finally:
+        for f in fetchers:
+            f.close()
         server.stop()
