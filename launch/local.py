@@ -425,9 +425,13 @@ def role_args(
         *args.trainer,
     ]
     data_arg = [f"{TRAIN_FILES}=[{data}]"] if data else []
+    # the base an adapter-only (LoRA) version applies to: the workers' and validator's engines
+    # start from it (rollout/versions.py); with full-weight versions it is informational
+    base = [f"{MODEL}={model}"]
     validator = (
         [
             *common,
+            *base,
             f"{VAL_FILES}=[{','.join(val)}]",
             *[a for a in worker_recipe if a.startswith("data.max_response_length=")],
             "validator.poll_interval_s=0.5",
@@ -436,7 +440,7 @@ def role_args(
         if val
         else None
     )
-    return trainer, [*common, *data_arg, *worker_recipe, *args.worker], validator
+    return trainer, [*common, *base, *data_arg, *worker_recipe, *args.worker], validator
 
 
 def check_config(
