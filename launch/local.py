@@ -415,23 +415,20 @@ def role_args(
     arguments; no validator without `val`, and then the trainer requests no validation."""
     common = ["--config", os.path.abspath(args.config)] if args.config else []
     common.append(f"root={run.files.root}")
+    # every role: the workers and the validator apply adapter-only (LoRA) versions to this base
+    common.append(f"{MODEL}={model}")
     trainer_recipe, worker_recipe = recipe(config, args)
     trainer = [
         *common,
-        f"{MODEL}={model}",
         f"{STEPS}={args.steps}",
         *trainer_recipe,
         f"{TEST_FREQ}={args.test_freq if val else -1}",
         *args.trainer,
     ]
     data_arg = [f"{TRAIN_FILES}=[{data}]"] if data else []
-    # the base an adapter-only (LoRA) version applies to: the workers' and validator's engines
-    # start from it (rollout/versions.py); with full-weight versions it is informational
-    base = [f"{MODEL}={model}"]
     validator = (
         [
             *common,
-            *base,
             f"{VAL_FILES}=[{','.join(val)}]",
             *[a for a in worker_recipe if a.startswith("data.max_response_length=")],
             "validator.poll_interval_s=0.5",
@@ -440,7 +437,7 @@ def role_args(
         if val
         else None
     )
-    return trainer, [*common, *base, *data_arg, *worker_recipe, *args.worker], validator
+    return trainer, [*common, *data_arg, *worker_recipe, *args.worker], validator
 
 
 def check_config(

@@ -511,7 +511,7 @@ CASES = [
     Case(
         "27w-e",
         "launch.local gives the workers and the validator no base (model path)",
-        [("launch/local.py", '    base = [f"{MODEL}={model}"]', "    base: list[str] = []")],
+        [("launch/local.py", '    common.append(f"{MODEL}={model}")\n', "")],
         [L + "test_launch_local_gives_the_workers_and_the_validator_their_base"],
     ),
 ]
