@@ -19,6 +19,7 @@ the recompute of activation checkpointing) plus causal attention, against the de
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import os
@@ -157,7 +158,11 @@ def agreement(trainer, samples, packed_attn: str) -> float:
     return float((out[0] - out[1]).abs().max())
 
 
-def run_path(trainer, path, steps_samples, packed_attn, device) -> dict:
+def run_path(trainer, path, steps_samples, packed_attn, device, profile: str | None = None) -> dict:
+    """Train every step of `steps_samples` on `path`: step times, the trainer's own phase
+    timings (`timing_s/*`, verl's names) per step, peak memory; `profile`: one more step (the
+    last batch again, not timed: the profiler slows it) under torch.profiler, its top operators
+    by device time written to that file."""
     import torch
 
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
@@ -165,19 +170,42 @@ def run_path(trainer, path, steps_samples, packed_attn, device) -> dict:
     if device.type == "cuda":
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(device)
-    times = []
+    times, phases = [], []
     try:
         for step, samples in enumerate(steps_samples):
             trainer.step = step + 1
             sync()
             t0 = time.perf_counter()
-            trainer.train_step(samples)
+            metrics = trainer.train_step(samples)
             sync()
             times.append(time.perf_counter() - t0)
+            phases.append({k: round(v, 4) for k, v in metrics.items() if k.startswith("timing_s/")})
+        peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None
+        if profile:
+            trainer.step += 1
+            with profiled(profile, device, f"{path}, one step of {len(steps_samples[-1])} samples"):
+                trainer.train_step(steps_samples[-1])
+                sync()
     except torch.OutOfMemoryError as e:
         return {"path": path, "error": f"out of memory: {str(e)[:200]}", "step_times": times}
-    peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None
-    return {"path": path, "step_times": times, "peak_memory_gib": peak / 2**30 if peak else None}
+    return {"path": path, "step_times": times, "phases": phases, "peak_memory_gib": peak / 2**30 if peak else None}
+
+
+@contextlib.contextmanager
+def profiled(out: str | None, device, title: str, rows: int = 40):
+    """torch.profiler around the block when `out` is set: the `rows` operators with the most
+    self device time (CPU time on CPU), appended to `out` under `title`."""
+    if out is None:
+        yield
+        return
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    with profile(activities=activities) as prof:
+        yield
+    key = "self_cuda_time_total" if device.type == "cuda" else "self_cpu_time_total"
+    with open(out, "a") as f:
+        f.write(f"== {title}\n{prof.key_averages().table(sort_by=key, row_limit=rows)}\n")
 
 
 ACCEPT = {"0.5b": "packed/padded >= 2", "1.5b": "MFU 6N >= 35 %", "4b": "MFU 6N >= 40 %"}
@@ -232,6 +260,7 @@ def main(argv=None) -> int:
     ap.add_argument("--token-budget", type=int, default=32768, help="packed: real tokens per micro-batch")
     ap.add_argument("--padded-micro", type=int, default=8, help="padded: rows per micro-batch")
     ap.add_argument("--grad-ckpt", action="store_true", help="activation checkpointing")
+    ap.add_argument("--profile", help="torch.profiler over each path's last step: top operators to this file")
     ap.add_argument("--work", default="/tmp/trainer_mix")
     ap.add_argument("--cpu", action="store_true", help="wiring check on CPU: tiny shape, short rows")
     ap.add_argument("--out", help="the result JSON")
@@ -304,7 +333,7 @@ def main(argv=None) -> int:
         "paths": {},
     }
     for path in args.paths.split(","):
-        r = run_path(trainer, path, steps_samples, packed_attn, device)
+        r = run_path(trainer, path, steps_samples, packed_attn, device, args.profile)
         actor = trainer.cfg.actor_rollout_ref.actor
         if "error" in r and path == "padded" and actor.ppo_micro_batch_size_per_gpu > 1:
             actor.ppo_micro_batch_size_per_gpu //= 2  # today's path at the largest micro-batch that fits
@@ -322,7 +351,7 @@ def main(argv=None) -> int:
                 "mfu_every_pass": every / seconds / peak,
             }
         result["paths"][path] = r
-        print(json.dumps({k: v for k, v in r.items() if k != "step_times"}), flush=True)
+        print(json.dumps({k: v for k, v in r.items() if k not in ("step_times", "phases")}), flush=True)
     p = result["paths"]
     if "tokens_per_s" in p.get("packed", {}) and "tokens_per_s" in p.get("padded", {}):
         result["packed_over_padded"] = p["packed"]["tokens_per_s"] / p["padded"]["tokens_per_s"]
