@@ -38,10 +38,11 @@ class WeightPublisher(abc.ABC):
         keep: int,
         described: tuple[list[FileEntry], dict[str, TensorEntry]] | None = None,
         announce: dict | None = None,
+        adapter: dict | None = None,
     ) -> WeightManifest:
         """Describe the files in `staged` in a manifest (those not `described` already), make
         the version visible whole, announce it (`announce`: extra fields of LATEST), prune to
-        the newest `keep`."""
+        the newest `keep`. `adapter`: WeightManifest.adapter of an adapter-only (LoRA) version."""
 
     @abc.abstractmethod
     def versions(self) -> list[int]:

@@ -255,22 +255,27 @@ class WeightStore(FsWeightSource, WeightPublisher):
         keep: int,
         described: tuple[list[FileEntry], dict[str, TensorEntry]] | None = None,
         announce: dict | None = None,
+        adapter: dict | None = None,
     ) -> WeightManifest:
         """Write the manifest for the files in `staged` (those not `described` already are
         described here), rename into place, announce (`announce`: extra fields of LATEST, e.g.
-        protocol.weights.SYNC_GROUPS), prune."""
+        protocol.weights.SYNC_GROUPS), prune. `adapter`: the manifest's adapter field (an
+        adapter-only LoRA version, protocol/weights.py); such a version is always published as
+        it is, never as a delta: it is megabytes, and a delta's base would be another adapter."""
         files, tensors = described or ([], {})
         known = {f.name for f in files}
         more_files, more_tensors = self.describe(staged, [n for n in sorted(os.listdir(staged)) if n not in known])
         files = sorted([*files, *more_files], key=lambda f: f.name)
         tensors = {**tensors, **more_tensors}
-        manifest = WeightManifest(version=version, step=step, created_at=time.time(), files=files, tensors=tensors)
+        manifest = WeightManifest(
+            version=version, step=step, created_at=time.time(), files=files, tensors=tensors, adapter=adapter
+        )
         when_space(lambda: Path(staged, "manifest.json").write_text(manifest.to_json()), staged)
         fsync_tree(staged)
         final = self.layout.version_dir(version)
         if os.path.exists(final):
             raise FileExistsError(f"{final} already exists: weight versions are never rewritten")
-        made = self._delta_of(staged, manifest)
+        made = None if adapter is not None else self._delta_of(staged, manifest)
         self.last_delta = None
         if made is None:
             os.rename(staged, final)
