@@ -51,7 +51,10 @@ class LoraSpec:
 
     def describe(self) -> dict:
         """What a checkpoint records and a resume must match."""
-        return dataclasses.asdict(self) | {"target_modules": self.targets()}
+        return dataclasses.asdict(self) | {
+            "target_modules": self.targets(),
+            "exclude_modules": list(self.exclude_modules),
+        }
 
     def targets(self) -> str | list[str]:
         return self.target_modules if isinstance(self.target_modules, str) else list(self.target_modules)
@@ -97,12 +100,12 @@ def adapted_modules(model) -> list[str]:
 def manifest_field(model, base: str) -> dict:
     """protocol/weights.py's WeightManifest.adapter of this model's adapter over base `base`."""
     config = model.peft_config[ADAPTER]
-    targets = config.target_modules
     return {
         "base": base,
         "rank": int(config.r),
         "alpha": config.lora_alpha,
-        "target_modules": sorted(targets) if isinstance(targets, (set, list, tuple)) else [targets],
+        # the kinds of module adapted (PEFT resolves 'all-linear' into every full name)
+        "target_modules": sorted({name.rpartition(".")[2] for name in adapted_modules(model)}),
     }
 
 

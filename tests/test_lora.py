@@ -1,0 +1,172 @@
+"""LoRA on the trainer (issue 27): adapter-only weight versions that PEFT loads onto the base,
+the frozen base as the KL reference, adapter checkpoints that resume, launch.export's merged and
+adapter-only folders."""
+
+import json
+import subprocess
+import sys
+
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import REORDER_REL_BOUND, run_folder, trainer_proc
+from safetensors.torch import load_file
+
+from buffer.layout import RunLayout
+from buffer.weights.fs import WeightStore
+from protocol.weights import ADAPTER_CONFIG, ADAPTER_WEIGHTS, base_checksum
+
+LORA = (
+    "actor_rollout_ref.model.lora_rank=4",
+    "actor_rollout_ref.model.lora_alpha=8",
+    "actor_rollout_ref.actor.use_kl_loss=true",
+    "actor_rollout_ref.actor.kl_loss_coef=0.1",
+)
+# The same fp32 model through two code paths (the trainer's packed, sharded forward gathered
+# into a published adapter vs PeftModel's plain forward; PEFT's merged weights vs base + B @ A):
+# only the order of float32 sums differs, ~1e-6 relative on logits of size ~1; 1e-4 leaves room
+# and still fails an adapter that lost or mis-scaled one tensor (differences of order 0.1, below).
+LOGITS_ATOL = 1e-4
+
+
+def _train(experience, name, *extra, steps=2, nproc=2):
+    root = run_folder(experience, name)
+    p = trainer_proc(root, experience / "model", nproc, *LORA, *extra, steps=steps)
+    out, _ = p.communicate(timeout=600)
+    assert p.returncode == 0, out[-3000:]
+    return root, out
+
+
+def _rows(root):
+    return [json.loads(line) for line in (root / "metrics.jsonl").read_text().splitlines()]
+
+
+def _version_dir(root, version):
+    return Path(RunLayout(str(root)).version_dir(version))
+
+
+def _logits(model, ids):
+    with torch.no_grad():
+        return model(input_ids=ids).logits
+
+
+IDS = torch.tensor([[3, 4, 5, 6, 13, 3, 4, 5], [7, 8, 13, 7, 8, 0, 0, 0]])
+
+
+def _peft(base_dir, adapter_dir):
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    base = AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32)
+    return PeftModel.from_pretrained(base, str(adapter_dir)).eval()
+
+
+@pytest.fixture(scope="module")
+def lora_run(experience):
+    """2 ranks, 2 steps with LoRA and the KL loss, a checkpoint at step 2."""
+    return _train(experience, "lora", "trainer.save_freq=2")
+
+
+def test_versions_are_the_adapter_alone_and_peft_loads_them_onto_the_base(experience, lora_run):
+    root, out = lora_run
+    model = experience / "model"
+    store = WeightStore(str(root))
+    versions = store.versions()
+    assert versions == [0, 1, 2], versions
+    last = store.manifest(versions[-1])
+    assert last.adapter == {
+        "base": base_checksum(model),
+        "rank": 4,
+        "alpha": 8.0,
+        "target_modules": ["down_proj", "gate_proj", "k_proj", "o_proj", "q_proj", "up_proj", "v_proj"],
+    }, last.adapter
+    assert last.delta is None
+    folder = _version_dir(root, versions[-1])
+    names = {f.name for f in last.files}
+    assert {ADAPTER_CONFIG, ADAPTER_WEIGHTS} <= names and not any(n.startswith("model") for n in names), names
+    tensors = load_file(str(folder / ADAPTER_WEIGHTS))
+    assert all(k.startswith("base_model.model.model.layers.") and ".lora_" in k for k in tensors), list(tensors)[:3]
+    base_bytes = (model / "model.safetensors").stat().st_size
+    rows = _rows(root)
+    assert all(r["weights/adapter"] == 1.0 and 0 < r["weights/bytes"] < base_bytes for r in rows), rows[-1]
+    assert "the reference is the base (adapter disabled)" in out
+
+    # The published adapter on the base: what the trainer trained. Version 0 is the base (B = 0);
+    # the last moved away from it, and the KL loss against the reference grew from 0.
+    base = _logits(_peft(model, _version_dir(root, 0)).get_base_model(), IDS)
+    v0 = _logits(_peft(model, _version_dir(root, 0)), IDS)
+    v2 = _logits(_peft(model, folder), IDS)
+    assert torch.allclose(v0, base, atol=LOGITS_ATOL)
+    assert (v2 - base).abs().max() > 100 * LOGITS_ATOL
+    assert rows[0]["actor/kl_loss"] == pytest.approx(0.0, abs=1e-6)  # policy == reference at start
+    assert rows[-1]["actor/kl_loss"] > 1e-6
+
+
+def _export(ckpt, out, *extra):
+    return subprocess.run(
+        [sys.executable, "-m", "launch.export", "--checkpoint", str(ckpt), "--out", str(out), *extra],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+
+
+def test_export_adapter_only_and_merged_match_the_published_adapter(experience, lora_run, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    root, _ = lora_run
+    model = experience / "model"
+    ckpt = root / "checkpoints" / "step_00000002"
+    assert _export(ckpt, tmp_path / "adapter", "--adapter-only").returncode == 0
+    published = load_file(str(_version_dir(root, 2) / ADAPTER_WEIGHTS))
+    exported = load_file(str(tmp_path / "adapter" / ADAPTER_WEIGHTS))
+    assert exported.keys() == published.keys()
+    assert all(torch.equal(exported[k], published[k]) for k in published)  # the same fp32 values
+    done = _export(ckpt, tmp_path / "merged")
+    assert done.returncode == 0, done.stderr
+    merged = AutoModelForCausalLM.from_pretrained(tmp_path / "merged", dtype=torch.float32)
+    assert not any("lora" in k for k in merged.state_dict())
+    adapted = _logits(_peft(model, tmp_path / "adapter"), IDS)
+    assert torch.allclose(_logits(merged, IDS), adapted, atol=LOGITS_ATOL)
+    # full weights have no adapter to export alone
+    full = tmp_path / "full-ckpt"
+    full.mkdir()
+    (full / "trainer_state.json").write_text(json.dumps({"model_path": str(model), "step": 1}))
+    refused = _export(full, tmp_path / "nope", "--adapter-only")
+    assert refused.returncode == 1 and "no LoRA adapter" in refused.stderr, refused.stderr
+
+
+def test_adapter_checkpoint_resumes_to_the_uninterrupted_adapter(experience, lora_run):
+    """Stopped after step 2 (its checkpoint), resumed on one rank to step 4, against 4 steps
+    uninterrupted: the adapter and Adam's moments came back (tests/conftest.py's
+    REORDER_REL_BOUND: a lost optimizer state moves every element far beyond it)."""
+    whole, _ = _train(experience, "lora-whole", steps=4)
+    root, _ = lora_run
+    resumed = root.parent / "lora-resumed"
+    import shutil
+
+    shutil.copytree(root, resumed)
+    p = trainer_proc(resumed, experience / "model", 1, *LORA, steps=4)
+    out, _ = p.communicate(timeout=600)
+    assert p.returncode == 0, out[-3000:]
+    assert "resumed from" in out
+    a = load_file(str(_version_dir(whole, 4) / ADAPTER_WEIGHTS))
+    store = WeightStore(str(resumed))
+    b = load_file(str(_version_dir(resumed, store.versions()[-1]) / ADAPTER_WEIGHTS))
+    moved = sum((a[k] ** 2).sum().item() for k in a if "lora_B" in k) ** 0.5  # B starts at 0
+    differ = sum(((a[k] - b[k]) ** 2).sum().item() for k in a) ** 0.5
+    # measured: differ / moved = 1.5e-7 (2 ranks then 1, float order only)
+    assert moved > 1e-3 and differ < REORDER_REL_BOUND * moved, (moved, differ)
+
+
+def test_resume_refuses_other_lora_settings(experience, lora_run):
+    root, _ = lora_run
+    import shutil
+
+    other = root.parent / "lora-other"
+    shutil.copytree(root, other)
+    p = trainer_proc(other, experience / "model", 1, *LORA, "actor_rollout_ref.model.lora_rank=8", steps=4)
+    out, _ = p.communicate(timeout=600)
+    assert p.returncode != 0
+    assert "saved with lora=" in out and "actor_rollout_ref.model.lora_rank" in out, out[-3000:]
