@@ -5,7 +5,6 @@ adapter-only folders."""
 import json
 import subprocess
 import sys
-
 from pathlib import Path
 
 import pytest
