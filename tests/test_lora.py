@@ -169,3 +169,59 @@ def test_resume_refuses_other_lora_settings(experience, lora_run):
     out, _ = p.communicate(timeout=600)
     assert p.returncode != 0
     assert "saved with lora=" in out and "actor_rollout_ref.model.lora_rank" in out, out[-3000:]
+
+
+def test_lora_sft_lowers_validation_loss_and_writes_merged_folders(tmp_path):
+    """trainer.sft with model.lora_rank: the adapter alone trains (base frozen), the held-out
+    loss falls, and the HF folder it writes is the merged model, loadable as a plain base."""
+    from transformers import AutoModelForCausalLM
+
+    from rollout import builtin_task, preprocess
+
+    paths = {(k, s): str(tmp_path / f"{k}_{s}.parquet") for k in preprocess.KINDS for s in preprocess.SPLITS}
+    builtin_task.write_sft_and_rl(paths, num=240)
+    builtin_task.write_model(tmp_path / "model")
+    out = tmp_path / "out"
+    p = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc_per_node=2",
+            "-m",
+            "trainer.sft",
+            f"data.train_files=[{paths[('sft', 'train')]}]",
+            f"data.val_files=[{paths[('sft', 'val')]}]",
+            f"model.partial_pretrain={tmp_path / 'model'}",
+            f"trainer.default_local_dir={out}",
+            "model.lora_rank=8",
+            "model.lora_alpha=16",
+            "data.train_batch_size=8",
+            "trainer.total_training_steps=24",
+            "optim.lr=1e-2",
+            "optim.lr_scheduler=constant",
+            "optim.warmup_steps_ratio=0",
+            "model.enable_gradient_checkpointing=false",
+            "data.max_length=16",
+            "data.max_token_len_per_gpu=16",
+            "trainer.test_freq=4",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env=dict(__import__("os").environ, OMP_NUM_THREADS="1"),
+    )
+    assert p.returncode == 0, (p.stdout + p.stderr)[-3000:]
+    val = [r["val/loss"] for r in map(json.loads, (out / "metrics.jsonl").read_text().splitlines()) if "val/loss" in r]
+    print("LoRA SFT val/loss", val)
+    # Measured 2.267 at step 4 -> 2.040 at step 24, falling at every check after step 8. With
+    # no adapter update (a base frozen and an optimizer without the adapters) every check gives
+    # the same loss exactly; 0.1 is under half the measured fall.
+    assert len(val) == 6 and val[-1] < val[0] - 0.1, val
+    merged = AutoModelForCausalLM.from_pretrained(out / "hf", dtype=torch.float32).state_dict()
+    base = load_file(str(tmp_path / "model" / "model.safetensors"))
+    assert not any("lora" in k for k in merged)
+    assert base.keys() <= merged.keys()
+    assert max((merged[k] - base[k]).abs().max().item() for k in base) > 1e-3  # the adapter is in it
+    assert all(torch.equal(merged[k], base[k]) for k in base if "norm" in k or "embed" in k)  # frozen, no adapter

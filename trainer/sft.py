@@ -79,6 +79,7 @@ class SFTTrainer:
         self.model_path = cfg.model.partial_pretrain
         # model.lora_rank > 0: adapters on the frozen base; HF folders hold the merged weights
         self.lora = LoraSpec.of(cfg.model)
+        torch.manual_seed(cfg.trainer.seed)  # the adapters' random init (lora_A) is reproducible
         self.model = build_actor(
             self.model_path,
             device,
