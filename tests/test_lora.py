@@ -225,3 +225,26 @@ def test_lora_sft_lowers_validation_loss_and_writes_merged_folders(tmp_path):
     assert base.keys() <= merged.keys()
     assert max((merged[k] - base[k]).abs().max().item() for k in base) > 1e-3  # the adapter is in it
     assert all(torch.equal(merged[k], base[k]) for k in base if "norm" in k or "embed" in k)  # frozen, no adapter
+
+
+def test_benchmark_script_runs_on_cpu_with_the_tiny_shape(tmp_path):
+    """benchmarks/lora_bench.sh's wiring (the GPU run is the lead's): every mode trains and
+    publishes, an adapter version is the adapter's bytes and a full one the model's."""
+    from conftest import REPO_ROOT
+
+    proc = subprocess.run(
+        ["bash", "benchmarks/lora_bench.sh", str(tmp_path / "out"), "--tiny", "--device", "cpu"],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        cwd=REPO_ROOT,
+        env=dict(__import__("os").environ, PYTHON=sys.executable, OMP_NUM_THREADS="1", TMPDIR=str(tmp_path)),
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    results = json.loads((tmp_path / "out" / "lora_bench.json").read_text())["results"]
+    assert [r["lora_rank"] for r in results] == [0, 16, 64]
+    full, r16, r64 = results
+    assert all(r["tokens_per_s"] > 0 and r["publish_s"] > 0 for r in results)
+    assert full["trainable_params"] == full["params"] and r64["trainable_params"] == 4 * r16["trainable_params"]
+    # bf16/fp32 adapter bytes: 4 bytes per trainable parameter on CPU, plus headers
+    assert r16["version_bytes"] < r64["version_bytes"] and r16["version_bytes"] >= 4 * r16["trainable_params"]
