@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 from collections.abc import Callable
 
 import torch
@@ -134,8 +135,13 @@ def dropout_active(model, spec: LoraSpec | None):
         model.eval()
 
 
-def _full(t: torch.Tensor) -> torch.Tensor:
+def full_tensor(t: torch.Tensor) -> torch.Tensor:
     return t.full_tensor() if hasattr(t, "full_tensor") else t  # collective for a DTensor
+
+
+def _merged(w: torch.Tensor, a: torch.Tensor, b: torch.Tensor, scale: float) -> torch.Tensor:
+    """W + scale * B @ A (PEFT's get_delta_weight for a plain linear layer), gathered."""
+    return full_tensor(w) + scale * (full_tensor(b) @ full_tensor(a))
 
 
 def adapter_tensors(model, dtype: torch.dtype, keep: bool) -> dict[str, torch.Tensor]:
@@ -146,7 +152,7 @@ def adapter_tensors(model, dtype: torch.dtype, keep: bool) -> dict[str, torch.Te
 
     out = {}
     for name, t in sorted(get_peft_model_state_dict(model).items()):
-        full = _full(t).detach()
+        full = full_tensor(t).detach()
         if keep:
             out[name] = full.to(dtype).cpu()
         del full
@@ -162,7 +168,7 @@ def merged_items(model) -> list[tuple[str, Callable[[], torch.Tensor], int]]:
     sd = model.state_dict()
     prefix = "base_model.model."
     layers = {n: m for n, m in hf_model(model).named_modules() if isinstance(m, LoraLayer)}
-    items = []
+    items: list[tuple[str, Callable[[], torch.Tensor], int]] = []
     for key, value in sd.items():
         if ".lora_" in key:
             continue
@@ -171,15 +177,11 @@ def merged_items(model) -> list[tuple[str, Callable[[], torch.Tensor], int]]:
         owner = module.removesuffix(".base_layer")
         if module.endswith(".base_layer") and owner in layers and leaf == "weight":
             a, b = sd[f"{prefix}{owner}.lora_A.{ADAPTER}.weight"], sd[f"{prefix}{owner}.lora_B.{ADAPTER}.weight"]
-            scale = layers[owner].scaling[ADAPTER]
-
-            def gather(w=value, a=a, b=b, scale=scale):
-                return _full(w) + scale * (_full(b) @ _full(a))
-
-            items.append((f"{owner}.weight", gather, value.numel()))
+            merge = functools.partial(_merged, value, a, b, layers[owner].scaling[ADAPTER])
+            items.append((f"{owner}.weight", merge, value.numel()))
         else:
             hf_name = f"{owner}.{leaf}" if module.endswith(".base_layer") else name
-            items.append((hf_name, lambda v=value: _full(v), value.numel()))
+            items.append((hf_name, functools.partial(full_tensor, value), value.numel()))
     return items
 
 

@@ -10,6 +10,7 @@ files hash at once, and the writes overlap the collectives. Host memory stays un
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import time
@@ -67,10 +68,7 @@ def _gathers(model) -> list[tuple[str, Callable[[], torch.Tensor], int]]:
     model's own, or for a PeftModel the base with the adapter merged in (trainer/lora.py)."""
     if lora.is_peft(model):
         return lora.merged_items(model)
-    return [
-        (k, (lambda v=v: v.full_tensor() if hasattr(v, "full_tensor") else v), v.numel())
-        for k, v in model.state_dict().items()
-    ]
+    return [(k, functools.partial(lora.full_tensor, v), v.numel()) for k, v in model.state_dict().items()]
 
 
 def publish_version(
