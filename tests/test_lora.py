@@ -248,3 +248,38 @@ def test_benchmark_script_runs_on_cpu_with_the_tiny_shape(tmp_path):
     assert full["trainable_params"] == full["params"] and r64["trainable_params"] == 4 * r16["trainable_params"]
     # bf16/fp32 adapter bytes: 4 bytes per trainable parameter on CPU, plus headers
     assert r16["version_bytes"] < r64["version_bytes"] and r16["version_bytes"] >= 4 * r16["trainable_params"]
+
+
+def test_packed_and_padded_micro_batches_train_the_same_adapter(experience, lora_run):
+    """use_remove_padding (packed rows, the chunked logprobs through the PeftModel) against
+    padded micro-batches: the same adapter but for float summation order."""
+    root, _ = lora_run
+    padded, _ = _train(experience, "lora-padded", "actor_rollout_ref.model.use_remove_padding=false")
+    a = load_file(str(_version_dir(root, 2) / ADAPTER_WEIGHTS))
+    b = load_file(str(_version_dir(padded, 2) / ADAPTER_WEIGHTS))
+    moved = sum((a[k] ** 2).sum().item() for k in a if "lora_B" in k) ** 0.5  # B starts at 0
+    differ = sum(((a[k] - b[k]) ** 2).sum().item() for k in a) ** 0.5
+    assert moved > 1e-3 and differ < REORDER_REL_BOUND * moved, (moved, differ)
+
+
+def test_critic_with_lora_trains_adapters_and_its_value_head(experience):
+    """GAE with critic.model.lora_rank: the critic's checkpoint holds its adapters and its value
+    head (score) only, and the head moved: it is new and trains in full."""
+    import torch.distributed.checkpoint as dcp
+
+    root, _ = _train(
+        experience,
+        "lora-critic",
+        "algorithm.adv_estimator=gae",
+        "critic.optim.lr=1e-2",
+        "critic.model.lora_rank=4",
+        "trainer.save_freq=2",
+    )
+    rows = _rows(root)
+    assert all(r["critic/grad_norm"] > 0 for r in rows)
+    ckpt = root / "checkpoints" / "step_00000002"
+    keys = [k.removeprefix("critic.") for k in dcp.FileSystemReader(str(ckpt)).read_metadata().state_dict_metadata]
+    critic = [k for k in keys if k.startswith("base_model.")]
+    assert critic and all(".lora_" in k or ".score." in k for k in critic), critic[:5]
+    assert any(".score." in k for k in critic)
+    assert json.loads((ckpt / "trainer_state.json").read_text())["critic_lora"]["rank"] == 4
