@@ -49,7 +49,7 @@ class PeakRSS:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--cpu", action="store_true")
-    ap.add_argument("--rows", type=int, default=8)
+    ap.add_argument("--rows", type=int, default=4)  # 4 x 4160 tokens: full logits peak ~60 GiB
     ap.add_argument("--response", type=int, default=4096)
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--chunk", type=int, default=None, help="tokens per chunk (default: the trainer's)")
@@ -95,15 +95,31 @@ def main(argv=None) -> int:
                 base = torch.cuda.memory_allocated()
             with PeakRSS() as rss:
                 t0 = time.perf_counter()
-                lp, ent = algo.response_logprobs(model, batch, with_entropy=True, chunk=chunk)
-                (lp.sum() + ent.sum()).backward()
+                try:
+                    lp, ent = algo.response_logprobs(model, batch, with_entropy=True, chunk=chunk)
+                    (lp.sum() + ent.sum()).backward()
+                except torch.OutOfMemoryError as e:  # the full-logits path at a size it cannot hold
+                    result["paths"][name] = {"oom": str(e).split(".")[0]}
+                    lp = ent = None
+                    break
                 if device.type == "cuda":
                     torch.cuda.synchronize()
                 times.append(time.perf_counter() - t0)
             peaks.append((torch.cuda.max_memory_allocated() - base) if device.type == "cuda" else rss.peak)
-        result["paths"][name] = {"seconds": min(times), "peak_mib": max(peaks) / 2**20, "logprob_sum": float(lp.sum())}
+        if lp is not None:
+            result["paths"][name] = {
+                "seconds": min(times),
+                "peak_mib": max(peaks) / 2**20,
+                "logprob_sum": float(lp.sum()),
+            }
+        model.zero_grad(set_to_none=True)
         print(name, result["paths"][name], flush=True)
     p = result["paths"]
+    if "oom" in p["full_logits"] or "oom" in p["chunked"]:
+        print(json.dumps(result, indent=1))
+        with open(args.out, "w") as f:
+            json.dump(result, f, indent=1)
+        return 0 if "oom" not in p["chunked"] else 1
     result["peak_ratio"] = p["full_logits"]["peak_mib"] / max(p["chunked"]["peak_mib"], 1e-9)
     result["time_ratio"] = p["chunked"]["seconds"] / p["full_logits"]["seconds"]
     print(json.dumps(result, indent=1))

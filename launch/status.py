@@ -8,7 +8,8 @@ A live terminal view refreshed every `--interval` seconds (Ctrl-C leaves it):
   time as a fraction of generating time, MB per reload (of the published versions: deltas or
   snapshots) and seconds of the last reload, age of the last heartbeat; SILENT when older than
   `--silent-after` seconds and not stopped (a worker beats after every batch and every 5 s while
-  it waits for the trainer);
+  it waits for the trainer); REFUSED when it refused a weight version (an adapter for another base,
+  issue 27: the reason, naming both checksums, is printed below the table) and exited;
 - buffer: backlog (samples written minus retired, as the workers' backpressure sees it),
   staleness of the last step and over the run, samples dropped as stale, quarantined shards,
   bytes in experience/, weights/, checkpoints/, and the filesystem's free space;
@@ -117,9 +118,11 @@ def _trainer(run: TrainerRun, rows: list[dict], now: float) -> dict:
 def _worker(worker: str, beat: dict, now: float, silent_after: float) -> dict:
     age = now - beat["last_beat"] if "last_beat" in beat else None
     state = beat.get("state", "?")
+    refused = beat.get("refused")  # a version it would not sample from (rollout/versions.py): it exited 2
     return {
         "worker_id": worker,
-        "state": state,
+        "state": "REFUSED" if refused else state,
+        "refused": refused,
         "host": beat.get("host"),
         "pid": beat.get("pid"),
         "version": beat.get("weight_version"),
@@ -138,6 +141,11 @@ def _worker(worker: str, beat: dict, now: float, silent_after: float) -> dict:
         "last_beat_age_s": age,
         "silent": state != "stopped" and (age is None or age > silent_after),
     }
+
+
+def refusal_lines(workers: list[dict]) -> list[tuple[str, str]]:
+    """One line per worker that refused a weight version: its reason names both checksums."""
+    return [(w["worker_id"], w["refused"].get("reason", "?")) for w in workers if w.get("refused")]
 
 
 def _quarantined(run: TrainerRun) -> int:
@@ -304,7 +312,7 @@ def worker_cells(w: dict) -> tuple[str, ...]:
         _num(None if w.get("bytes_per_reload") is None else w["bytes_per_reload"] / 1e6, "{:,.2f}"),
         _num(w.get("last_reload_s"), "{:.2f}"),
         f"{_dur(w['last_beat_age_s'])} ago",
-        "SILENT" if w["silent"] else "",
+        "REFUSED" if w.get("refused") else "SILENT" if w["silent"] else "",
     )
 
 
@@ -325,13 +333,15 @@ def render(snap: dict):
     for c in WORKER_COLUMNS:
         workers.add_column(c, justify="right" if c in _RIGHT else "left")
     for w in snap["workers"]:
-        workers.add_row(*worker_cells(w), style="bold red" if w["silent"] else None)
+        workers.add_row(*worker_cells(w), style="bold red" if w["silent"] or w.get("refused") else None)
     parts = [
         f"[bold]{snap['root']}[/bold]  {time.strftime('%Y-%m-%d %H:%M:%S', time.localtime(snap['time']))}",
         kv("trainer", trainer_lines(snap["trainer"])),
         workers,
         kv("buffer", buffer_lines(snap["buffer"])),
     ]
+    if refusals := refusal_lines(snap["workers"]):
+        parts.insert(3, kv("refused weight versions (the worker exited 2; see its log)", refusals))
     if snap["validation"]:
         val = Table(title="validation", title_justify="left")
         for c in ("metric", "step", "value", "first", "best"):

@@ -63,6 +63,14 @@ class RolloutSamplingConfig:
         "the environment variable VLLM_ENABLE_V1_MULTIPROCESSING=0 runs the "
         "model in the worker's own process, where errors surface directly",
     )
+    max_lora_rank: int = F(
+        0,
+        "vLLM with adapter-only (LoRA) weight versions: the largest adapter rank the engine holds, one "
+        "of 1, 8, 16, 32, 64, 128, 256, 320, 512; 0: the first version's rank rounded up to those, as "
+        "verl derives it from model.lora_rank",
+        ge=0,
+        le=512,
+    )
     val_kwargs: ValKwargsConfig = F(factory=ValKwargsConfig)
 
 

@@ -33,6 +33,7 @@ class HFEngine:
         self.eos_id = self.tokenizer.eos_token_id
         self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.eos_id
         self.tied = bool(getattr(self.model.config, "tie_word_embeddings", False))
+        self.adapter: str | None = None  # PEFT's name of the live adapter (adapter-only versions)
 
     def _left_pad(self, prompts: list[list[int]]):
         width = max(len(p) for p in prompts)
@@ -100,6 +101,40 @@ class HFEngine:
             raise KeyError(f"weight version lacks {len(missing)} tensors, e.g. {sorted(missing)[:3]}")
         return len(loaded)
 
+    @torch.no_grad()
+    def load_adapter(self, folder: str, version: int) -> int:
+        """Put the adapter-only version in `folder` (PEFT's layout, verified) on the base as
+        adapter `v<version>` and drop the one before: the first through PeftModel.from_pretrained,
+        later ones through load_adapter + set_adapter + delete_adapter. Every tensor of the file
+        must then be the model's adapter exactly (PEFT only warns about keys it did not match, and
+        a silently unloaded tensor would be a stale policy). Returns the tensors loaded."""
+        from peft import PeftModel, get_peft_model_state_dict
+        from safetensors.torch import load_file
+
+        from protocol.weights import ADAPTER_WEIGHTS, ManifestError
+
+        name, old = f"v{version}", self.adapter
+        if old is None:
+            self.model = PeftModel.from_pretrained(self.model, folder, adapter_name=name, is_trainable=False)
+        else:
+            self.model.load_adapter(folder, adapter_name=name, is_trainable=False)
+            self.model.set_adapter(name, inference_mode=True)
+            self.model.delete_adapter(old)
+        self.model.eval()
+        self.adapter = name
+        published = load_file(f"{folder}/{ADAPTER_WEIGHTS}")
+        held = get_peft_model_state_dict(self.model, adapter_name=name)
+        if set(held) != set(published):
+            raise ManifestError(
+                f"{folder}: the adapter's tensors {sorted(set(published) ^ set(held))[:3]} do not match "
+                "the running model's adapter layers"
+            )
+        for key, t in published.items():
+            # in the dtype PEFT keeps it in (it may upcast a bf16 adapter): the same cast both sides
+            if not torch.equal(held[key], t.to(held[key].device, held[key].dtype)):
+                raise ManifestError(f"{folder}: {key} did not load as published")
+        return len(published)
+
     def close(self) -> None:
         self.model = None
 
@@ -118,10 +153,12 @@ def engine_problem(name: str) -> str | None:
     return None
 
 
-def build_engine(model_dir: str, cfg, device: str) -> Engine:
-    """`cfg` is the worker's actor_rollout_ref.rollout section."""
+def build_engine(model_dir: str, cfg, device: str, adapter: dict | None = None) -> Engine:
+    """`cfg` is the worker's actor_rollout_ref.rollout section; `adapter`: the first version's
+    WeightManifest.adapter when the run's versions are adapter-only (`model_dir` is then the
+    base; vLLM sizes its LoRA slots by it)."""
     if cfg.name == "hf":
         return HFEngine(model_dir, cfg.dtype, device)
     from rollout.vllm_engine import VLLMEngine
 
-    return VLLMEngine(model_dir, cfg)
+    return VLLMEngine(model_dir, cfg, lora_rank=0 if adapter is None else int(adapter["rank"]))

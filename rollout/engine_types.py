@@ -32,4 +32,9 @@ class Engine(Protocol):
         """Copy the HF-named tensors of verified safetensors files into the running model, in
         place; returns how many were loaded."""
 
+    def load_adapter(self, folder: str, version: int) -> int:
+        """Apply the adapter-only (LoRA) version in the verified `folder` (PEFT's adapter_config.json
+        and adapter_model.safetensors) to the base in place, under a new adapter id, and drop the
+        previous adapter; returns how many adapter tensors were loaded."""
+
     def close(self) -> None: ...

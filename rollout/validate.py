@@ -33,6 +33,7 @@ from rollout import reward
 from rollout.config import ValidatorConfig
 from rollout.dataset import Prompt, data_sources, load_prompts
 from rollout.engine import SamplingSettings
+from rollout.versions import Refused, VersionGate, load_version
 from rollout.worker import run_role, start_engine
 
 log = logging.getLogger("rollout.validate")
@@ -68,6 +69,8 @@ class Validator:
         reward.check_data_sources(data_sources(cfg.data.val_files, "data.val_files"), cfg.custom_reward_function.path)
         self.stopping = False
         self.version: int | None = None  # the weights in the engine
+        self.gate = VersionGate(cfg.actor_rollout_ref.model.path)  # full or adapter-only versions (issue 27)
+        self.refused: dict | None = None  # why a version was refused (heartbeat; exit 2)
         self.answered: list[int] = []
 
     def _on_signal(self, signum, _frame) -> None:
@@ -86,6 +89,7 @@ class Validator:
             self.cfg.validator.device,
             self.cfg.validator.weights_timeout_s,
             "validator",
+            self.gate,
             should_stop=lambda: self.stopping,
         )
         if self.engine is None:
@@ -118,7 +122,7 @@ class Validator:
             return ""
         self.version = None  # a failed load leaves a mix of weights
         try:
-            self.engine.load_files(self.store.files(version))
+            load_version(self.engine, self.store, self.gate, version)  # Refused: not caught
         except (OSError, ManifestError) as e:
             return (
                 f"weight version {version} is no longer on disk (pruned before validation: "
@@ -172,6 +176,7 @@ class Validator:
                     "state": state,
                     "weight_version": self.version,
                     "answered": self.answered,
+                    "refused": self.refused,
                     "last_beat": time.time(),
                 }
             )
@@ -224,6 +229,10 @@ class Validator:
                     )
                     self.heartbeat("running")
                 time.sleep(self.cfg.validator.poll_interval_s)
+        except Refused as e:  # the weights are not this validator's to measure: exit 2, named
+            self.refused = e.details
+            log.error("validator refuses to go on: %s", e)
+            raise
         finally:
             self.heartbeat("stopped")  # the trainer stops waiting for results
         log.info("validator stopped: answered versions %s", self.answered)

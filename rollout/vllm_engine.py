@@ -22,12 +22,23 @@ without initialising torch's CUDA state: `import verl` (for its reward functions
 same in ways no check here can see. Spawn costs a few seconds once per engine start and works
 whatever was imported before.
 
+Adapter-only (LoRA) versions (issue 27): with `lora_rank` > 0 (the first version's rank) the
+engine starts from the base with LoRA enabled, `max_lora_rank` from
+`actor_rollout_ref.rollout.max_lora_rank` or, when that is 0, the adapter's rank rounded up to
+vLLM's sizes (as verl derives it from `model.lora_rank`), one adapter in a batch
+(`max_loras=1`) and two in the CPU cache (the new one is added before the old is removed, so a
+failed add leaves the old one in use, never the bare base). Each version is added under a new
+id (`LoRARequest("v<N>", id, folder)`: vLLM loads it from the verified folder in every engine
+process), every request is generated with it, and the previous id is removed. The prefix cache
+keys blocks by adapter id, so nothing cached under the old adapter is reused.
+
 Debugging: `VLLM_ENABLE_V1_MULTIPROCESSING=0` in the environment (with `enforce_eager=true`)
 runs the model in this process, where its errors surface directly; never needed in production.
 """
 
 from __future__ import annotations
 
+import json
 import os
 from typing import Any
 
@@ -57,8 +68,25 @@ class WeightLoader:
         return count
 
 
+VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)  # vLLM 0.26's MaxLoRARanks (vllm/config/lora.py)
+
+
+def max_lora_rank(rank: int, configured: int = 0) -> int:
+    """The engine's max_lora_rank: `configured` (actor_rollout_ref.rollout.max_lora_rank) when
+    set, else the smallest of vLLM's sizes that holds `rank`."""
+    wanted = configured or rank
+    for size in VLLM_LORA_RANKS:
+        if wanted <= size:
+            if configured and configured != size:
+                raise ValueError(
+                    f"actor_rollout_ref.rollout.max_lora_rank={configured}: vLLM takes one of {list(VLLM_LORA_RANKS)}"
+                )
+            return size
+    raise ValueError(f"LoRA rank {wanted}: vLLM's largest max_lora_rank is {VLLM_LORA_RANKS[-1]}")
+
+
 class VLLMEngine:
-    def __init__(self, model_dir: str, cfg):
+    def __init__(self, model_dir: str, cfg, lora_rank: int = 0):
         from transformers import AutoTokenizer
         from vllm import LLM
 
@@ -66,6 +94,14 @@ class VLLMEngine:
         # Read by vLLM when it starts its processes, i.e. inside LLM(...) below (module doc).
         os.environ.setdefault("VLLM_WORKER_MULTIPROC_METHOD", "spawn")
         self.tokenizer = AutoTokenizer.from_pretrained(model_dir)
+        self.max_lora_rank = max_lora_rank(lora_rank, cfg.max_lora_rank) if lora_rank else 0
+        lora = (
+            dict(enable_lora=True, max_lora_rank=self.max_lora_rank, max_loras=1, max_cpu_loras=2)
+            if self.max_lora_rank
+            else {}
+        )
+        self.lora: Any = None  # the LoRARequest every request is generated with (None: no adapter)
+        self._lora_ids = 0
         self.llm = LLM(
             model=model_dir,
             tokenizer=model_dir,
@@ -77,6 +113,7 @@ class VLLMEngine:
             enable_prefix_caching=True,
             seed=0,
             worker_extension_cls=f"{__name__}.{WeightLoader.__qualname__}",
+            **lora,
         )
 
     def generate(self, prompts: list[list[int]], params: SamplingSettings) -> list[list[Completion]]:
@@ -94,7 +131,9 @@ class VLLMEngine:
             detokenize=False,
             **top_k,
         )  # the worker decodes what it scores
-        outputs = self.llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], sampling, use_tqdm=False)
+        outputs = self.llm.generate(
+            [TokensPrompt(prompt_token_ids=p) for p in prompts], sampling, use_tqdm=False, lora_request=self.lora
+        )
         results = []
         for out in outputs:
             group = []
@@ -111,6 +150,41 @@ class VLLMEngine:
         counts = self.llm.collective_rpc("tandem_load_files", timeout=RELOAD_TIMEOUT_S, args=(list(paths),))
         self.llm.reset_prefix_cache()  # cached KV was computed by the old weights
         return counts[0]
+
+    def load_adapter(self, folder: str, version: int) -> int:
+        """The adapter-only version in `folder` under a new adapter id; the old id removed."""
+        from safetensors import safe_open
+        from vllm.lora.request import LoRARequest
+
+        from protocol.weights import ADAPTER_WEIGHTS
+        from rollout.versions import Refused
+
+        if not self.max_lora_rank:
+            raise RuntimeError("this vLLM engine was started for full weights, without LoRA")
+        with open(os.path.join(folder, "adapter_config.json")) as f:
+            rank = int(json.load(f)["r"])
+        if rank > self.max_lora_rank:
+            raise Refused(
+                f"weight version {version}: adapter rank {rank} is above the engine's max_lora_rank "
+                f"{self.max_lora_rank} (set actor_rollout_ref.rollout.max_lora_rank)",
+                version=version,
+                rank=rank,
+                max_lora_rank=self.max_lora_rank,
+            )
+        self._lora_ids += 1
+        request = LoRARequest(f"v{version}", self._lora_ids, folder)
+        engine = self.llm.llm_engine
+        if not engine.add_lora(request):  # loads it in every engine process; raises on a bad adapter
+            raise RuntimeError(f"vLLM did not add the adapter of weight version {version} from {folder}")
+        old, self.lora = self.lora, request
+        if old is not None:
+            engine.remove_lora(old.lora_int_id)
+        with safe_open(os.path.join(folder, ADAPTER_WEIGHTS), framework="pt") as f:
+            return len(list(f.keys()))
+
+    def loras(self) -> set[int]:
+        """The adapter ids the engine holds (tests: the old one is gone)."""
+        return set(self.llm.llm_engine.list_loras())
 
     def close(self) -> None:
         if self.llm is not None:

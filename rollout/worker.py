@@ -24,6 +24,7 @@ import socket
 import sys
 import time
 import zlib
+from typing import Any
 
 from buffer.channel import Interrupted
 from buffer.control import sync
@@ -40,6 +41,7 @@ from rollout import reward
 from rollout.config import WorkerConfig
 from rollout.dataset import DatasetError, Prompt, PromptStream, data_sources, load_prompts
 from rollout.engine import Completion, SamplingSettings, build_engine, engine_problem
+from rollout.versions import ADAPTER, Refused, VersionGate, load_version
 
 log = logging.getLogger("rollout.worker")
 
@@ -65,13 +67,16 @@ def start_engine(
     device: str,
     timeout_s: float,
     who: str,
+    gate: VersionGate,
     should_stop=lambda: False,
     skip=lambda version, error: log.warning("weight version %d is damaged (%s): skipped", version, error),
 ):
     """(engine, version): an engine built from the newest published version, waiting up to
     `timeout_s` for the trainer's first one; (None, None) when `should_stop()` says so first.
     A damaged version (manifest or files not as published) is handed to `skip` and the next
-    older one still published is tried; when none is good, the next newer one is waited for."""
+    older one still published is tried; when none is good, the next newer one is waited for.
+    An adapter-only version is checked by `gate` (Refused) and applied to an engine built from
+    the gate's base (actor_rollout_ref.model.path)."""
     deadline, bad = time.monotonic() + timeout_s, set[int]()
     while True:
         newest = store.wait_latest(max(deadline - time.monotonic(), 0.0), should_stop=should_stop)
@@ -86,7 +91,7 @@ def start_engine(
             if version in bad or (version < newest and not store.exists(version)):
                 break  # older ones are pruned (or known bad): wait for a newer one
             try:
-                model_dir = store.fetch(version)
+                model_dir, manifest = store.fetch_manifest(version)
             except (ManifestError, FileNotFoundError) as e:  # damaged, or pruned while it loaded
                 if not store.exists(version):
                     log.warning("weight version %d was pruned while loading; retrying", version)
@@ -94,9 +99,9 @@ def start_engine(
                 bad.add(version)
                 skip(version, e)
                 continue
-            log.info("%s starting engine %s from %s", who, rollout_cfg.name, model_dir)
+            gate.check(version, manifest)  # Refused: never caught here
             try:
-                return build_engine(model_dir, rollout_cfg, device), version
+                return _engine_of(model_dir, manifest, rollout_cfg, device, gate, who), version
             except (OSError, ValueError):
                 # The trainer keeps only its newest versions: this one may have been pruned
                 # while the engine read it. Start again from the newest; else a real error.
@@ -107,6 +112,30 @@ def start_engine(
         if time.monotonic() > deadline:
             raise TimeoutError(f"{who}: no usable weight version within {timeout_s:.0f} s (damaged: {sorted(bad)})")
         time.sleep(0.5)  # pruned while it loaded: LATEST names a newer one in a moment
+
+
+def _engine_of(folder: str, manifest, rollout_cfg, device: str, gate: VersionGate, who: str):
+    """The engine of a first version: built from its folder (full weights), or from the base
+    with the adapter applied (an adapter-only version)."""
+    if manifest.adapter is None:
+        log.info("%s starting engine %s from %s", who, rollout_cfg.name, folder)
+        return build_engine(folder, rollout_cfg, device)
+    log.info(
+        "%s starting engine %s from the base %s (checksum %s) with the adapter of v%d (rank %d)",
+        who,
+        rollout_cfg.name,
+        gate.model_path,
+        gate.base(),
+        manifest.version,
+        manifest.adapter["rank"],
+    )
+    engine = build_engine(gate.model_path, rollout_cfg, device, adapter=manifest.adapter)
+    try:
+        engine.load_adapter(folder, manifest.version)
+    except BaseException:
+        engine.close()
+        raise
+    return engine
 
 
 @dataclasses.dataclass
@@ -131,6 +160,10 @@ class RolloutWorker:
         # Before writing anything, waiting for weights or loading an engine: every row can be scored.
         reward.check_data_sources(data_sources(cfg.data.train_files), cfg.custom_reward_function.path)
         self.store = self.stores.weights
+        # full or adapter-only versions; the base an adapter must name (issue 27)
+        self.gate = VersionGate(cfg.actor_rollout_ref.model.path)
+        self.refused: dict | None = None  # why this worker refused a version (heartbeat, exit 2)
+        self.engine: Any = None  # built by start()
         self.writer = ShardWriter(
             self.stores.sink(self.id), self.id, cfg.buffer, resume=self.stores.heartbeats.read(self.id)
         )
@@ -180,6 +213,7 @@ class RolloutWorker:
             self.cfg.worker.device,
             self.cfg.worker.weights_timeout_s,
             f"worker {self.id}",
+            self.gate,
             should_stop=lambda: self.stopping,
             skip=self._skip_version,
         )
@@ -218,9 +252,7 @@ class RolloutWorker:
             return False  # still arriving (network source): generate on, reload when it is here
         t0 = time.monotonic()
         try:
-            files = self.store.files(latest)
-            t1 = time.monotonic()
-            count = self.engine.load_files(files)
+            count = load_version(self.engine, self.store, self.gate, latest)  # Refused: not caught
         except BaseMissing as e:
             # Joined late, or our copy of its base is gone: the trainer publishes its next
             # version full when asked; until then generate on with the weights we have.
@@ -249,12 +281,11 @@ class RolloutWorker:
         self.reload_bytes += nbytes
         self.last_reload = {"version": latest, "bytes": nbytes, "seconds": t2 - t0}
         log.info(
-            "loaded weights v%d in place: %d tensors in %.3f s (checksums %.3f s, load %.3f s)",
+            "loaded %s v%d in place: %d tensors in %.3f s (checksums and load)",
+            "the adapter of" if self.gate.kind == ADAPTER else "weights",
             latest,
             count,
             t2 - t0,
-            t1 - t0,
-            t2 - t1,
         )
         return True
 
@@ -477,6 +508,7 @@ class RolloutWorker:
                 "rewards_dropped": self.rewards_dropped,
                 "reward_failures": self.reward_failures,
                 "versions_skipped": self.versions_skipped,
+                "refused": self.refused,
                 "loads": self.loads,
                 "history": self.history,
                 "last_beat": time.time(),
@@ -505,6 +537,19 @@ class RolloutWorker:
         return self.stores.state.done()
 
     def run(self) -> None:
+        """Generate until stopped; a refused version (rollout/versions.py) ends the worker: the
+        heartbeat names the reason and both checksums, Refused goes on to run_role (exit 2)."""
+        try:
+            self._run()
+        except Refused as e:
+            self.refused = e.details
+            log.error("worker %s refuses to go on: %s", self.id, e)
+            self.heartbeat("stopped")
+            if self.engine is not None:
+                self.engine.close()
+            raise
+
+    def _run(self) -> None:
         if not self.start():
             self.writer.close()
             self.heartbeat("stopped")
@@ -588,6 +633,9 @@ def run_role(role, config_cls, argv: list[str] | None, prog: str, description: s
             process.stores.weights.close()
     except (DatasetError, reward.RewardError) as e:  # the dataset or the reward set-up
         print(f"{prog}: {e}", file=sys.stderr)
+        return 2
+    except Refused as e:  # a weight version it must not sample from: restarting would not help
+        print(f"{prog}: refused: {e}", file=sys.stderr)
         return 2
     except Interrupted as e:  # a stop asked while the trainer was unreachable: a clean stop
         log.warning("%s", e)

@@ -10,7 +10,9 @@ serves packed rows only (one row of position ids, no attention mask); a padded b
 
 from __future__ import annotations
 
+import functools
 import importlib.util
+import inspect
 
 import torch
 
@@ -48,8 +50,28 @@ def varlen_attention(module, query, key, value, attention_mask, scaling=None, dr
         raise ValueError(f"attn_implementation={NAME}: no attention dropout")
     cu, longest = cu_seqlens(position_ids)
     q, k, v = (t[0].transpose(0, 1) for t in (query, key, value))  # (N, H, D)
-    out = varlen_attn(q, k, v, cu, cu, longest, longest, scale=scaling, window_size=(-1, 0), enable_gqa=True)
-    return out.unsqueeze(0), None
+    options = _varlen_options(varlen_attn)
+    if "enable_gqa" not in options and k.shape[1] != q.shape[1]:
+        # torch < 2.12 (2.11 on the GPU image): no grouped-query heads in the kernel, so each
+        # key/value head is repeated for its query heads (what enable_gqa does without copying)
+        k, v = (t.repeat_interleave(q.shape[1] // t.shape[1], dim=1) for t in (k, v))
+    kw: dict = {"enable_gqa": True} if "enable_gqa" in options else {}
+    if "window_size" in options:
+        kw["window_size"] = (-1, 0)  # causal: (-1, 0) = no limit to the left, none to the right
+    else:
+        kw["is_causal"] = True  # torch 2.10's spelling
+    if "scale" in options:
+        kw["scale"] = scaling
+    elif scaling is not None and abs(scaling - q.shape[-1] ** -0.5) > 1e-6 * scaling:
+        raise ValueError(f"attn_implementation={NAME}: this torch's varlen_attn has no scale= (needs 1/sqrt(D))")
+    return varlen_attn(q, k, v, cu, cu, longest, longest, **kw).unsqueeze(0), None
+
+
+@functools.cache
+def _varlen_options(fn) -> frozenset[str]:
+    """The keyword options of this torch's varlen_attn: its signature grew from 2.10 (is_causal)
+    to 2.11 (scale, window_size) to 2.12 (enable_gqa)."""
+    return frozenset(inspect.signature(fn).parameters)
 
 
 def attn_implementation(name: str, device: torch.device) -> str:

@@ -103,11 +103,16 @@ class WeightSource(abc.ABC):
     def files(self, version: int) -> list[str]:
         """Local paths of `version`'s safetensors files (sorted by name) after `fetch`: what an
         engine loads in place (vLLM's worker processes open them themselves)."""
+        return tensor_files(*self.fetch_manifest(version))
+
+    def fetch_manifest(self, version: int) -> tuple[str, WeightManifest]:
+        """`fetch(version)` and the manifest of the folder it returns (a delta's rebuilt folder
+        has its own): a reader tells an adapter-only version (`manifest.adapter`) from full
+        weights by it before loading anything."""
         folder = self.fetch(version)
         where = os.path.join(folder, "manifest.json")
         with open(where) as f:
-            manifest = WeightManifest.from_json(f.read(), where=where)
-        return [os.path.join(folder, name) for name in sorted({t.file for t in manifest.tensors.values()})]
+            return folder, WeightManifest.from_json(f.read(), where=where)
 
     def wait_latest(
         self, timeout_s: float, should_stop: ShouldStop = lambda: False, poll_s: float = 0.5, note_every_s: float = 30.0
@@ -133,3 +138,8 @@ class WeightSource(abc.ABC):
     @abc.abstractmethod
     def where(self) -> str:
         """Where versions come from, for messages (a path or an address)."""
+
+
+def tensor_files(folder: str, manifest: WeightManifest) -> list[str]:
+    """The safetensors files of a fetched version's folder that hold its tensors, sorted by name."""
+    return [os.path.join(folder, name) for name in sorted({t.file for t in manifest.tensors.values()})]
