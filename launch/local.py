@@ -415,10 +415,11 @@ def role_args(
     arguments; no validator without `val`, and then the trainer requests no validation."""
     common = ["--config", os.path.abspath(args.config)] if args.config else []
     common.append(f"root={run.files.root}")
+    # every role: the workers and the validator apply adapter-only (LoRA) versions to this base
+    common.append(f"{MODEL}={model}")
     trainer_recipe, worker_recipe = recipe(config, args)
     trainer = [
         *common,
-        f"{MODEL}={model}",
         f"{STEPS}={args.steps}",
         *trainer_recipe,
         f"{TEST_FREQ}={args.test_freq if val else -1}",
