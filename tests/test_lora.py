@@ -283,3 +283,63 @@ def test_critic_with_lora_trains_adapters_and_its_value_head(experience):
     assert critic and all(".lora_" in k or ".score." in k for k in critic), critic[:5]
     assert any(".score." in k for k in critic)
     assert json.loads((ckpt / "trainer_state.json").read_text())["critic_lora"]["rank"] == 4
+
+
+@pytest.mark.slow
+def test_lora_rl_learns_the_builtin_task_from_a_warmed_base(tmp_path):
+    """launch.local end to end with LoRA (trainer, a worker applying each adapter version to the
+    base): reward of the last 10 steps >= 0.5 and >= 3x the first 10.
+
+    The base is warmed by 100 SFT steps on a neighbouring task (answer each digit + 1), so RL on
+    the copy task starts near 0. On the random-init tiny model LoRA cannot learn (measured 0.17
+    -> 0.26): the final norm and the tied embeddings stay frozen, so the output distribution
+    cannot sharpen (entropy stayed at ~2.27 nats, near uniform over the 10 digits); after SFT
+    the base has the scale, and the adapters only have to remap the digits. Synchronous rollouts
+    (max_staleness=0) and two optimizer steps per trainer step at lr 3e-3 (rank 16, alpha 32):
+    at lr 1e-2 the reward rose then collapsed. Measured: 0.061 -> 0.489 at 160 steps, still
+    rising; 0.061 -> 0.549 at 200 steps (2 min here). Synchronous rollouts make the run the
+    same every time (the worker samples exactly the trainer's groups, seeded)."""
+    from rollout import preprocess
+
+    shifted = [(q, "".join(str(int(c) + 1) for c in q)) for q, _ in builtin_task_qa()]
+    data = tmp_path / "shift"
+    data.mkdir()
+    paths = {(k, s): str(data / f"{k}_{s}.parquet") for k in preprocess.KINDS for s in preprocess.SPLITS}
+    preprocess.write_splits(shifted, paths, "tandem/copy", "digits", 0.2, 0)
+    root = tmp_path / "run"
+    # fmt: off
+    args = [
+        "--root", str(root), "--steps", "200", "--nproc", "1", "--workers", "1", "--test-freq", "0",
+        "--sft-steps", "100",
+        "--sft", f"data.train_files=[{paths[('sft', 'train')]}]",
+        "--sft", f"data.val_files=[{paths[('sft', 'val')]}]",
+        "--trainer", "trainer.max_staleness=0",
+        "--trainer", "actor_rollout_ref.model.lora_rank=16",
+        "--trainer", "actor_rollout_ref.model.lora_alpha=32",
+        "--trainer", "actor_rollout_ref.actor.optim.lr=3e-3",
+        "--trainer", "actor_rollout_ref.actor.ppo_mini_batch_size=8",
+    ]
+    # fmt: on
+    from conftest import REPO_ROOT
+
+    out = subprocess.run(
+        [sys.executable, "-m", "launch.local", *args],
+        capture_output=True,
+        text=True,
+        timeout=900,
+        cwd=REPO_ROOT,
+        env=dict(__import__("os").environ, OMP_NUM_THREADS="1"),
+    )
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    rewards = [r["reward/mean"] for r in _rows(root) if "reward/mean" in r]
+    first, last = sum(rewards[:10]) / 10, sum(rewards[-10:]) / 10
+    print(f"LoRA RL reward: first 10 steps {first:.3f} -> last 10 steps {last:.3f}")
+    store = WeightStore(str(root))
+    assert store.manifest(store.versions()[-1]).adapter is not None  # adapter versions all along
+    assert last >= 0.5 and last >= 3 * first, (first, last)
+
+
+def builtin_task_qa():
+    from rollout import builtin_task
+
+    return builtin_task.make_qa(2000, 3)
