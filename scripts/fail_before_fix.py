@@ -1,4 +1,5 @@
-"""Issue 15's fixes and later issues' (30.<item>: issue 30; 26a-f: weight deltas), each
+"""Issue 15's fixes and later issues' (30.<item>: issue 30; 26a-f: weight deltas;
+27w-a..e: adapter-only versions on the workers), each
 removed in turn: its tests must fail without it and pass with it.
 
     python scripts/fail_before_fix.py [--only 2,5b] [--no-pass-run] [--timeout 1800] [--check]
@@ -36,6 +37,7 @@ H = "tests/test_hostile_clients.py::"
 EN, WN, CN = "buffer/experience/net_server.py", "buffer/weights/net_server.py", "buffer/control/net_server.py"
 C = "tests/test_contained_failures.py::"
 D = "tests/test_weights_delta.py::"
+L = "tests/test_lora_worker.py::"
 
 
 @dataclasses.dataclass
@@ -475,6 +477,42 @@ CASES = [
         "temp folders of killed rebuilds are never removed",
         [("buffer/weights/delta.py", "    remove_debris(os.path.dirname(out))\n", "")],
         [D + "test_a_worker_killed_mid_apply_resumes_with_nothing_lost"],
+    ),
+    Case(
+        "27w-a",
+        "a worker applies an adapter whatever base it names (the base checksums never compared)",
+        [("rollout/versions.py", "        if have != wanted:", "        if False:")],
+        [
+            L + "test_an_adapter_for_another_base_is_refused_before_anything_loads",
+            L + "test_a_worker_process_refuses_a_mismatched_base_exits_2_and_status_shows_refused",
+        ],
+    ),
+    Case(
+        "27w-b",
+        "an adapter-only version is taken as loaded without reaching the engine (verl #7495)",
+        [("rollout/versions.py", "        return engine.load_adapter(folder, version)", "        return 0")],
+        [
+            L + "test_worker_samples_each_adapter_version_as_the_trainer_computes_it",
+            L + "test_adapter_versions_over_the_network_store",
+        ],
+    ),
+    Case(
+        "27w-c",
+        "a run switching from adapter versions to full weights is loaded as it comes",
+        [("rollout/versions.py", "        if self.kind is not None and got != self.kind:", "        if False:")],
+        [L + "test_a_run_that_switches_from_adapters_to_full_weights_is_refused"],
+    ),
+    Case(
+        "27w-d",
+        "the refusal is not in the worker's heartbeat",
+        [("rollout/worker.py", '                "refused": self.refused,\n', "")],
+        [L + "test_a_worker_process_refuses_a_mismatched_base_exits_2_and_status_shows_refused"],
+    ),
+    Case(
+        "27w-e",
+        "launch.local gives the workers and the validator no base (model path)",
+        [("launch/local.py", '    common.append(f"{MODEL}={model}")\n', "")],
+        [L + "test_launch_local_gives_the_workers_and_the_validator_their_base"],
     ),
 ]
 

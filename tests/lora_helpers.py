@@ -14,9 +14,11 @@ from protocol.experience import Sample
 from protocol.weights import ADAPTER_CONFIG, ADAPTER_WEIGHTS, base_checksum
 
 
-def make_adapter(base_dir, out_dir, seed: int, rank: int = 4, alpha: float = 8.0, scale: float = 0.3):
+def make_adapter(base_dir, out_dir, seed: int, rank: int = 4, alpha: float = 8.0, scale: float = 0.3, values=None):
     """A PEFT model (the "trainer's" model: eval mode, float32) of the base in `base_dir` with a
-    random adapter of `rank`, saved by PEFT to `out_dir`."""
+    random adapter of `rank`, saved by PEFT to `out_dir`. `values`: a dtype the adapter's values
+    are rounded to (kept in float32), so that an engine that holds it in that dtype holds the
+    same numbers (vLLM's LoRA runs in the base's bfloat16)."""
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM
 
@@ -27,6 +29,8 @@ def make_adapter(base_dir, out_dir, seed: int, rank: int = 4, alpha: float = 8.0
         for name, p in model.named_parameters():
             if ".lora_B." in name:  # B starts at 0 (the adapter is the base): move it
                 p.copy_(torch.randn(p.shape, generator=g) * scale)
+            if values is not None and ".lora_" in name:
+                p.copy_(p.to(values).float())
     model.save_pretrained(out_dir)
     return model.eval()
 

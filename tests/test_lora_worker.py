@@ -9,6 +9,7 @@ import sys
 import time
 
 import pytest
+import torch
 from conftest import free_port, subprocess_env
 from lora_helpers import make_adapter, publish_adapter, trainer_logprobs
 
@@ -299,3 +300,56 @@ def test_adapter_versions_fan_out_between_peers(tmp_path):
         for f in fetchers:
             f.close()
         server.stop()
+
+
+def test_the_validator_measures_adapter_versions_and_refuses_another_base(tmp_path, models):
+    """The validator answers requests for adapter versions on its base (the adapter applied: its
+    greedy answers are the adapter's), and refuses one of another base: exits through Refused,
+    its last heartbeat stopped with the reason, so the trainer stops waiting for results."""
+    from rollout.config import ValidatorConfig
+    from rollout.engine import SamplingSettings
+    from rollout.validate import Validator
+
+    a = make_adapter(models / "base", tmp_path / "a", seed=1)
+    make_adapter(models / "other_base", tmp_path / "b", seed=2)
+    root = tmp_path / "run"
+    store = WeightStore(str(root))
+    publish_adapter(store, tmp_path / "a", models / "base", 0)
+    store.validation.request(0, 0)
+    cfg = build(
+        ValidatorConfig,
+        {
+            "root": str(root),
+            "data.val_files": f"[{models / 't.parquet'}]",
+            "data.max_response_length": "3",
+            "actor_rollout_ref.model.path": str(models / "base"),
+        },
+    )
+    validator = Validator(cfg)
+    assert validator.start() and validator.answer_next()
+    assert not store.validation.result(0).skipped
+    prompt = validator.prompts[0].token_ids
+    [[greedy]] = validator.engine.generate([prompt], SamplingSettings(1, 0.0, 1.0, 3, 0))
+    with torch.no_grad():  # the trainer's PEFT model, greedy: the same tokens
+        expected = a.generate(input_ids=torch.tensor([prompt]), max_new_tokens=3, do_sample=False)
+    assert greedy.token_ids == expected[0, len(prompt) :].tolist()[: len(greedy.token_ids)]
+
+    publish_adapter(store, tmp_path / "b", models / "other_base", 1)
+    store.validation.request(1, 1)
+    with pytest.raises(Refused, match=base_checksum(models / "other_base")):
+        validator.run()
+    beat = store.validation.beat()
+    assert beat["state"] == "stopped" and beat["refused"]["worker_base"] == base_checksum(models / "base")
+
+
+def test_launch_local_gives_the_workers_and_the_validator_their_base(tmp_path):
+    """launch.local hands actor_rollout_ref.model.path to every role: an adapter-only version
+    needs the base on the workers' and the validator's side."""
+    from launch import local
+
+    builtin_task.write_model(tmp_path / "m")
+    run = setup_trainer_run(str(tmp_path / "run"))
+    args = local.parse_args(["--root", run.root, "--model", str(tmp_path / "m")])
+    trainer, worker, validator = local.role_args(run, args, str(tmp_path / "m"), None, {}, ["/d/val.parquet"])
+    for role in (trainer, worker, validator):
+        assert f"actor_rollout_ref.model.path={tmp_path / 'm'}" in role, role
