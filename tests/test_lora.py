@@ -343,3 +343,28 @@ def builtin_task_qa():
     from rollout import builtin_task
 
     return builtin_task.make_qa(2000, 3)
+
+
+def test_adapter_dropout_is_on_for_updates_only(tmp_path):
+    """lora_dropout: lora.dropout(model, False) (pi_old, reference, values, validation) gives the
+    same logits pass after pass whatever the model's train/eval mode; on (updates), it does not."""
+    from transformers import AutoModelForCausalLM
+
+    from rollout import builtin_task
+    from trainer import lora
+
+    builtin_task.write_model(tmp_path / "m")
+    model = lora.apply(
+        AutoModelForCausalLM.from_pretrained(tmp_path / "m", dtype=torch.float32),
+        lora.LoraSpec(4, 8, "all-linear", (), 0.5),
+    )
+    with torch.no_grad():
+        for p in model.parameters():
+            if "lora_B" in getattr(p, "_name", "") or p.requires_grad:
+                p.add_(0.1)  # B != 0: the adapter's input (where dropout acts) reaches the output
+    model.train()
+    with lora.dropout(model, False):
+        assert torch.equal(_logits(model, IDS), _logits(model, IDS))
+    with lora.dropout(model, True):
+        assert not torch.equal(_logits(model, IDS), _logits(model, IDS))
+    assert all(m.training for n, m in model.named_modules() if n.endswith("lora_dropout.default"))  # restored

@@ -45,7 +45,8 @@ class Critic:
     def values(self, batch: Batch) -> torch.Tensor:
         """V_old, (B, R), at the weights before this step's update. Collective."""
         passes = update.plan([torch.arange(len(batch))], batch, self.cfg, self.packed)[0].passes
-        return update.infer(lambda c: algo.response_values(self.model, c), batch, passes, self.packed)
+        with lora.dropout(self.model, False):
+            return update.infer(lambda c: algo.response_values(self.model, c), batch, passes, self.packed)
 
     def update(
         self,

@@ -122,17 +122,24 @@ def reference(model):
 
 
 @contextlib.contextmanager
-def dropout_active(model, spec: LoraSpec | None):
-    """Train mode (the adapters' dropout on) for an update when the spec has dropout; pi_old
-    and the reference are computed in eval mode, as the workers sample, without it."""
-    if spec is None or spec.dropout == 0:
-        yield
-        return
-    model.train()
+def dropout(model, on: bool):
+    """The adapters' dropout on or off (only their `lora_dropout` modules, whatever the model's
+    own train/eval mode), restored after: on for updates, off for pi_old, the reference, values
+    and validation, which the workers' sampling (no dropout) must match."""
+    mods = [m for n, m in model.named_modules() if n.endswith(f"lora_dropout.{ADAPTER}")] if is_peft(model) else []
+    before = [m.training for m in mods]
+    for m in mods:
+        m.train(on)
     try:
         yield
     finally:
-        model.eval()
+        for m, was in zip(mods, before):
+            m.train(was)
+
+
+def dropout_active(model, spec: LoraSpec | None):
+    """The adapters' dropout for an update (a no-op without LoRA or with lora_dropout=0)."""
+    return dropout(model, spec is not None and spec.dropout > 0)
 
 
 def full_tensor(t: torch.Tensor) -> torch.Tensor:

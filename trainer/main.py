@@ -419,11 +419,11 @@ class Trainer:
         timing: dict[str, float] = {}
         packed = self.packed
         passes = update.plan([torch.arange(len(batch))], batch, actor, packed)[0].passes
-        with timed(timing, "old_log_prob"):
+        with timed(timing, "old_log_prob"), lora.dropout(self.model, False):
             old = update.infer(lambda c: self.logprobs(self.model, c)[0], batch, passes, packed)
         ref = values = None
         if self.use_ref:
-            with timed(timing, "ref"), self.reference() as ref_model:
+            with timed(timing, "ref"), self.reference() as ref_model, lora.dropout(self.model, False):
                 ref = update.infer(lambda c: self.logprobs(ref_model, c)[0], batch, passes, packed)
         if self.critic is not None:
             with timed(timing, "values"):

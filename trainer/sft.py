@@ -219,7 +219,8 @@ class SFTTrainer:
         if self.val is None:
             return {}
         indices = list(range(len(self.val)))
-        nll = self._passes(indices, "val", self.val, 0.0, backward=False)
+        with lora.dropout(self.model, False):
+            nll = self._passes(indices, "val", self.val, 0.0, backward=False)
         return {"val/loss": nll / self.val.loss_tokens(indices)}
 
     # --- outputs --------------------------------------------------------------------------
