@@ -3,6 +3,12 @@
     python -m launch.export --checkpoint RUN/checkpoints/step_00000100 --out HF_DIR
     python -m launch.export --checkpoint global_step_100/actor --out HF_DIR      # a verl FSDP one
     python -m launch.export --checkpoint global_step_100/actor --out HF_DIR      # a verl Megatron one
+    python -m launch.export --checkpoint RUN/checkpoints/step_00000100 --out DIR --adapter-only  # LoRA
+
+A tandem LoRA checkpoint (lora_rank > 0: the adapter and its optimizer state) exports merged
+(the base, from trainer_state.json's model_path after its checksum is checked, with the adapter
+folded in: an HF folder transformers loads) or, with --adapter-only, as the adapter alone in
+PEFT's layout.
 
 Accepts a tandem checkpoint (torch.distributed.checkpoint shards + trainer_state.json) or a verl
 FSDP actor checkpoint (`model_world_size_W_rank_R.pt`, `fsdp_config.json`, `huggingface/`),
@@ -56,6 +62,52 @@ def tandem_state(checkpoint: str) -> tuple[dict, str]:
     state = {"model": model.state_dict()}
     dcp.load(state, checkpoint_id=checkpoint, no_dist=True)
     return state["model"], model_path
+
+
+def lora_model(checkpoint: str, saved: dict):
+    """The PeftModel of a LoRA checkpoint: its base (trainer_state's model_path, checked against
+    the checksum the checkpoint names) with the adapter it saved."""
+    import torch.distributed.checkpoint as dcp
+    from transformers import AutoModelForCausalLM
+
+    from protocol.weights import base_checksum
+    from trainer import lora
+
+    spec, model_path = saved["lora"], saved["model_path"]
+    if not os.path.isdir(model_path):
+        raise ExportError(f"{checkpoint}: a LoRA checkpoint of the base {model_path}, which is not there")
+    if (found := base_checksum(model_path)) != spec["base"]:
+        raise ExportError(
+            f"{checkpoint}: a LoRA checkpoint of a base with checksum {spec['base']}; {model_path} "
+            f"now has {found}: its adapter does not apply to it"
+        )
+    targets = spec["target_modules"]
+    lora_spec = lora.LoraSpec(
+        spec["rank"],
+        spec["alpha"],
+        targets if isinstance(targets, str) else tuple(targets),
+        tuple(spec["exclude_modules"]),
+        spec["dropout"],
+    )
+    model = lora.apply(AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32), lora_spec)
+    state = {"model": {k: v for k, v in model.state_dict().items() if ".lora_" in k}}
+    dcp.load(state, checkpoint_id=checkpoint, no_dist=True)
+    missing, unexpected = model.load_state_dict(state["model"], strict=False)
+    if unexpected or any(".lora_" in k for k in missing):
+        raise ExportError(f"{checkpoint}: adapter tensors do not match its settings {spec}: {unexpected[:3]}")
+    return model.eval(), model_path
+
+
+def export_lora(checkpoint: str, saved: dict, tmp: str, adapter_only: bool) -> None:
+    """A LoRA checkpoint into `tmp`: the adapter alone in PEFT's layout (adapter_config.json,
+    adapter_model.safetensors; PeftModel.from_pretrained and vLLM's LoRA loader read it), or
+    the merged model (PEFT's merge_and_unload: W + alpha/r * B @ A) as a plain HF folder."""
+    model, model_path = lora_model(checkpoint, saved)
+    if adapter_only:
+        model.save_pretrained(tmp)
+    else:
+        model.merge_and_unload().save_pretrained(tmp)
+    copy_model_metadata(model_path, tmp)  # tokenizer and configs; never old weights
 
 
 def _load(path: str) -> dict:
@@ -146,9 +198,23 @@ def merge_megatron(checkpoint: str, tmp: str) -> None:
         raise ExportError(f"{' '.join(cmd)} failed (exit {done.returncode}):\n{(done.stdout + done.stderr)[-3000:]}")
 
 
-def export(checkpoint: str, out: str) -> str:
+def export(checkpoint: str, out: str, adapter_only: bool = False) -> str:
+    """`adapter_only`: a LoRA checkpoint's adapter in PEFT's layout instead of merged weights."""
     if os.path.exists(out):
         raise ExportError(f"--out {out} already exists; choose a new folder")
+    saved = {}
+    if os.path.isfile(state_file(checkpoint)):
+        with open(state_file(checkpoint)) as f:
+            saved = json.load(f)
+    if saved.get("lora"):
+        tmp = f"{out.rstrip('/')}.tmp-{os.getpid()}"
+        shutil.rmtree(tmp, ignore_errors=True)
+        export_lora(checkpoint, saved, tmp, adapter_only)
+        respect_umask(tmp)
+        os.replace(tmp, out)
+        return out
+    if adapter_only:
+        raise ExportError(f"--adapter-only: {checkpoint} holds full weights, no LoRA adapter (lora_rank was 0)")
     if is_megatron(checkpoint):
         tmp = f"{out.rstrip('/')}.tmp-{os.getpid()}"
         shutil.rmtree(tmp, ignore_errors=True)
@@ -193,9 +259,14 @@ def main(argv: list[str] | None = None) -> int:
         "--checkpoint", required=True, help="checkpoint folder (tandem, or a verl FSDP or Megatron actor folder)"
     )
     p.add_argument("--out", required=True, help="HF model folder to create")
+    p.add_argument(
+        "--adapter-only",
+        action="store_true",
+        help="a LoRA checkpoint: write its adapter alone in PEFT's layout (default: the merged full weights)",
+    )
     args = p.parse_args(argv)
     try:
-        print(f"exported {args.checkpoint} -> {export(args.checkpoint, args.out)}")
+        print(f"exported {args.checkpoint} -> {export(args.checkpoint, args.out, args.adapter_only)}")
     except (ExportError, FileNotFoundError, KeyError) as e:
         print(f"launch.export: {e}", file=sys.stderr)
         return 1

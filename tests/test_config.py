@@ -439,7 +439,8 @@ def test_every_key_of_verls_own_config_is_classified_and_both_roles_build_from_i
 @pytest.mark.parametrize(
     "key,value,why",
     [
-        ("actor_rollout_ref.model.lora_rank", "8", "LoRA"),
+        ("actor_rollout_ref.model.lora_adapter_path", "/adapter", "saved LoRA adapter"),
+        ("actor_rollout_ref.model.lora.rank", "8", "Megatron LoRA"),
         ("actor_rollout_ref.actor.strategy", "megatron", "megatron"),
         ("reward_model.enable", "true", "reward models"),
         ("actor_rollout_ref.actor.ulysses_sequence_parallel_size", "2", "sequence parallel"),
@@ -458,9 +459,30 @@ def test_settings_tandem_cannot_honour_are_refused_with_the_reason(key, value, w
 
 def test_refusal_from_the_file_names_the_file(tmp_path):
     path = tmp_path / "c.yaml"
-    path.write_text(VERL_YAML.read_text().replace("lora_rank: 0", "lora_rank: 16"))
-    with pytest.raises(ConfigError, match=rf"lora_rank=16 \(--config {path}\): not supported: LoRA"):
+    path.write_text(
+        VERL_YAML.read_text().replace("ulysses_sequence_parallel_size: 1", "ulysses_sequence_parallel_size: 2")
+    )
+    with pytest.raises(
+        ConfigError, match=rf"ulysses_sequence_parallel_size=2 \(--config {path}\): not supported: sequence"
+    ):
         load(TrainerConfig, {"root": "/run"}, path)
+
+
+def test_verl_lora_keys_are_applied_to_actor_and_critic(tmp_path):
+    """verl's FSDP LoRA keys (issue 27) from the file and the command line; bad values name the field."""
+    path = tmp_path / "c.yaml"
+    path.write_text(VERL_YAML.read_text().replace("lora_rank: 0", "lora_rank: 16"))
+    over = {"root": "/run", "critic.model.lora_rank": "8", "actor_rollout_ref.model.target_modules": "[q_proj,v_proj]"}
+    cfg, _ = load(TrainerConfig, over, path)
+    model = cfg.actor_rollout_ref.model
+    assert (model.lora_rank, model.lora_alpha, model.target_modules) == (16, 16, ["q_proj", "v_proj"])
+    assert (cfg.critic.model.lora_rank, cfg.critic.model.target_modules) == (8, "all-linear")
+    with pytest.raises(ConfigError, match="actor_rollout_ref.model.lora_rank: must be >= 0"):
+        load(TrainerConfig, {"root": "/run", "actor_rollout_ref.model.lora_rank": "-1"}, VERL_YAML)
+    with pytest.raises(ConfigError, match="critic.model.target_modules: lm_head cannot get an adapter"):
+        load(TrainerConfig, {**over, "critic.model.target_modules": "[lm_head]"}, path)
+    with pytest.raises(ConfigError, match="actor_rollout_ref.model.lora_dropout: must be <= 0.9"):
+        load(TrainerConfig, {"root": "/run", "actor_rollout_ref.model.lora_dropout": "1.0"}, VERL_YAML)
 
 
 @pytest.mark.parametrize(
@@ -619,8 +641,8 @@ def test_pool_validates_the_workers_config_and_passes_it_on():
     cfg, worker_args = parse(["root=/r", "pool.id=p", "--config", str(VERL_YAML), "--prompts_per_batch", "2"])
     assert cfg.pool.id == "p"
     assert worker_args == ["--config", str(VERL_YAML), "prompts_per_batch=2"]
-    with pytest.raises(ConfigError, match="lora_rank=8"):
-        parse(["root=/r", "--config", str(VERL_YAML), "actor_rollout_ref.model.lora_rank=8"])
+    with pytest.raises(ConfigError, match="lora_adapter_path='/a'"):
+        parse(["root=/r", "--config", str(VERL_YAML), "actor_rollout_ref.model.lora_adapter_path=/a"])
 
 
 # --- launch.local with a config ----------------------------------------------------------------
@@ -724,7 +746,7 @@ CLI_RUNS = {
         "--config",
         "tests/data/verl_grpo.yaml",
         "root=/x",
-        "actor_rollout_ref.model.lora_rank=8",
+        "actor_rollout_ref.model.lora_adapter_path=/a",
     ],
     "worker_verl_inf": [
         "-m",
@@ -801,7 +823,7 @@ def test_trainer_missing_required_exits_2(cli_results):
 @pytest.mark.parametrize(
     "run,words",
     [
-        ("trainer_verl_lora", ["actor_rollout_ref.model.lora_rank=8", "LoRA is not supported"]),
+        ("trainer_verl_lora", ["actor_rollout_ref.model.lora_adapter_path='/a'", "saved LoRA adapter"]),
         ("worker_verl_inf", ["actor_rollout_ref.rollout.top_p: must be a finite number"]),
     ],
 )

@@ -169,7 +169,7 @@ def test_split_and_micro_batches_cover_each_sequence_once_within_budget():
 
 
 # --- config and preprocessing ---------------------------------------------------------------
-def test_verl_sft_yaml_loads_and_lora_is_refused_with_the_reason(tmp_path):
+def test_verl_sft_yaml_loads_and_a_lora_adapter_path_is_refused_with_the_reason(tmp_path):
     yaml_file = tmp_path / "sft.yaml"
     yaml_file.write_text("""
 data: {train_files: [t.parquet], val_files: [v.parquet], prompt_key: question, response_key: answer,
@@ -185,10 +185,11 @@ trainer: {default_local_dir: /out, project_name: p, experiment_name: e, total_ep
     cfg = build(SFTConfig, {"trainer.save_freq": "5"}, yaml_file)
     assert (cfg.data.prompt_key, cfg.data.max_length, cfg.trainer.save_freq) == ("question", 2048, 5)
     assert cfg.trainer.total_training_steps is None and cfg.trainer.output_dir == "/out"
+    assert build(SFTConfig, {"model.lora_rank": "8"}, yaml_file).model.lora_rank == 8  # issue 27
     with pytest.raises(
-        ConfigError, match=r"model.lora_rank=8 \(command line\): not supported: LoRA is not supported yet"
+        ConfigError, match=r"model.lora_adapter_path='/a' \(command line\): not supported: starting from a saved"
     ):
-        build(SFTConfig, {"model.lora_rank": "8"}, yaml_file)
+        build(SFTConfig, {"model.lora_adapter_path": "/a"}, yaml_file)
     with pytest.raises(ConfigError, match="max_token_len_per_gpu=512 must be at least data.max_length=2048"):
         build(SFTConfig, {"data.max_token_len_per_gpu": "512"}, yaml_file)
 

@@ -344,9 +344,9 @@ def test_dry_run_renders_the_sft_role(tmp_path):
     # refused before anything is submitted, with the setting named
     out = _run([*base, "trainer.default_local_dir=/elsewhere"])
     assert out.returncode == 2 and "give the output folder with --root" in out.stderr, out.stderr
-    out = _run([*base, "model.lora_rank=8"])
+    out = _run([*base, "model.lora_adapter_path=/a"])
     assert out.returncode == 2
-    assert "model.lora_rank=8 (command line): not supported: LoRA is not supported yet" in out.stderr
+    assert "model.lora_adapter_path='/a' (command line): not supported: starting from a saved" in out.stderr
 
 
 @pytest.mark.slow

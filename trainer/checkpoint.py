@@ -20,12 +20,13 @@ import socket
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
 from buffer.checkpoints import STATE_FILE, FsCheckpoints, pool_file, state_file
 from buffer.experience.reader import Group
 from buffer.storage import is_disk_full
 from protocol.experience import decode, encode, from_table, to_table
+from trainer import lora
 
 log = logging.getLogger(__name__)
 
@@ -42,13 +43,45 @@ def resume_path(mode: str, ckpts: FsCheckpoints, setting: str = "trainer.resume_
     return mode
 
 
+def _options(model) -> StateDictOptions:
+    """A LoRA model (PeftModel) saves and loads its trainable tensors only (the adapters, a
+    critic's value head): the frozen base is model.path's, which the checkpoint names by
+    checksum (`lora_state`)."""
+    if lora.is_peft(model):
+        return StateDictOptions(ignore_frozen_params=True, strict=False)
+    return StateDictOptions()
+
+
 def _modules(model, optimizer, critic) -> dict:
     """The DCP state of the actor ("model", "optim") and of the critic ("critic", "critic_optim")."""
-    model_sd, optim_sd = get_state_dict(model, optimizer)
+    model_sd, optim_sd = get_state_dict(model, optimizer, options=_options(model))
     out = {"model": model_sd, "optim": optim_sd}
     if critic is not None:
-        out["critic"], out["critic_optim"] = get_state_dict(critic.model, critic.optimizer)
+        out["critic"], out["critic_optim"] = get_state_dict(
+            critic.model, critic.optimizer, options=_options(critic.model)
+        )
     return out
+
+
+def lora_state(spec, base: str | None, critic=None) -> dict:
+    """What trainer_state.json records of LoRA, and a resume must match: the actor's adapter
+    settings and base checksum, the critic's settings (None: full weights)."""
+    critic_spec = getattr(critic, "lora", None)
+    return {
+        "lora": None if spec is None else spec.describe() | {"base": base},
+        "critic_lora": None if critic_spec is None else critic_spec.describe(),
+    }
+
+
+def check_lora(path: str, saved: dict, expected: dict) -> None:
+    """Refuse a checkpoint whose LoRA settings or base differ from this run's, naming both."""
+    for key, setting in (("lora", "actor_rollout_ref.model"), ("critic_lora", "critic.model")):
+        if saved.get(key) != expected.get(key):
+            raise ValueError(
+                f"{path}: saved with {key}={saved.get(key)}, this run has {expected.get(key)} "
+                f"({setting}.lora_rank / lora_alpha / target_modules / exclude_modules / lora_dropout, "
+                f"and the base model's checksum): resume with the same settings and base, or start a new run folder"
+            )
 
 
 def save(
@@ -153,13 +186,15 @@ def _skipped(full: str | None, tmp: str, step: int, agreed: bool = False) -> boo
     return True
 
 
-def load(model, optimizer, path: str, critic=None) -> tuple[dict, list[Group]]:
+def load(model, optimizer, path: str, critic=None, lora_expected: dict | None = None) -> tuple[dict, list[Group]]:
     """Collective: restore model and optimizer (and the critic's) in place; returns
-    (trainer state, pool)."""
+    (trainer state, pool). `lora_expected` (`lora_state` of this run, on every rank): refused
+    before anything is loaded when the checkpoint's differs."""
     if not os.path.isfile(state_file(path)):
         raise FileNotFoundError(f"{path}: not a complete tandem checkpoint (no {STATE_FILE})")
     with open(state_file(path)) as f:
         trainer_state = json.load(f)
+    check_lora(path, trainer_state, lora_expected or lora_state(None, None))
     if critic is not None and not trainer_state.get("critic"):
         raise ValueError(
             f"{path}: this run trains a critic (algorithm.adv_estimator=gae or "
@@ -168,10 +203,16 @@ def load(model, optimizer, path: str, critic=None) -> tuple[dict, list[Group]]:
         )
     state = _modules(model, optimizer, critic)
     dcp.load(state, checkpoint_id=path)
-    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    set_state_dict(
+        model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"], options=_options(model)
+    )
     if critic is not None:
         set_state_dict(
-            critic.model, critic.optimizer, model_state_dict=state["critic"], optim_state_dict=state["critic_optim"]
+            critic.model,
+            critic.optimizer,
+            model_state_dict=state["critic"],
+            optim_state_dict=state["critic_optim"],
+            options=_options(critic.model),
         )
     samples = []
     if os.path.isfile(pool_file(path)):  # SFT checkpoints have no pool

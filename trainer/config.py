@@ -6,7 +6,7 @@ import dataclasses
 
 from buffer.config import BufferConfig
 from protocol.config import ConfigError, F
-from protocol.sections import DataConfig, ModelConfig
+from protocol.sections import DataConfig, LoraFields, ModelConfig
 
 
 def device_problem(pref: str) -> str | None:
@@ -220,12 +220,18 @@ class CriticOptimConfig(OptimConfig):
 
 
 @dataclasses.dataclass
-class CriticModelConfig:
+class CriticModelConfig(LoraFields):
+    """`critic.model.*`; with lora_rank > 0 the value head (`score`) trains in full beside the
+    adapters: it is new, randomly initialised, and has no frozen weights to adapt."""
+
     path: str | None = F(
         None, "HF model folder the value model starts from (a value head is added); None: actor_rollout_ref.model.path"
     )
     enable_gradient_checkpointing: bool = F(False, "recompute activations in backward")
     use_remove_padding: bool | None = F(None, "pack micro-batches (None: actor_rollout_ref.model.use_remove_padding)")
+
+    def check(self) -> None:
+        self.check_lora("critic.model")
 
 
 @dataclasses.dataclass

@@ -14,8 +14,9 @@ import math
 
 import torch
 
-from trainer import algo, update
+from trainer import algo, lora, update
 from trainer.batch import Batch
+from trainer.lora import LoraSpec
 from trainer.model import build_actor, packed_attention
 
 
@@ -24,21 +25,28 @@ class Critic:
         """cfg: trainer.config.CriticConfig (None fields already taken from the actor)."""
         self.cfg = cfg
         self.packed = bool(cfg.model.use_remove_padding)
+        # critic.model.lora_rank > 0: adapters on the frozen backbone; the value head trains in full
+        self.lora = LoraSpec.of(cfg.model)
         self.model = build_actor(
             cfg.model.path,
             device,
             cfg.model.enable_gradient_checkpointing,
             value_head=True,
             attn_implementation=packed_attention(device) if self.packed else None,
+            lora=self.lora,
         )
         self.optimizer = torch.optim.AdamW(
-            self.model.parameters(), lr=cfg.optim.lr, weight_decay=cfg.optim.weight_decay, betas=tuple(cfg.optim.betas)
+            lora.trainable(self.model),
+            lr=cfg.optim.lr,
+            weight_decay=cfg.optim.weight_decay,
+            betas=tuple(cfg.optim.betas),
         )
 
     def values(self, batch: Batch) -> torch.Tensor:
         """V_old, (B, R), at the weights before this step's update. Collective."""
         passes = update.plan([torch.arange(len(batch))], batch, self.cfg, self.packed)[0].passes
-        return update.infer(lambda c: algo.response_values(self.model, c), batch, passes, self.packed)
+        with lora.dropout(self.model, False):
+            return update.infer(lambda c: algo.response_values(self.model, c), batch, passes, self.packed)
 
     def update(
         self,
@@ -83,7 +91,8 @@ class Critic:
             cfg.optim.warmup_style,
             cfg.optim.min_lr_ratio,
         )
-        totals, norms = update.optimize(self.model, self.optimizer, minibatches, lr, cfg.grad_clip, loss_fn)
+        with lora.dropout_active(self.model, self.lora):
+            totals, norms = update.optimize(self.model, self.optimizer, minibatches, lr, cfg.grad_clip, loss_fn)
         loss, clipfrac, vpred, tokens = update.all_sum(totals, batch.input_ids.device).tolist()
         # Each pass's loss is scaled by world / (mini-batch tokens): the sum over ranks of a
         # mini-batch's passes is world x its global loss.

@@ -33,14 +33,16 @@ from buffer.run import setup_trainer_run
 from buffer.storage import DISK_FULL_TIMEOUT_S, is_disk_full
 from buffer.weights.fs import hf_folder_problem
 from protocol.config import parse_cli, to_dict
-from trainer import algo, checkpoint, update
+from protocol.weights import base_checksum
+from trainer import algo, checkpoint, lora, update
 from trainer.batch import collate
 from trainer.config import TrainerConfig, device_problem
 from trainer.critic import Critic
 from trainer.lifeline import die_with_agent
+from trainer.lora import LoraSpec
 from trainer.metrics import MetricsLog, generation_seconds, length_metrics, memory_metrics, mfu, timed
 from trainer.model import build_actor, packed_attention
-from trainer.publish import publish_version
+from trainer.publish import publish_adapter, publish_version
 from trainer.run_lock import RunLock, RunLocked
 from trainer.validation import ValidationLog, validation_due
 
@@ -105,14 +107,33 @@ class Trainer:
         grad_ckpt = cfg.actor_rollout_ref.model.enable_gradient_checkpointing
         self.packed = cfg.actor_rollout_ref.model.use_remove_padding  # every pass: pi_old, ref, policy
         attn = packed_attention(device) if self.packed else None
-        self.model = build_actor(self.model_path, device, gradient_checkpointing=grad_ckpt, attn_implementation=attn)
-        use_ref = cfg.actor_rollout_ref.actor.use_kl_loss or cfg.algorithm.use_kl_in_reward
-        self.ref_model = (
-            build_actor(self.model_path, device, trainable=False, attn_implementation=attn) if use_ref else None
+        # LoRA (actor_rollout_ref.model.lora_rank > 0): adapters on the frozen base; versions are
+        # the adapter alone, naming the base by its checksum (rank 0 publishes; computed once).
+        self.lora = LoraSpec.of(cfg.actor_rollout_ref.model)
+        self.base_checksum = base_checksum(self.model_path) if self.lora else None
+        self.model = build_actor(
+            self.model_path, device, gradient_checkpointing=grad_ckpt, attn_implementation=attn, lora=self.lora
         )
+        self.use_ref = cfg.actor_rollout_ref.actor.use_kl_loss or cfg.algorithm.use_kl_in_reward
+        # With LoRA the reference is the same model with its adapter disabled: no second copy.
+        self.ref_model = (
+            build_actor(self.model_path, device, trainable=False, attn_implementation=attn)
+            if self.use_ref and self.lora is None
+            else None
+        )
+        if self.lora is not None:
+            log.info(
+                "LoRA rank %d alpha %s on %d modules: %d trainable parameters of %d%s",
+                self.lora.rank,
+                self.lora.alpha,
+                len(lora.adapted_modules(self.model)),
+                sum(p.numel() for p in lora.trainable(self.model)),
+                sum(p.numel() for p in self.model.parameters()),
+                "; the reference is the base (adapter disabled)" if self.use_ref else "",
+            )
         optim = cfg.actor_rollout_ref.actor.optim
         self.optimizer = torch.optim.AdamW(
-            self.model.parameters(), lr=optim.lr, weight_decay=optim.weight_decay, betas=tuple(optim.betas)
+            lora.trainable(self.model), lr=optim.lr, weight_decay=optim.weight_decay, betas=tuple(optim.betas)
         )
         self.critic = Critic(cfg.critic, device) if cfg.use_critic else None
         from verl.trainer.ppo.core_algos import get_kl_controller
@@ -194,7 +215,8 @@ class Trainer:
 
     def _resume(self, path: str) -> None:
         """Restore weights, optimizer, step and the experience ledger; continue the version count."""
-        state, pool = checkpoint.load(self.model, self.optimizer, path, self.critic)
+        lora_state = checkpoint.lora_state(self.lora, self.base_checksum, self.critic)
+        state, pool = checkpoint.load(self.model, self.optimizer, path, self.critic, lora_state)
         self.step = state["step"]
         self.kl_ctrl.value = state.get("kl_coef", self.kl_ctrl.value)
         torch.set_rng_state(torch.tensor(state["rng"]["cpu"], dtype=torch.uint8))
@@ -224,6 +246,7 @@ class Trainer:
                 "consumed": self.reader.consumed.to_json(),
                 "stats": dict(self.reader.stats),
                 "kl_coef": self.kl_ctrl.value,
+                **checkpoint.lora_state(self.lora, self.base_checksum, self.critic),
             }
             pool = list(self.reader.pool)
         t0 = time.monotonic()
@@ -396,12 +419,12 @@ class Trainer:
         timing: dict[str, float] = {}
         packed = self.packed
         passes = update.plan([torch.arange(len(batch))], batch, actor, packed)[0].passes
-        with timed(timing, "old_log_prob"):
+        with timed(timing, "old_log_prob"), lora.dropout(self.model, False):
             old = update.infer(lambda c: self.logprobs(self.model, c)[0], batch, passes, packed)
         ref = values = None
-        if self.ref_model is not None:
-            with timed(timing, "ref"):
-                ref = update.infer(lambda c: self.logprobs(self.ref_model, c)[0], batch, passes, packed)
+        if self.use_ref:
+            with timed(timing, "ref"), self.reference() as ref_model, lora.dropout(self.model, False):
+                ref = update.infer(lambda c: self.logprobs(ref_model, c)[0], batch, passes, packed)
         if self.critic is not None:
             with timed(timing, "values"):
                 values = self.critic.values(batch)
@@ -444,6 +467,10 @@ class Trainer:
                 metrics |= self.update_actor(batch, groups, old, ref, adv, seed + [0])
             metrics["perf/mfu/actor"] = self.mfu(self.model, samples, timing["timing_s/update_actor"], actor.ppo_epochs)
         return metrics | timing
+
+    def reference(self):
+        """The reference policy for pi_ref: the frozen copy, or with LoRA the base (adapter off)."""
+        return contextlib.nullcontext(self.ref_model) if self.ref_model is not None else lora.reference(self.model)
 
     def logprobs(self, model, batch, **kwargs):
         """algo.response_logprobs, chunked by `self.logprob_chunk` tokens (None: full logits,
@@ -541,7 +568,8 @@ class Trainer:
             actor.optim.warmup_style,
             actor.optim.min_lr_ratio,
         )
-        totals, norms = update.optimize(self.model, self.optimizer, minibatches, lr, actor.grad_clip, loss_fn)
+        with lora.dropout_active(self.model, self.lora):
+            totals, norms = update.optimize(self.model, self.optimizer, minibatches, lr, actor.grad_clip, loss_fn)
         pg, ppo_kl, clipfrac, lower, w, kl, ent, tokens = update.all_sum(totals, self.device).tolist()
         # Loss terms: each pass is scaled by world / (mini-batch tokens), so a mini-batch's sum
         # over ranks is world x its loss; reported as the mean over optimizer steps.
@@ -601,7 +629,7 @@ class Trainer:
         # A finite loss and gradient can still overflow the weights (an absurd lr): never
         # publish them. One pass over the local shards, one all-reduce.
         bad = torch.zeros(1, device=self.device)
-        for p in self.model.parameters():
+        for p in lora.trainable(self.model):  # a frozen base cannot have changed
             local = p.to_local() if hasattr(p, "to_local") else p
             bad += (~torch.isfinite(local.detach())).sum()
         dist.all_reduce(bad)
@@ -615,9 +643,29 @@ class Trainer:
         )
         groups = sync_groups(self.cfg.trainer, self.cfg.data.train_batch_size, step)
         announce = self.rounds.announce(self.version, groups, opener=self.rank == 0)
-        out = publish_version(
-            self.model, self.store, self.model_path, self.version, step, self.cfg.trainer.keep_versions, dtype, announce
-        )
+        if self.lora is not None:
+            out = publish_adapter(
+                self.model,
+                self.store,
+                self.model_path,
+                self.version,
+                step,
+                self.cfg.trainer.keep_versions,
+                self.base_checksum,
+                dtype,
+                announce,
+            )
+        else:
+            out = publish_version(
+                self.model,
+                self.store,
+                self.model_path,
+                self.version,
+                step,
+                self.cfg.trainer.keep_versions,
+                dtype,
+                announce,
+            )
         self.rounds.published(self.version, opener=self.rank == 0)
         self.at_published = True
         return out

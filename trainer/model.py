@@ -28,10 +28,13 @@ def build_actor(
     value_head: bool = False,
     trust_remote_code: bool = False,
     attn_implementation: str | None = None,
+    lora=None,
 ):
     """`value_head`: the critic as verl builds it, AutoModelForTokenClassification with one label
     (the backbone's weights, a new linear `score` head, no dropout); its logits are (B, T, 1).
-    `attn_implementation` None: transformers' default for the model (sdpa for Qwen2)."""
+    `attn_implementation` None: transformers' default for the model (sdpa for Qwen2).
+    `lora` (trainer.lora.LoraSpec): PEFT adapters on the frozen base, added before sharding so
+    each decoder layer's FSDP unit holds its adapters beside its frozen weights."""
     from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForTokenClassification
 
     extra = {"trust_remote_code": trust_remote_code, "attn_implementation": attn_implementation}
@@ -51,6 +54,10 @@ def build_actor(
     model.train(trainable)
     if not trainable:  # the reference policy: frozen
         model.requires_grad_(False)
+    if lora is not None:
+        from trainer import lora as lora_mod
+
+        model = lora_mod.apply(model, lora, value_head=value_head)
     model.to(device)
     mesh = init_device_mesh(device.type, (dist.get_world_size(),))
     # On GPU: bf16 compute with fp32 master weights and fp32 gradient reduction.
@@ -59,9 +66,11 @@ def build_actor(
         if device.type == "cuda"
         else MixedPrecisionPolicy()
     )
-    for layer in decoder_layers(model):
+    from trainer.lora import hf_model
+
+    for layer in decoder_layers(hf_model(model)):
         fully_shard(layer, mesh=mesh, mp_policy=mp)
-    fully_shard(model, mesh=mesh, mp_policy=mp)
+    fully_shard(hf_model(model), mesh=mesh, mp_policy=mp)  # a PeftModel wrapper owns no parameters
     return model
 
 

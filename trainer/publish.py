@@ -10,9 +10,11 @@ files hash at once, and the writes overlap the collectives. Host memory stays un
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import time
+from collections.abc import Callable
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 
 import torch
@@ -20,6 +22,8 @@ import torch.distributed as dist
 
 from buffer.storage import when_space
 from buffer.weights.fs import WeightStore, copy_model_metadata
+from protocol.weights import ADAPTER_CONFIG, ADAPTER_WEIGHTS
+from trainer import lora
 
 BUCKET_BYTES = 256 << 20
 WRITERS = 4  # bucket files of one rank written and hashed at once
@@ -59,6 +63,14 @@ def _unflatten(flat: torch.Tensor, like: dict[str, torch.Tensor]) -> dict[str, t
     return out
 
 
+def _gathers(model) -> list[tuple[str, Callable[[], torch.Tensor], int]]:
+    """(HF name, collective returning the full tensor, numel) of every tensor to publish: the
+    model's own, or for a PeftModel the base with the adapter merged in (trainer/lora.py)."""
+    if lora.is_peft(model):
+        return lora.merged_items(model)
+    return [(k, functools.partial(lora.full_tensor, v), v.numel()) for k, v in model.state_dict().items()]
+
+
 def publish_version(
     model,
     store: WeightStore,
@@ -70,15 +82,16 @@ def publish_version(
     announce: dict | None = None,
 ) -> dict:
     """Collective: every rank calls it. Returns timing and size metrics. `announce`: extra
-    fields of weights/LATEST (`WeightStore.publish`)."""
+    fields of weights/LATEST (`WeightStore.publish`). A PeftModel is published merged (full
+    weights); `publish_adapter` publishes its adapter alone."""
     t0 = time.monotonic()
     rank, world = dist.get_rank(), dist.get_world_size()
     items = [
-        (k, v)
-        for k, v in model.state_dict().items()
+        (k, gather, n)
+        for k, gather, n in _gathers(model)
         if not (k == "lm_head.weight" and getattr(model.config, "tie_word_embeddings", False))
     ]
-    owner = _owners([v.numel() * dtype.itemsize for _, v in items], world)
+    owner = _owners([n * dtype.itemsize for _, _, n in items], world)
     box = [store.stage(version) if rank == 0 else None]
     dist.broadcast_object_list(box, src=0)
     staged: str = box[0]
@@ -94,8 +107,8 @@ def publish_version(
             name = f"model-r{rank:04d}-{len(pending):04d}.safetensors"
             pending.append(pool.submit(store.write_file, staged, name, _to_host(mine)))
 
-        for (name, tensor), who in zip(items, owner):
-            full = tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor  # collective
+        for (name, gather, _), who in zip(items, owner):
+            full = gather()  # collective
             if who == rank:
                 mine[name] = full.detach().to(dtype)  # on the device until its bucket is full
                 size += mine[name].numel() * dtype.itemsize
@@ -142,4 +155,60 @@ def publish_version(
         "weights/gather_s": gathered_at - t0,
         "weights/write_wait_s": written_at - gathered_at,
         "weights/bytes": int(totals.item()),
+    }
+
+
+def publish_adapter(
+    model,
+    store: WeightStore,
+    model_path: str,
+    version: int,
+    step: int,
+    keep: int,
+    base: str | None,
+    dtype: torch.dtype = torch.float32,
+    announce: dict | None = None,
+) -> dict:
+    """Collective: an adapter-only version of a PeftModel (LoRA). Every rank joins the gathers
+    of the adapter's tensors; rank 0 writes them in PEFT's layout (ADAPTER_WEIGHTS, PEFT's key
+    names, and ADAPTER_CONFIG, PEFT's LoraConfig), the base's config and tokenizer files, and
+    publishes with the manifest's `adapter` field naming the base by `base`
+    (protocol.weights.base_checksum of model_path, rank 0's; None on the other ranks). Never a
+    delta (WeightStore.publish): the files are megabytes."""
+    t0 = time.monotonic()
+    rank0 = dist.get_rank() == 0
+    tensors = lora.adapter_tensors(model, dtype, keep=rank0)
+    gathered_at = time.monotonic()
+    nbytes = 0
+    if rank0:
+        staged = store.stage(version)
+        entry, entries = store.write_file(staged, ADAPTER_WEIGHTS, tensors)
+        nbytes = entry.bytes
+
+        def metadata():
+            copy_model_metadata(model_path, staged)
+            model.peft_config[lora.ADAPTER].save_pretrained(staged)  # PEFT's own ADAPTER_CONFIG
+            if not os.path.isfile(os.path.join(staged, ADAPTER_CONFIG)):
+                raise RuntimeError(f"peft wrote no {ADAPTER_CONFIG} in {staged}")
+
+        when_space(metadata, staged)
+        store.publish(
+            staged,
+            version,
+            step,
+            keep,
+            described=([entry], entries),
+            announce=announce,
+            adapter=lora.manifest_field(model, base or ""),
+        )
+    dist.barrier()
+    return {
+        "weights/delta": 0.0,
+        "weights/adapter": 1.0,
+        "weights/published_bytes": store.last_bytes if rank0 else 0,
+        "weights/published": version,
+        "weights/published_at": store.announced_at,
+        "weights/publish_s": time.monotonic() - t0,
+        "weights/gather_s": gathered_at - t0,
+        "weights/bytes": nbytes,
     }

@@ -27,8 +27,10 @@ import torch.nn.functional as F
 
 from buffer.run import setup_trainer_run
 from protocol.config import parse_cli, to_dict
-from trainer import algo, checkpoint
+from protocol.weights import base_checksum
+from trainer import algo, checkpoint, lora
 from trainer.attention import attn_implementation
+from trainer.lora import LoraSpec
 from trainer.main import init_distributed
 from trainer.metrics import MetricsLog
 from trainer.model import build_actor
@@ -75,15 +77,23 @@ class SFTTrainer:
         self.stores = setup_trainer_run(os.path.abspath(cfg.trainer.output_dir))
         self.store = self.stores.publisher
         self.model_path = cfg.model.partial_pretrain
+        # model.lora_rank > 0: adapters on the frozen base; HF folders hold the merged weights
+        self.lora = LoraSpec.of(cfg.model)
+        torch.manual_seed(cfg.trainer.seed)  # the adapters' random init (lora_A) is reproducible
         self.model = build_actor(
             self.model_path,
             device,
             cfg.model.enable_gradient_checkpointing,
             trust_remote_code=cfg.model.trust_remote_code,
             attn_implementation=attn_implementation(cfg.model.attn_implementation, device),
+            lora=self.lora,
         )
+        self.base_checksum = base_checksum(self.model_path) if self.lora else None
         self.optimizer = torch.optim.AdamW(
-            self.model.parameters(), lr=cfg.optim.lr, betas=tuple(cfg.optim.betas), weight_decay=cfg.optim.weight_decay
+            lora.trainable(self.model),
+            lr=cfg.optim.lr,
+            betas=tuple(cfg.optim.betas),
+            weight_decay=cfg.optim.weight_decay,
         )
         first = torch.from_numpy(train.ids[0][:2])  # a zero-weight pass: two tokens, one target
         self.dummy = Packed(first.unsqueeze(0), torch.arange(2).unsqueeze(0), torch.tensor([0]), first[1:])
@@ -125,7 +135,9 @@ class SFTTrainer:
         return {"train_samples": len(self.train), "train_batch_size": self.batch_size, "seed": self.cfg.trainer.seed}
 
     def _resume(self, path: str) -> None:
-        state, _ = checkpoint.load(self.model, self.optimizer, path)
+        state, _ = checkpoint.load(
+            self.model, self.optimizer, path, lora_expected=checkpoint.lora_state(self.lora, self.base_checksum)
+        )
         saved = {k: state.get(k) for k in self._state()}
         if saved != self._state():
             raise ValueError(
@@ -180,8 +192,9 @@ class SFTTrainer:
         loss_tokens = self.train.loss_tokens(indices)  # the same on every rank
         # FSDP averages gradients over ranks, so world / tokens makes the update that of the
         # mean over every loss token of the step, however the ranks and micro-batches split it.
-        nll = self._passes(indices, "train", self.train, self.world / loss_tokens, backward=True)
-        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.optim.clip_grad)
+        with lora.dropout_active(self.model, self.lora):
+            nll = self._passes(indices, "train", self.train, self.world / loss_tokens, backward=True)
+        grad_norm = torch.nn.utils.clip_grad_norm_(lora.trainable(self.model), self.cfg.optim.clip_grad)
         grad_norm = float(grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm)
         o = self.cfg.optim
         lr = algo.lr_at(step, self.total, o.lr, o.warmup_steps_ratio, o.lr_scheduler, o.min_lr_ratio)
@@ -206,7 +219,8 @@ class SFTTrainer:
         if self.val is None:
             return {}
         indices = list(range(len(self.val)))
-        nll = self._passes(indices, "val", self.val, 0.0, backward=False)
+        with lora.dropout(self.model, False):
+            nll = self._passes(indices, "val", self.val, 0.0, backward=False)
         return {"val/loss": nll / self.val.loss_tokens(indices)}
 
     # --- outputs --------------------------------------------------------------------------
@@ -217,7 +231,12 @@ class SFTTrainer:
             self.model, self.store, self.model_path, step, step, self.cfg.trainer.max_ckpt_to_keep, torch.float32
         )
         if with_checkpoint:
-            state = {"step": step, "model_path": self.model_path, **self._state()}
+            state = {
+                "step": step,
+                "model_path": self.model_path,
+                **self._state(),
+                **checkpoint.lora_state(self.lora, self.base_checksum),
+            }
             checkpoint.save(
                 self.model,
                 self.optimizer,

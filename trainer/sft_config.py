@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 
 from protocol.config import ConfigError, F
+from protocol.sections import LoraFields
 from trainer.config import check_betas
 
 
@@ -69,7 +70,10 @@ class SFTDataConfig:
 
 
 @dataclasses.dataclass
-class SFTModelConfig:
+class SFTModelConfig(LoraFields):
+    """`model.*`; with lora_rank > 0 the HF folders SFT writes hold the merged weights (base +
+    adapter: a model folder RL and the workers load as is), its checkpoints the adapter."""
+
     partial_pretrain: str = F(doc="HF model folder to start from (config, weights, tokenizer)")
     enable_gradient_checkpointing: bool = F(
         True, "recompute activations in backward (less memory, about a third more compute)"
@@ -82,6 +86,9 @@ class SFTModelConfig:
         "flash_attention_2, flex_attention or eager",
         choices=("auto", "sdpa", "flash_attention_2", "flex_attention", "eager"),
     )
+
+    def check(self) -> None:
+        self.check_lora("model")
 
 
 @dataclasses.dataclass

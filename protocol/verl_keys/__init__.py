@@ -127,6 +127,14 @@ KERNELS = "kernel and memory choices of verl's workers; tandem runs the HF model
 VLLM_TUNING = (
     "vLLM scheduler/memory tuning that tandem's worker does not pass to the engine yet (speed and memory only)"
 )
+MEGATRON_LORA = (
+    "verl's Megatron LoRA settings (model.lora.*); tandem's FSDP LoRA reads the FSDP keys: "
+    "lora_rank, lora_alpha, target_modules, exclude_modules of the model section"
+)
+LORA_ADAPTER = (
+    "starting from a saved LoRA adapter is not supported yet: adapters start at zero (lora_rank > 0 "
+    "trains new ones); merge a saved one into the base (python -m launch.export) and give that as the model path"
+)
 MULTIMODAL = "multimodal inputs: tandem is text-only and does not read these columns"
 PROFILER = "verl's profiler hooks; profile a tandem process with torch.profiler or nsys around it"
 
@@ -206,17 +214,18 @@ RULES: list[Rule] = [
         one_of(1),
         "**.ulysses_sequence_parallel_size",
     ),
+    # LoRA: actor_rollout_ref.model.lora_rank / lora_alpha / target_modules / exclude_modules and
+    # critic.model.* are fields (protocol/sections.py LoraFields); these rules cover the rest
     *same(
-        "LoRA is not supported yet: tandem trains and publishes full weights", one_of(0), "**.lora_rank", "**.lora.rank"
+        "LoRA is trained on the actor and the critic only (actor_rollout_ref.model.lora_rank, critic.model.lora_rank)",
+        one_of(0),
+        "**.lora_rank",
     ),
-    *same("LoRA adapters are not supported yet", unset, "**.lora_adapter_path", "**.lora.adapter_path"),
-    *warn(
-        "LoRA settings; LoRA is off (lora_rank=0)",
-        "**.lora_alpha",
-        "**.target_modules",
-        "**.exclude_modules",
-        "**.lora",
-    ),
+    *same(MEGATRON_LORA, one_of(0), "**.lora.rank"),
+    *same(LORA_ADAPTER, unset, "**.lora_adapter_path", "**.lora.adapter_path"),
+    *warn("LoRA settings of a model tandem does not train with LoRA", "**.lora_alpha", "**.target_modules"),
+    *warn("LoRA settings of a model tandem does not train with LoRA", "**.exclude_modules"),
+    *warn(MEGATRON_LORA, "**.lora"),
     *same("quantization-aware training is not supported yet", off, "**.qat.enable"),
     *warn("quantization-aware training settings; QAT is off", "**.qat"),
     *same(
@@ -558,21 +567,10 @@ SFT_RULES: list[Rule] = [
         "**.ulysses_sequence_parallel_size",
         "ulysses_sequence_parallel_size",
     ),
-    *same(
-        "LoRA is not supported yet (it comes with the LoRA issue): tandem SFT trains all "
-        "weights; set model.lora_rank=0",
-        one_of(0),
-        "model.lora_rank",
-        "model.lora.rank",
-    ),
-    *same("LoRA adapters are not supported yet", unset, "model.lora_adapter_path", "model.lora.adapter_path"),
-    *warn(
-        "LoRA settings; LoRA is off (lora_rank=0)",
-        "model.lora",
-        "model.exclude_modules",
-        "model.lora_alpha",
-        "model.target_modules",
-    ),
+    # LoRA: model.lora_rank / lora_alpha / target_modules / exclude_modules are fields
+    *same(MEGATRON_LORA, one_of(0), "model.lora.rank"),
+    *same(LORA_ADAPTER, unset, "model.lora_adapter_path", "model.lora.adapter_path"),
+    *warn(MEGATRON_LORA, "model.lora"),
     *same("quantization-aware training is not supported yet", off, "engine.qat.enable"),
     *warn("quantization-aware training settings; QAT is off", "engine.qat"),
     *same("multi-token prediction is not supported yet", off, "model.mtp.enable", "model.mtp.enable_train"),
