@@ -1,0 +1,185 @@
+"""Reward-model scoring throughput, and its share of a worker's time per batch (issue 28).
+
+    python benchmarks/reward_server_bench.py --out RES/reward.json           # one GPU
+    python benchmarks/reward_server_bench.py --out /tmp/rm.json --cpu        # wiring check, tiny model
+
+Part `score`: a Qwen2.5-0.5B-shaped sequence classifier (one label, random init, built from a
+config here: no download), bf16 on the GPU, scores (prompt, response) rows of `--seq-len` tokens
+(default 512) in micro-batches of a token budget (`--budgets`, rows = budget // seq-len), under
+`torch.no_grad`, as a reward server does; samples/s per budget after `--warmup` batches, peak
+memory. Part `generate` (in its own process, needs vLLM): a 0.5B policy (random init, same
+shape) generates one worker batch (`--prompts` x `--n` responses of `--response-len` tokens from
+prompts of `--seq-len - --response-len` tokens, ignore_eos), timed; with the best samples/s of
+part `score`, the batch's scoring time is batch / samples_s and its share of the worker's time
+is score / (generate + score), the worker waiting on the server for its scores (no overlap).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import subprocess
+import sys
+import time
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, REPO)
+
+from benchmarks.rollout_bench import QWEN25_05B  # noqa: E402
+
+TINY = dict(QWEN25_05B, hidden_size=64, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4)
+TINY.update(vocab_size=1000, num_key_value_heads=2)
+
+
+def classifier(shape: dict, device: str):
+    import torch
+    from transformers import Qwen2Config, Qwen2ForSequenceClassification
+
+    torch.manual_seed(0)
+    config = Qwen2Config(**shape, num_labels=1, pad_token_id=0, eos_token_id=1, bos_token_id=None)
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    return Qwen2ForSequenceClassification(config).to(device=device, dtype=dtype).eval()
+
+
+def score_part(args, shape: dict, device: str) -> list[dict]:
+    """samples/s of the classifier per micro-batch token budget."""
+    import torch
+
+    model = classifier(shape, device)
+    gen = torch.Generator().manual_seed(0)
+    rows_out = []
+    for budget in args.budgets:
+        rows = max(1, budget // args.seq_len)
+        ids = torch.randint(2, shape["vocab_size"], (rows, args.seq_len), generator=gen).to(device)
+        mask = torch.ones_like(ids)
+        if device == "cuda":
+            torch.cuda.reset_peak_memory_stats()
+        try:
+            with torch.no_grad():
+                for i in range(args.warmup + args.batches):
+                    if i == args.warmup:
+                        _sync(device)
+                        t0 = time.perf_counter()
+                    scores = model(input_ids=ids, attention_mask=mask).logits[:, 0].float().cpu()
+            _sync(device)
+        except torch.OutOfMemoryError:
+            rows_out.append({"budget_tokens": budget, "rows": rows, "oom": True})
+            torch.cuda.empty_cache()
+            continue
+        seconds = time.perf_counter() - t0
+        row = {
+            "budget_tokens": budget,
+            "rows": rows,
+            "samples_s": round(rows * args.batches / seconds, 1),
+            "tokens_s": round(rows * args.seq_len * args.batches / seconds),
+            "batch_ms": round(1000 * seconds / args.batches, 2),
+            "finite": bool(torch.isfinite(scores).all()),
+        }
+        if device == "cuda":
+            row["peak_gib"] = round(torch.cuda.max_memory_allocated() / 2**30, 2)
+        rows_out.append(row)
+        print(json.dumps(row), flush=True)
+    return rows_out
+
+
+def _sync(device: str) -> None:
+    if device == "cuda":
+        import torch
+
+        torch.cuda.synchronize()
+
+
+def generate_part(args) -> dict:
+    """One worker batch through vLLM (own process: vLLM holds the GPU's memory)."""
+    import tempfile
+
+    import torch
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    from rollout import builtin_task
+
+    path = tempfile.mkdtemp(prefix="rm-bench-policy-")
+    torch.manual_seed(0)
+    cfg = Qwen2Config(**QWEN25_05B, eos_token_id=1, pad_token_id=0, bos_token_id=None)
+    Qwen2ForCausalLM(cfg).to(torch.bfloat16).save_pretrained(path)
+    builtin_task.build_tokenizer().save_pretrained(path)
+    llm = LLM(model=path, gpu_memory_utilization=0.6, seed=0, skip_tokenizer_init=True)
+    plen = args.seq_len - args.response_len
+    gen = torch.Generator().manual_seed(1)
+    prompts = [
+        TokensPrompt(prompt_token_ids=torch.randint(2, 151936, (plen,), generator=gen).tolist())
+        for _ in range(args.prompts)
+    ]
+    sp = SamplingParams(n=args.n, temperature=1.0, max_tokens=args.response_len, ignore_eos=True, detokenize=False)
+    llm.generate(prompts[:2], sp, use_tqdm=False)  # warm-up (compile, graphs)
+    times = []
+    for _ in range(args.gen_rounds):
+        t0 = time.perf_counter()
+        outs = llm.generate(prompts, sp, use_tqdm=False)
+        times.append(time.perf_counter() - t0)
+    samples = sum(len(o.outputs) for o in outs)
+    return {"samples": samples, "generate_s": round(min(times), 3), "generate_s_all": [round(t, 3) for t in times]}
+
+
+def parse_args(argv):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--out", required=True, help="JSON file of the results")
+    p.add_argument("--cpu", action="store_true", help="tiny classifier on the CPU, no vLLM part: a wiring check")
+    p.add_argument("--seq-len", type=int, default=512, help="tokens per (prompt, response) row")
+    p.add_argument("--budgets", type=int, nargs="+", default=[4096, 8192, 16384, 32768, 65536, 131072])
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--batches", type=int, default=10, help="timed micro-batches per budget")
+    p.add_argument("--prompts", type=int, default=64, help="generate part: prompts per worker batch")
+    p.add_argument("--n", type=int, default=8, help="generate part: responses per prompt")
+    p.add_argument("--response-len", type=int, default=256, help="generate part: response tokens")
+    p.add_argument("--gen-rounds", type=int, default=3)
+    p.add_argument("--part", choices=("all", "score", "generate"), default="all")
+    args = p.parse_args(argv)
+    if args.seq_len < 8 or not 0 < args.response_len < args.seq_len or min(args.budgets) < 1 or args.batches < 1:
+        p.error("--seq-len >= 8, 0 < --response-len < --seq-len, budgets and --batches >= 1")
+    return args
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    if args.part == "generate":
+        print("GENERATE " + json.dumps(generate_part(args)), flush=True)
+        return 0
+    device = "cpu" if args.cpu else "cuda"
+    import torch
+
+    result = {
+        "machine": platform.node(),
+        "device": torch.cuda.get_device_name(0) if device == "cuda" else platform.processor() or "cpu",
+        "date": time.strftime("%Y-%m-%d"),
+        "torch": torch.__version__,
+        "shape": "tiny" if args.cpu else "Qwen2.5-0.5B",
+        "seq_len": args.seq_len,
+        "score": score_part(args, TINY if args.cpu else QWEN25_05B, device),
+    }
+    best = max((r for r in result["score"] if "samples_s" in r), key=lambda r: r["samples_s"], default=None)
+    if args.part == "all" and not args.cpu and best:
+        torch.cuda.empty_cache()
+        cmd = [sys.executable, __file__, "--out", "-", "--part", "generate", "--seq-len", str(args.seq_len)]
+        cmd += ["--prompts", str(args.prompts), "--n", str(args.n), "--response-len", str(args.response_len)]
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=420)
+        line = next((x for x in proc.stdout.splitlines() if x.startswith("GENERATE ")), None)
+        if line is None:
+            result["generate"] = {"error": (proc.stderr or proc.stdout)[-2000:]}
+        else:
+            g = json.loads(line[len("GENERATE ") :])
+            g["score_s"] = round(g["samples"] / best["samples_s"], 3)
+            g["score_share"] = round(g["score_s"] / (g["generate_s"] + g["score_s"]), 3)
+            result["generate"] = g
+    with open(args.out, "w") as f:
+        json.dump(result, f, indent=1)
+    print(json.dumps(result, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
