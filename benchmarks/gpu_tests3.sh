@@ -16,7 +16,7 @@ if [ "$before" != - ]; then  # '-': skip this part
   cp /tmp/fixed_vllm_engine.py rollout/vllm_engine.py
 fi
 for i in $(seq 1 "${RUNS:-3}"); do
-  timeout 420 python -m pytest -m gpu tests/gpu -rA -s -p no:cacheprovider > "$out/gpu_tests_$i.txt" 2>&1
+  timeout 570 python -m pytest -m gpu tests/gpu -rA -s -p no:cacheprovider > "$out/gpu_tests_$i.txt" 2>&1
   echo "run $i: exit $?"; tail -n 4 "$out/gpu_tests_$i.txt"
   # the worker process's own log (engine processes included) stays in pytest's tmp folder
   cp "$(ls -td /tmp/pytest-of-*/pytest-*/test_worker_scoring_with_verl*/ | head -1)worker.log" \
