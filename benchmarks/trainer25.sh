@@ -5,9 +5,10 @@
 # First the logprob path alone at the 0.5B head (benchmarks/logprob_bench.py, OUT/logprob.json).
 # Stages (benchmarks/trainer_mix.py), each under its own time limit so that a slow or failing one
 # leaves the others' rows: 0.5B packed vs today's padded path (same process, same samples),
-# 1.5B packed (and torch.profiler over one more step: OUT/profile-1.5b.txt), 1.5B with activation
-# checkpointing at twice the token budget, 4B packed with activation checkpointing. Stage limits:
-# 40 + 130 + 90 + 90 + 150 s (seen on H200: 96, 40, 50, 50 s). PYTHON: the interpreter (python3).
+# 1.5B packed (and torch.profiler over one more step: OUT/profile-1.5b.txt), 1.5B with a separate
+# pi_old pass (the ablation of old_log_prob_from_update), 4B packed with activation checkpointing
+# at 32k tokens. Stage limits: 40 + 130 + 90 + 80 + 150 s (seen on H200: 96, 80, 80, 108 s with
+# the stages' loads). PYTHON: the interpreter (python3).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
@@ -30,6 +31,6 @@ timeout -k 5 40 "$PY" -m benchmarks.logprob_bench $CPU --out "$OUT/logprob.json"
 echo "   exit $?"; tail -n 2 "$OUT/logprob.log"
 stage 1-0.5b 130 --shape 0.5b --paths packed,padded
 stage 2-1.5b 90 --shape 1.5b --paths packed --profile "$OUT/profile-1.5b.txt"
-stage 2b-1.5b 90 --shape 1.5b --paths packed --grad-ckpt --token-budget 65536
-stage 3-4b 150 --shape 4b --paths packed --grad-ckpt --token-budget 16384
+stage 2b-1.5b 80 --shape 1.5b --paths packed --pi-old-pass
+stage 3-4b 150 --shape 4b --paths packed --grad-ckpt --token-budget 32768
 "$PY" -m benchmarks.trainer_mix --table "$OUT"

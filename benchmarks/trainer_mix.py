@@ -110,25 +110,30 @@ def make_samples(rng: random.Random, lengths: list[tuple[int, int]], vocab: int,
     return out
 
 
-def flops(shape: dict, n_params: int, lengths: list[tuple[int, int]], grad_ckpt: bool) -> tuple[float, float]:
-    """(6·N per trained token; every pass counted: pi_old forward 2N, train 6N, recompute 2N
-    with activation checkpointing, plus causal attention 2·L²·heads·head_dim per layer and
-    forward, x3 for forward + backward)."""
+def flops(
+    shape: dict, n_params: int, lengths: list[tuple[int, int]], grad_ckpt: bool, pi_old_pass: bool = True
+) -> tuple[float, float]:
+    """(6·N per trained token; every pass counted: pi_old forward 2N (when a separate pass
+    runs), train 6N, recompute 2N with activation checkpointing, plus causal attention
+    2·L²·heads·head_dim per layer and forward, x3 for forward + backward)."""
     tokens = sum(p + r for p, r in lengths)
     six_n = 6.0 * n_params * tokens
     head_dim = shape.get("head_dim", shape["hidden_size"] // shape["num_attention_heads"])
     attn_fwd = sum(2.0 * (p + r) ** 2 * shape["num_attention_heads"] * head_dim for p, r in lengths)
     attn_fwd *= shape["num_hidden_layers"]
-    forwards = 1 + (1 if grad_ckpt else 0)  # pi_old, the recompute
+    forwards = int(pi_old_pass) + int(grad_ckpt)  # pi_old, the recompute
     every = six_n + forwards * 2.0 * n_params * tokens + (3 + forwards) * attn_fwd
     return six_n, every
 
 
-def use_path(trainer, path: str, packed_attn: str) -> None:
-    """Switch the trainer between the packed and today's padded path, in place."""
+def use_path(trainer, path: str, packed_attn: str, pi_old_pass: bool = False) -> None:
+    """Switch the trainer between the packed and today's padded path, in place. Today's path
+    always ran a separate pi_old pass; the packed one takes pi_old from the update's forward
+    (one mini-batch, one epoch here) unless `pi_old_pass`."""
     from trainer import algo
 
     packed = path == "packed"
+    trainer.cfg.actor_rollout_ref.actor.old_log_prob_from_update = packed and not pi_old_pass
     trainer.packed = packed
     trainer.logprob_chunk = algo.LOGPROB_CHUNK_TOKENS if packed else None
     trainer.cfg.actor_rollout_ref.actor.use_dynamic_bsz = packed
@@ -158,7 +163,9 @@ def agreement(trainer, samples, packed_attn: str) -> float:
     return float((out[0] - out[1]).abs().max())
 
 
-def run_path(trainer, path, steps_samples, packed_attn, device, profile: str | None = None) -> dict:
+def run_path(
+    trainer, path, steps_samples, packed_attn, device, profile: str | None = None, pi_old_pass: bool = False
+) -> dict:
     """Train every step of `steps_samples` on `path`: step times, the trainer's own phase
     timings (`timing_s/*`, verl's names) per step, peak memory; `profile`: one more step (the
     last batch again, not timed: the profiler slows it) under torch.profiler, its top operators
@@ -166,7 +173,7 @@ def run_path(trainer, path, steps_samples, packed_attn, device, profile: str | N
     import torch
 
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
-    use_path(trainer, path, packed_attn)
+    use_path(trainer, path, packed_attn, pi_old_pass)
     if device.type == "cuda":
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(device)
@@ -230,8 +237,9 @@ def write_table(folder: str) -> str:
             peak = f"{p['peak_memory_gib']:.1f}" if p.get("peak_memory_gib") else "-"
             ratio = f"{r['packed_over_padded']:.2f}" if path == "packed" and "packed_over_padded" in r else ""
             accept = ACCEPT.get(r["shape"], "") if path == "packed" else ""
+            name = f"{path} +pi_old pass" if path == "packed" and p.get("pi_old_pass") else path
             rows.append(
-                f"| {label} | {path} | {p['tokens_per_s']:,.0f} | {peak} | {100 * p['mfu_6n']:.1f} % | "
+                f"| {label} | {name} | {p['tokens_per_s']:,.0f} | {peak} | {100 * p['mfu_6n']:.1f} % | "
                 f"{100 * p['mfu_every_pass']:.1f} % | {ratio} | {accept} |"
             )
     notes = [
@@ -260,6 +268,11 @@ def main(argv=None) -> int:
     ap.add_argument("--token-budget", type=int, default=32768, help="packed: real tokens per micro-batch")
     ap.add_argument("--padded-micro", type=int, default=8, help="padded: rows per micro-batch")
     ap.add_argument("--grad-ckpt", action="store_true", help="activation checkpointing")
+    ap.add_argument(
+        "--pi-old-pass",
+        action="store_true",
+        help="packed: a separate pi_old pass (old_log_prob_from_update=false), the ablation",
+    )
     ap.add_argument("--profile", help="torch.profiler over each path's last step: top operators to this file")
     ap.add_argument("--work", default="/tmp/trainer_mix")
     ap.add_argument("--cpu", action="store_true", help="wiring check on CPU: tiny shape, short rows")
@@ -333,7 +346,7 @@ def main(argv=None) -> int:
         "paths": {},
     }
     for path in args.paths.split(","):
-        r = run_path(trainer, path, steps_samples, packed_attn, device, args.profile)
+        r = run_path(trainer, path, steps_samples, packed_attn, device, args.profile, args.pi_old_pass)
         actor = trainer.cfg.actor_rollout_ref.actor
         if "error" in r and path == "padded" and actor.ppo_micro_batch_size_per_gpu > 1:
             actor.ppo_micro_batch_size_per_gpu //= 2  # today's path at the largest micro-batch that fits
@@ -342,7 +355,9 @@ def main(argv=None) -> int:
         timed = r["step_times"][1:]  # step 1: warm-up
         if "error" not in r and timed:
             lengths = [x for b in batches[1 : len(timed) + 1] for x in b]
-            six_n, every = flops(shape, n_params, lengths, args.grad_ckpt)
+            separate = path == "padded" or args.pi_old_pass
+            six_n, every = flops(shape, n_params, lengths, args.grad_ckpt, separate)
+            r["pi_old_pass"] = separate
             seconds = sum(timed)
             r |= {
                 "tokens": sum(p + q for p, q in lengths),

@@ -72,9 +72,8 @@ def test_uneven_shares_kl_entropy_and_cosine_warmup(experience):
 def test_tensorboard_logger_through_verl_tracking_with_verls_metric_names(experience):
     root = _run(experience, "tb", 1, "trainer.logger=[console,tensorboard]", steps=2)
     for r in _rows(root):  # verl's metric_utils names, entropy_coeff=0 (the default)
-        assert all(
-            r[f"timing_s/{phase}"] > 0 for phase in ("old_log_prob", "adv", "update_actor", "update_weights", "step")
-        ), r
+        assert all(r[f"timing_s/{phase}"] > 0 for phase in ("adv", "update_actor", "update_weights", "step")), r
+        assert r["timing_s/old_log_prob"] == 0.0  # one mini-batch, one epoch: pi_old from the update
         assert r["actor/entropy"] > 0.1  # the real entropy: a near-uniform tiny model
         assert r["perf/total_num_tokens"] > r["tokens/step"]  # prompts and responses
         assert r["perf/throughput"] == pytest.approx(r["perf/total_num_tokens"] / r["perf/time_per_step"])
@@ -127,6 +126,32 @@ def test_clip_acts_over_mini_batches_and_epochs(experience):
     assert narrow[0]["actor/pg_clipfrac"] > wide[0]["actor/pg_clipfrac"]
     # Same data and seed: the two runs differ only by the clip, which changes the loss.
     assert narrow[0]["actor/pg_loss"] != pytest.approx(wide[0]["actor/pg_loss"], rel=1e-3)
+
+
+def test_pi_old_from_the_updates_own_forward_gives_the_same_update(experience):
+    # One mini-batch, one epoch (the defaults here): pi_old is the update's own forward, detached,
+    # so no separate pi_old pass runs, and the run equals one with the separate pass. Tolerance:
+    # the two paths compute pi_old with the same kernels at the same weights (fp32, CPU), so they
+    # differ at most by the reordering noise REORDER_REL_BOUND bounds (measured: identical here).
+    reuse = _run(experience, "pi_old_reuse", 1, steps=2)
+    separate = _run(experience, "pi_old_pass", 1, "actor_rollout_ref.actor.old_log_prob_from_update=false", steps=2)
+    a, b = _rows(reuse), _rows(separate)
+    assert all(r["timing_s/old_log_prob"] == 0.0 for r in a), a[0].keys()  # no pass ran
+    assert all(r["timing_s/old_log_prob"] > 0 for r in b)
+    for ra, rb in zip(a, b):  # the engine mismatch is measured from the update's forwards instead
+        keys = {k for k in rb if k.startswith(("rollout/", "rollout_corr/"))}
+        assert keys and keys == {k for k in ra if k.startswith(("rollout/", "rollout_corr/"))}
+        assert all(ra[k] == pytest.approx(rb[k], rel=1e-4, abs=1e-9) for k in keys), (ra, rb)
+        assert ra["actor/pg_loss"] == pytest.approx(rb["actor/pg_loss"], rel=1e-4, abs=1e-9)
+        assert ra["actor/ppo_kl"] == 0.0 and ra["actor/pg_clipfrac"] == 0.0
+    wa, wb = final_weights(reuse), final_weights(separate)
+    init = load_file(str(experience / "model" / "model.safetensors"))
+    moved = sum(((wa[k] - init[k]) ** 2).sum().item() for k in wa) ** 0.5
+    differ = sum(((wa[k] - wb[k]) ** 2).sum().item() for k in wa) ** 0.5
+    assert moved > 1e-2 and differ <= REORDER_REL_BOUND * moved, (moved, differ)
+    # Two epochs: the second epoch's forwards run at updated weights, so pi_old is a pass again.
+    two = _rows(_run(experience, "pi_old_epochs", 1, "actor_rollout_ref.actor.ppo_epochs=2", steps=1))
+    assert two[0]["timing_s/old_log_prob"] > 0
 
 
 def test_two_ranks_update_as_one_over_mini_batches_and_batch_whitening(experience):

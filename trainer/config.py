@@ -80,6 +80,13 @@ class ActorConfig:
     )
     entropy_coeff: float = F(0.0, "weight of the entropy bonus (subtracted from the loss)", ge=0)
     grad_clip: float = F(1.0, "max global gradient norm", gt=0)
+    old_log_prob_from_update: bool = F(
+        True,
+        "tandem: when a step's update is one mini-batch and one epoch (and no dropout, no KL in the "
+        "reward), take pi_old from the update's own forward, detached, instead of a separate pass: "
+        "every forward then runs at the starting weights, so the values are the same; one forward "
+        "less per step (20-24% of an H200 step, benchmarks/README.md). false: always a separate pass",
+    )
 
 
 @dataclasses.dataclass

@@ -419,8 +419,14 @@ class Trainer:
         timing: dict[str, float] = {}
         packed = self.packed
         passes = update.plan([torch.arange(len(batch))], batch, actor, packed)[0].passes
-        with timed(timing, "old_log_prob"), lora.dropout(self.model, False):
-            old = update.infer(lambda c: self.logprobs(self.model, c)[0], batch, passes, packed)
+        # pi_old from the update's own forward (None here, filled by update_actor) when that is exact
+        reuse = self.old_from_update()
+        old = None
+        if reuse:
+            timing["timing_s/old_log_prob"] = 0.0  # verl's series stays: no separate pass ran
+        else:
+            with timed(timing, "old_log_prob"), lora.dropout(self.model, False):
+                old = update.infer(lambda c: self.logprobs(self.model, c)[0], batch, passes, packed)
         ref = values = None
         if self.use_ref:
             with timed(timing, "ref"), self.reference() as ref_model, lora.dropout(self.model, False):
@@ -430,14 +436,18 @@ class Trainer:
                 values = self.critic.values(batch)
         # Engine/trainer mismatch on the samples of the version pi_old holds; truncated IS share.
         fresh = torch.tensor([self.at_published and s.weight_version == self.version for s in samples])
-        sums = algo.mismatch_sums(
-            old,
-            batch.behaviour_logprobs,
-            batch.response_mask,
-            fresh.to(self.device),
-            self.cfg.algorithm.rollout_is_threshold,
-        )
-        rollout = algo.mismatch_metrics(update.all_sum(sums, self.device).tolist())
+
+        def mismatch(old: torch.Tensor) -> dict:
+            sums = algo.mismatch_sums(
+                old,
+                batch.behaviour_logprobs,
+                batch.response_mask,
+                fresh.to(self.device),
+                self.cfg.algorithm.rollout_is_threshold,
+            )
+            return algo.mismatch_metrics(update.all_sum(sums, self.device).tolist())
+
+        rollout = mismatch(old) if old is not None else {}
 
         # 2. Rewards (optionally KL-penalised) and advantages over the whole batch of all ranks.
         with timed(timing, "adv"):
@@ -463,10 +473,32 @@ class Trainer:
                 self.critic.model, samples, timing["timing_s/update_critic"], self.cfg.critic.ppo_epochs
             )
         if self.step >= self.cfg.trainer.critic_warmup:
+            if old is None:  # filled pass by pass with the update's forwards at the starting weights
+                old = torch.zeros_like(batch.response_mask, dtype=torch.float32)
             with timed(timing, "update_actor"):
-                metrics |= self.update_actor(batch, groups, old, ref, adv, seed + [0])
+                metrics |= self.update_actor(batch, groups, old, ref, adv, seed + [0], fill_old=reuse)
             metrics["perf/mfu/actor"] = self.mfu(self.model, samples, timing["timing_s/update_actor"], actor.ppo_epochs)
+            if reuse:
+                metrics |= mismatch(old)
         return metrics | timing
+
+    def old_from_update(self) -> bool:
+        """Whether pi_old can be the update's own forward, detached (actor.old_log_prob_from_update):
+        one mini-batch and one epoch (every pass runs before the only optimizer step, at the
+        starting weights), the actor updated this step, no dropout in the update's forwards (the
+        separate pass runs without), and no KL in the reward (the advantages need pi_old first)."""
+        actor, cfg = self.cfg.actor_rollout_ref.actor, self.cfg
+        one_step = actor.ppo_epochs == 1 and cfg.data.train_batch_size == actor.ppo_mini_batch_size
+        dropout = (self.lora is not None and self.lora.dropout > 0) or float(
+            getattr(self.model.config, "attention_dropout", 0.0) or 0.0
+        ) > 0
+        return (
+            actor.old_log_prob_from_update
+            and one_step
+            and not dropout
+            and not cfg.algorithm.use_kl_in_reward
+            and self.step >= cfg.trainer.critic_warmup
+        )
 
     def reference(self):
         """The reference policy for pi_ref: the frozen copy, or with LoRA the base (adapter off)."""
@@ -511,9 +543,10 @@ class Trainer:
         rows, r = slice(first, first + len(batch)), mask.shape[1]
         return adv[rows, :r], returns[rows, :r], metrics
 
-    def update_actor(self, batch, groups, old, ref, adv, seed: list[int]) -> dict:
+    def update_actor(self, batch, groups, old, ref, adv, seed: list[int], fill_old: bool = False) -> dict:
         """Clipped policy gradient per mini-batch and epoch, truncated-IS weighted, plus the
-        optional KL and entropy terms; verl's actor/* metrics."""
+        optional KL and entropy terms; verl's actor/* metrics. `fill_old` (old_from_update):
+        each pass's logprobs, detached, are its pi_old, written into `old` (B, R)."""
         actor = self.cfg.actor_rollout_ref.actor
         rows = update.epochs(
             groups, actor.ppo_mini_batch_size, self.cfg.data.train_batch_size, actor.ppo_epochs, actor.shuffle, seed
@@ -527,6 +560,9 @@ class Trainer:
             loss_cfg = algo.actor_loss_config(actor, self.world, mb.tokens, mb.seqs)
             # verl logs the entropy whatever entropy_coeff; it enters the loss only with a coeff
             lp, entropy = self.logprobs(self.model, c, with_entropy=True, entropy_grad=actor.entropy_coeff > 0)
+            if fill_old:  # a padding pass rewrites row 0 with its own value: the same weights
+                old[idx, :r] = lp.detach()
+                old_lp = old[idx, :r]
             w = algo.truncated_is_weights(
                 old_lp, c.behaviour_logprobs, c.response_mask, self.cfg.algorithm.rollout_is_threshold
             )
