@@ -99,13 +99,18 @@ def serve(args) -> None:
     an experience gRPC server, READY <port>, then serve until stdin closes; prints its CPU s."""
     from buffer.experience.net_server import ShardServer
     from buffer.weights.fs import WeightStore
+    from buffer.weights.net_pool import chunk_servers
     from buffer.weights.net_server import add_weight_service
 
     store = WeightStore(args.serve)
     cfg = _cfg(0, args.max_streams, args.chunk_kb, args.serve_processes[0])
     shards = ShardServer(os.path.join(args.work, "shards"), cfg)
     service = add_weight_service(
-        shards.server, lambda v: store.layout.version_dir(v) if store.exists(v) else None, TOKEN, cfg, store.layout
+        shards.server,
+        lambda v: store.layout.version_dir(v) if store.exists(v) else None,
+        TOKEN,
+        cfg,
+        chunk_servers(store.layout, TOKEN, cfg),
     )
     if service.pool is not None and not service.pool.wait_ready(120):
         raise RuntimeError(f"the chunk servers did not start: ports {service.pool.ports()}")

@@ -44,6 +44,7 @@ from buffer.storage import filesystem, is_local
 from buffer.weights.base import WeightSource
 from buffer.weights.fs import FsWeightSource, WeightStore
 from buffer.weights.net_client import NetWeightSource
+from buffer.weights.net_pool import chunk_servers
 from buffer.weights.net_server import WeightService, add_weight_service
 
 log = logging.getLogger(__name__)
@@ -211,7 +212,8 @@ class RunServer:
         self.weights: WeightService | None = None
 
         def add_weights(server) -> None:
-            self.weights = add_weight_service(server, self.run_service.version_dir, secret, buffer, run.files)
+            pool = chunk_servers(run.files, secret, buffer)
+            self.weights = add_weight_service(server, self.run_service.version_dir, secret, buffer, pool)
 
         try:
             self.shards = ShardServer(

@@ -18,7 +18,7 @@ from buffer.experience.net_server import ShardServer
 from buffer.run import setup_trainer_run
 from buffer.weights.fs import WeightStore
 from buffer.weights.net_client import WeightFetcher
-from buffer.weights.net_pool import ChunkServerPool
+from buffer.weights.net_pool import ChunkServerPool, chunk_servers
 from buffer.weights.net_server import add_weight_service
 from protocol.config import ConfigError, build
 from protocol.weights_wire import ASK_TRAINER, CHUNK_METHOD, REDIRECT, ChunkReply, ChunkRequest, to_bitmap
@@ -32,7 +32,9 @@ class _PoolTrainer:
     def __init__(self, root, cfg):
         self.store = WeightStore(str(root / "trainer"))
         self.shards = ShardServer(str(root / "trainer"), cfg)
-        self.service = add_weight_service(self.shards.server, self._dir, TOKEN, cfg, self.store.layout)
+        self.service = add_weight_service(
+            self.shards.server, self._dir, TOKEN, cfg, chunk_servers(self.store.layout, TOKEN, cfg)
+        )
         self.cfg = cfg
         assert self.service.pool is not None and self.service.pool.wait_ready(START_S), "chunk servers up"
 
@@ -167,10 +169,11 @@ _KILLED_TRAINER = """
 import sys, threading
 from buffer.config import BufferConfig
 from buffer.weights.fs import WeightStore
+from buffer.weights.net_pool import chunk_servers
 from buffer.weights.net_server import WeightService
 store = WeightStore(sys.argv[1])
 cfg = BufferConfig(transport="grpc", grpc_bind="127.0.0.1:0", weights_serve_processes=2)
-service = WeightService(lambda v: None, "secret", cfg, store.layout)
+service = WeightService(lambda v: None, "secret", cfg, chunk_servers(store.layout, "secret", cfg))
 assert service.pool.wait_ready(float(sys.argv[2]))
 print(*service.pool.pids(), flush=True)
 threading.Event().wait()

@@ -279,6 +279,13 @@ def _ready(proc: subprocess.Popen, timeout_s: float) -> int:
     return int(line[1])
 
 
+def chunk_servers(layout: RunLayout, secret: str, cfg: BufferConfig) -> ChunkServerPool | None:
+    """The pool of buffer.weights_serve_processes processes serving `layout`'s weight folder,
+    None when that is 0 or 1 (the trainer's own process sends every chunk, as before)."""
+    n = cfg.serve_processes()
+    return ChunkServerPool(layout, secret, cfg, n) if n >= 2 else None
+
+
 # --- the chunk-server process ---------------------------------------------------------------
 
 

@@ -24,7 +24,7 @@ import threading
 import time
 from collections.abc import Callable
 from concurrent import futures
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import grpc
 
@@ -48,9 +48,15 @@ from protocol.weights_wire import (
     from_bitmap,
 )
 
-if TYPE_CHECKING:
-    from buffer.layout import RunLayout
-    from buffer.weights.net_pool import ChunkServerPool
+
+class ChunkServers(Protocol):
+    """The trainer's chunk-server processes (buffer/weights/net_pool.py's ChunkServerPool,
+    which imports this module: hence a protocol here, not the class)."""
+
+    def ports(self) -> list[int]: ...
+
+    def stop(self) -> None: ...
+
 
 log = logging.getLogger(__name__)
 
@@ -261,23 +267,18 @@ class WeightService:
 
     version_dir(v) -> the published folder of version v (with its manifest.json), or None when
     it is not (or no longer) published. `register(server)` adds the service to a grpc.Server
-    (e.g. the experience ShardServer's `.server`; before or after it starts). With `layout` (the
-    run's, whose weight folder version_dir names) and buffer.weights_serve_processes >= 2,
-    chunk-server processes send the chunks (buffer/weights/net_pool.py); `close()` ends them."""
+    (e.g. the experience ShardServer's `.server`; before or after it starts). `pool`: the
+    chunk-server processes that send the chunks of the same folders (net_pool.chunk_servers),
+    named to workers by ChunkServers; the service owns it from then on: `close()` ends it."""
 
     def __init__(
         self,
         version_dir: Callable[[int], str | None],
         secret: str,
         cfg: BufferConfig,
-        layout: RunLayout | None = None,
+        pool: ChunkServers | None = None,
     ):
-        self.version_dir, self.cfg = version_dir, cfg
-        self.pool: ChunkServerPool | None = None
-        if layout is not None and cfg.serve_processes() >= 2:
-            from buffer.weights.net_pool import ChunkServerPool  # it imports this module
-
-            self.pool = ChunkServerPool(layout, secret, cfg, cfg.serve_processes())
+        self.version_dir, self.cfg, self.pool = version_dir, cfg, pool
         self.chunk_bytes = cfg.weights_chunk_kb << 10
         # its own pool (buffer.grpc_max_workers); half of it at most waits for a send slot
         self.threads = ServicePool(cfg.grpc_max_workers, "grpc-weights")
@@ -510,10 +511,10 @@ def add_weight_service(
     version_dir: Callable[[int], str | None],
     secret: str,
     cfg: BufferConfig,
-    layout: RunLayout | None = None,
+    pool: ChunkServers | None = None,
 ) -> WeightService:
-    """Serve the published versions `version_dir` finds on `server` (from chunk-server
-    processes too, given the run's `layout`: see WeightService); returns the service."""
-    service = WeightService(version_dir, secret, cfg, layout)
+    """Serve the published versions `version_dir` finds on `server` (their chunks from `pool`'s
+    processes too: see WeightService); returns the service."""
+    service = WeightService(version_dir, secret, cfg, pool)
     service.register(server)
     return service
