@@ -1,4 +1,4 @@
-"""Issue 15's fixes and later issues' (30.<item>: issue 30; 26a-f: weight deltas; 26g-l: the
+"""Issue 15's fixes and later issues' (30.<item>: issue 30; 26a-f: weight deltas; 26g-m: the
 trainer's chunk-server processes;
 27w-a..e: adapter-only versions on the workers), each
 removed in turn: its tests must fail without it and pass with it.
@@ -549,6 +549,12 @@ CASES = [
             (WP, "    sys.stdin.buffer.read()  # until EOF", "    time.sleep(60)  # until EOF"),
         ],
         [P + "test_no_orphans_after_the_trainer_is_killed"],
+    ),
+    Case(
+        "26m",
+        "the chunk servers listen without TLS when the trainer has it",
+        [(WP, "    creds = server_credentials(cfg)\n", "    creds = None\n")],
+        [P + "test_chunk_servers_speak_tls_and_check_the_token"],
     ),
     Case(
         "26l",

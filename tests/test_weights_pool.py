@@ -208,3 +208,33 @@ def test_serve_processes_refused_early_with_the_field_named(tmp_path):
     assert auto == (0 if len(os.sched_getaffinity(0)) < 4 else min(4, len(os.sched_getaffinity(0)) // 2))
     with pytest.raises(ValueError, match="weights_serve_processes"):
         ChunkServerPool(WeightStore(str(tmp_path)).layout, TOKEN, BufferConfig(), 1)
+
+
+def test_chunk_servers_speak_tls_and_check_the_token(tmp_path):
+    from test_grpc_security import _self_signed
+
+    cert, key = _self_signed(tmp_path)
+    _publish(tmp_path)
+    port = free_port()
+    cfg = _cfg(tmp_path, port, weights_serve_processes=2, grpc_tls_cert=cert, grpc_tls_key=key, grpc_tls_ca=cert)
+    cfg.grpc_address = f"localhost:{port}"  # the certificate's name: the chunk servers' too
+    t = _PoolTrainer(tmp_path, cfg)
+    try:
+        f = WeightFetcher(cfg.grpc_address, TOKEN, cfg, "w0")
+        try:
+            assert _verified(f.fetch(1, str(tmp_path / "w0" / "v000001")), t.store)
+            assert f.stats[1].from_servers == f.stats[1].chunks and f.stats[1].server_failures == 0
+        finally:
+            f.close()
+        server = f"127.0.0.1:{t.service.pool.ports()[0]}"
+        ask = ChunkRequest(1, "w9", index=0)
+        with pytest.raises(grpc.RpcError) as e:  # no TLS: no connection (the token never leaves)
+            _call(server, ask)
+        assert e.value.code() == grpc.StatusCode.UNAVAILABLE
+        creds = grpc.ssl_channel_credentials(root_certificates=open(cert, "rb").read())
+        with grpc.secure_channel(f"localhost:{t.service.pool.ports()[0]}", creds) as ch:
+            with pytest.raises(grpc.RpcError) as e:
+                ch.unary_unary(CHUNK_METHOD)(ask.encode(), timeout=30, metadata=[("authorization", "Bearer wrong")])
+        assert e.value.code() == grpc.StatusCode.UNAUTHENTICATED
+    finally:
+        t.stop()
