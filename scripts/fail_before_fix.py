@@ -535,6 +535,12 @@ CASES = [
         [P + "test_killed_serving_process_is_replaced_and_the_fetch_completes"],
     ),
     Case(
+        "26i2",
+        "a chunk server that stopped answering is left in place (Pings not counted)",
+        [(WP, "        if s.unanswered >= PING_FAILURES:", "        if False:")],
+        [P + "test_hung_serving_process_is_killed_and_replaced"],
+    ),
+    Case(
         "26j",
         "the pool's stop leaves its processes running",
         [(WP, "            for s in self.servers:\n                self._end(s, STOP_GRACE_S)\n", "")],

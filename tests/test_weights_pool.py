@@ -144,6 +144,25 @@ def test_killed_serving_process_is_replaced_and_the_fetch_completes(tmp_path, po
         g.close()
 
 
+def test_hung_serving_process_is_killed_and_replaced(tmp_path, pool_trainer):
+    t = pool_trainer(weights_serve_processes=2, weights_probe_timeout_s=1.0)
+    pool = t.service.pool
+    hung = pool.pids()[1]
+    os.kill(hung, signal.SIGSTOP)  # alive to poll(), deaf to Pings
+    try:  # 3 Pings of 1 s, a health tick each, the backoff, the start: well within START_S
+        _wait(lambda: pool.pids()[1] not in (None, hung) and pool.ports()[1], START_S, "the hung process replaced")
+        _wait(lambda: _gone(hung), 30, "the hung process killed")
+    finally:
+        if not _gone(hung):
+            os.kill(hung, signal.SIGKILL)
+    f = WeightFetcher(t.cfg.grpc_address, TOKEN, t.cfg, "w0")
+    try:
+        assert _verified(f.fetch(1, str(tmp_path / "w0" / "v000001")), t.store)
+        assert f.stats[1].from_servers == f.stats[1].chunks
+    finally:
+        f.close()
+
+
 def test_no_orphans_after_the_trainer_server_stops(tmp_path):
     _publish(tmp_path)
     port = free_port()
