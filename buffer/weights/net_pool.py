@@ -146,10 +146,9 @@ class ChunkServerPool:
         channels: dict[int, grpc.Channel] = {}
         try:
             while not self._stop.is_set():
-                for s in self.servers:
-                    if self._stop.is_set():
-                        break
-                    self._tend(s, channels)
+                due = [s for s in self.servers if self._tend(s, channels)]
+                for s in [s for s in due if self._spawn(s)]:  # all at once: each takes a second or two
+                    self._started(s)
                 self._stop.wait(HEALTH_S)
         finally:
             for ch in channels.values():
@@ -157,8 +156,8 @@ class ChunkServerPool:
             for s in self.servers:
                 self._end(s, STOP_GRACE_S)
 
-    def _tend(self, s: _Server, channels: dict[int, grpc.Channel]) -> None:
-        """Start `s` if it is down and its backoff has passed; else check that it lives."""
+    def _tend(self, s: _Server, channels: dict[int, grpc.Channel]) -> bool:
+        """Whether `s` is to start now (down, its backoff passed); else check that it lives."""
         if s.proc is not None and s.proc.poll() is not None:
             log.warning(
                 "weight chunk server %d (pid %d, port %d) exited with %s; restarting it",
@@ -170,14 +169,12 @@ class ChunkServerPool:
             self._end(s, 0)
             self._later(s)
         if s.proc is None:
-            if time.monotonic() >= s.start_at:
-                self._start(s)
-            return
+            return not self._stop.is_set() and time.monotonic() >= s.start_at
         if self.cfg.grpc_tls_cert:  # see the module's doc: no Ping over TLS
-            return
+            return False
         if self._ping(s, channels):
             s.unanswered = 0
-            return
+            return False
         s.unanswered += 1
         if s.unanswered >= PING_FAILURES:
             log.warning(
@@ -189,6 +186,7 @@ class ChunkServerPool:
             )
             self._end(s, 0)
             self._later(s)
+        return False
 
     def _later(self, s: _Server) -> None:
         """The next start of `s` after its backoff: 0.5 s, doubling while it keeps dying (up to
@@ -209,43 +207,55 @@ class ChunkServerPool:
         except grpc.RpcError:
             return False
 
-    def _start(self, s: _Server) -> None:
-        """One process, asked for its old port; READY <port> within START_TIMEOUT_S or it is
-        killed and retried after the backoff (doubling up to MAX_BACKOFF_S)."""
+    def _spawn(self, s: _Server) -> bool:
+        """Start the process of `s`, asked for its old port (its READY: `_started`)."""
         env = {
             **os.environ,
             "PYTHONPATH": os.pathsep.join([_REPO, os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep),
         }
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "buffer.weights.net_pool"],
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            env=env,
-            cwd=_REPO,
-        )
-        assert proc.stdin is not None and proc.stdout is not None  # both piped just above
-        with self._lock:
-            s.proc = proc
         try:  # the secret crosses a pipe, never the command line (ps shows that)
+            proc = subprocess.Popen(
+                [sys.executable, "-m", "buffer.weights.net_pool"],
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
+                env=env,
+                cwd=_REPO,
+            )
+            assert proc.stdin is not None and proc.stdout is not None  # both piped just above
+            with self._lock:
+                s.proc = proc
             spec = {**self._spec, "index": s.index, "port": s.want_port, "secret": self._secret}
             proc.stdin.write((json.dumps(spec) + "\n").encode())
             proc.stdin.flush()
-            port = _ready(proc, START_TIMEOUT_S)
+            return True
+        except OSError as e:
+            self._failed_start(s, e)
+            return False
+
+    def _started(self, s: _Server) -> None:
+        """Its READY <port> within START_TIMEOUT_S, or it is killed and retried after the
+        backoff (doubling up to MAX_BACKOFF_S)."""
+        assert s.proc is not None
+        try:
+            port = _ready(s.proc, START_TIMEOUT_S)
         except (OSError, ValueError) as e:
-            log.warning(
-                "weight chunk server %d did not start (%s); again in %.1f s",
-                s.index,
-                e,
-                min(s.backoff_s, MAX_BACKOFF_S),
-            )
-            self._end(s, 0)
-            self._later(s)
+            self._failed_start(s, e)
             return
         with self._changed:
             s.port = s.want_port = port
             s.unanswered, s.up_at = 0, time.monotonic()
             self._changed.notify_all()
-        log.info("weight chunk server %d of %d: pid %d on port %d", s.index, self.n, proc.pid, port)
+        log.info("weight chunk server %d of %d: pid %d on port %d", s.index, self.n, s.proc.pid, port)
+
+    def _failed_start(self, s: _Server, e: Exception) -> None:
+        log.warning(
+            "weight chunk server %d did not start (%s); again in %.1f s",
+            s.index,
+            e,
+            min(s.backoff_s, MAX_BACKOFF_S),
+        )
+        self._end(s, 0)
+        self._later(s)
 
     def _end(self, s: _Server, grace_s: float) -> None:
         """Close its stdin (it stops its server and exits), wait `grace_s`, then SIGKILL; reaped."""
