@@ -210,7 +210,9 @@ class _Partial:
             if os.fstat(fd).st_size != entry.bytes:
                 os.ftruncate(fd, entry.bytes)
             self.fds.append(fd)
-        self.pending: set[int] = set()  # verified, written, not yet fsynced
+        self.pending: set[int] = set()  # verified, written, not yet fsynced (the loop's own)
+        self._saver: threading.Thread | None = None  # the save in the background, if any
+        self._save_error: BaseException | None = None
         self.saved_at = time.monotonic()
         self.hashes = _FileHashes(chunks, self.fds, self.durable)
 
@@ -232,23 +234,53 @@ class _Partial:
         os.pwrite(self.fds[pos], data, offset)
 
     def save(self, every_s: float) -> None:
-        """Make the pending chunks durable (fsync their files, then the bitmap), at most every
-        `every_s` (0: now)."""
+        """Make the pending chunks durable (fsync their files, then the bitmap): with `every_s`
+        > 0 (the transfer's loop) at most that often and in the background, one save at a time
+        (an fsync of a second's chunks took 0.6 s of a 2.5 s fetch on the CPU box, and the loop
+        launched no request meanwhile); 0: now, after the one in the background (the end of a
+        transfer). An error of a background save is raised here, at the next call."""
+        if every_s > 0 and self._saver is not None and self._saver.is_alive():
+            return
+        self._join()
         if not self.pending or time.monotonic() - self.saved_at < every_s:
             return
-        for pos in {self.chunks.locate(i)[0] for i in self.pending}:
-            os.fsync(self.fds[pos])
-        self.durable |= self.pending
-        self.pending = set()
-        self._replace(_VERIFIED_FILE, to_bitmap(self.durable, self.chunks.total))
+        batch, self.pending = self.pending, set()
         self.saved_at = time.monotonic()
+        if every_s == 0:
+            self._flush(batch)
+            return
+        self._saver = threading.Thread(target=self._flush, args=(batch, True), name="weights-fsync", daemon=True)
+        self._saver.start()
+
+    def _flush(self, batch: set[int], background: bool = False) -> None:
+        try:
+            for pos in {self.chunks.locate(i)[0] for i in batch}:
+                os.fsync(self.fds[pos])
+            self.durable |= batch  # only here, and by forget() after _join: one writer at a time
+            self._replace(_VERIFIED_FILE, to_bitmap(self.durable, self.chunks.total))
+        except BaseException as e:
+            if not background:
+                raise
+            self._save_error = e  # its chunks stay out of the bitmap: fetched again on a resume
+
+    def _join(self) -> None:
+        """Wait for the save in the background (an fsync: bounded by the disk); raise its error."""
+        if self._saver is not None:
+            self._saver.join()
+            self._saver = None
+        error, self._save_error = self._save_error, None
+        if error is not None:
+            raise error
 
     def forget(self, indices) -> None:
+        self._join()
         self.durable -= set(indices)
         self.pending -= set(indices)
         self._replace(_VERIFIED_FILE, to_bitmap(self.durable, self.chunks.total))
 
     def close(self) -> None:
+        if self._saver is not None:
+            self._saver.join()  # before the files it syncs are closed (its error was raised or is moot)
         self.hashes.close()  # before the files it reads are closed
         for fd in self.fds:
             os.close(fd)
