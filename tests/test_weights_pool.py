@@ -7,6 +7,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+import threading
 
 import grpc
 import pytest
@@ -113,6 +114,40 @@ def test_fetch_over_several_serving_processes_is_bit_exact(tmp_path, pool_traine
             g.close()
     finally:
         f.close()
+
+
+def test_fanout_over_the_serving_processes(tmp_path, pool_trainer):
+    """Four workers fetch at once from chunk servers with a slow uplink (1 MB/s in all, split
+    over them): chunks flow between workers, and the trainer's processes together send fewer
+    than four copies (test_weights_net's test_peer_fanout_used, with the processes)."""
+    t = pool_trainer(weights_serve_processes=2, weights_upload_mb_s=1.0)
+    fetchers = [WeightFetcher(t.cfg.grpc_address, TOKEN, t.cfg, f"w{i}") for i in range(4)]
+    dests, errors = {}, []
+
+    def run(i):
+        try:
+            dests[i] = fetchers[i].fetch(1, str(tmp_path / f"w{i}" / "v1"))
+        except BaseException as e:
+            errors.append(e)
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(4)]
+    try:
+        for th in threads:
+            th.start()
+        for th in threads:
+            th.join(timeout=300)
+        assert not errors, errors
+        stats = [f.stats[1] for f in fetchers]
+        total = stats[0].chunks
+        assert sum(s.from_peers for s in stats) > 0
+        assert all(s.from_peers + s.from_trainer == total for s in stats)
+        assert sum(s.from_trainer for s in stats) < 4 * total
+        assert sum(s.from_servers for s in stats) > 0
+        for i in range(4):
+            assert _verified(dests[i], t.store)
+    finally:
+        for f in fetchers:
+            f.close()
 
 
 def test_killed_serving_process_is_replaced_and_the_fetch_completes(tmp_path, pool_trainer):
