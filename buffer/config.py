@@ -262,7 +262,8 @@ class BufferConfig:
         """buffer.weights_serve_processes resolved: 0 (the trainer's own process) or N >= 2."""
         n = self.weights_serve_processes
         if n < 0:
-            n = min(4, len(os.sched_getaffinity(0)) // 2)
+            cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+            n = min(4, cpus // 2)  # the CPUs this process may use (SLURM, taskset), not the node's
         return n if n >= 2 else 0
 
     def check(self) -> None:
