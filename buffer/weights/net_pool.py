@@ -135,7 +135,8 @@ class ChunkServerPool:
     def stop(self) -> None:
         """End every process (stdin closed, then SIGKILL after STOP_GRACE_S) and the thread."""
         self._stop.set()
-        self._thread.join(timeout=HEALTH_S + START_TIMEOUT_S + 2 * STOP_GRACE_S)
+        # its bounds: a tick, a start's READY, then each process's grace and SIGKILL wait
+        self._thread.join(timeout=HEALTH_S + START_TIMEOUT_S + 2 * STOP_GRACE_S * self.n)
         if self._thread.is_alive():  # never seen: it ends each process within those bounds
             log.error("the weight chunk-server thread did not end; killing its processes")
             for s in self.servers:
