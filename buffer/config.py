@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import os
 
 from protocol.config import ConfigError, F
 
@@ -242,9 +243,28 @@ class BufferConfig:
         "reach workers one after another instead of all together late",
         ge=1,
     )
+    weights_serve_processes: int = F(
+        -1,
+        "trainer: processes that send weight chunks (buffer/weights/net_pool.py): 0 or 1: the "
+        "trainer's own gRPC process sends them all, under its one GIL (~1 GB/s at most); N >= 2: "
+        "N processes of their own (each its port, the same token and TLS; process k sends the "
+        "chunks k modulo N), started, health-checked and stopped with the trainer, restarted if "
+        "one dies; buffer.weights_send_slots and weights_upload_mb_s are split over them. "
+        "-1: min(4, usable CPUs // 2)",
+        ge=-1,
+        le=64,
+    )
     weights_serve_versions: int = F(
         2, "worker: weight versions it keeps serving to peers after fetching them (the newest ones)", ge=1
     )
+
+    def serve_processes(self) -> int:
+        """buffer.weights_serve_processes resolved: 0 (the trainer's own process) or N >= 2."""
+        n = self.weights_serve_processes
+        if n < 0:
+            cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+            n = min(4, cpus // 2)  # the CPUs this process may use (SLURM, taskset), not the node's
+        return n if n >= 2 else 0
 
     def check(self) -> None:
         if bool(self.grpc_tls_cert) != bool(self.grpc_tls_key):

@@ -44,6 +44,7 @@ from buffer.storage import filesystem, is_local
 from buffer.weights.base import WeightSource
 from buffer.weights.fs import FsWeightSource, WeightStore
 from buffer.weights.net_client import NetWeightSource
+from buffer.weights.net_pool import chunk_servers
 from buffer.weights.net_server import WeightService, add_weight_service
 
 log = logging.getLogger(__name__)
@@ -200,7 +201,8 @@ def _network_run(root: str, buffer: BufferConfig) -> WorkerRun:
 class RunServer:
     """The trainer's rank 0 with buffer.transport=grpc: one grpc.Server (buffer.grpc_bind, the
     token, TLS) with the experience stream (ShardServer), the run service on `run` and the
-    weight service of its published versions, each service on its own thread pool. `hooks`:
+    weight service of its published versions (its chunks from buffer.weights_serve_processes
+    processes of their own: buffer/weights/net_pool.py), each service on its own thread pool. `hooks`:
     see TrainerRun.serve. `stop()` first lingers after the run's end (buffer.grpc_linger_s),
     so that workers learn of it."""
 
@@ -210,14 +212,20 @@ class RunServer:
         self.weights: WeightService | None = None
 
         def add_weights(server) -> None:
-            self.weights = add_weight_service(server, self.run_service.version_dir, secret, buffer)
+            pool = chunk_servers(run.files, secret, buffer)
+            self.weights = add_weight_service(server, self.run_service.version_dir, secret, buffer, pool)
 
-        self.shards = ShardServer(
-            run.root,
-            buffer,
-            **hooks,
-            services=[lambda server: server.add_generic_rpc_handlers([self.run_service.handler()]), add_weights],
-        )
+        try:
+            self.shards = ShardServer(
+                run.root,
+                buffer,
+                **hooks,
+                services=[lambda server: server.add_generic_rpc_handlers([self.run_service.handler()]), add_weights],
+            )
+        except BaseException:  # e.g. the port is taken: the chunk-server processes end too
+            if self.weights is not None:
+                self.weights.close()
+            raise
         self.server, self.port, self.linger_s = self.shards.server, self.shards.port, buffer.grpc_linger_s
         self.servicer = self.shards.servicer  # the experience stream's (its stats)
         log.info("run service and weight service on port %d beside the experience stream", self.port)

@@ -9,6 +9,17 @@ ChunkReply is framed: msgpack header, then the raw chunk bytes):
     Peers(PeerReport) -> PeerList               trainer only: a worker says which chunks of a
                                                 version it holds and where it serves them; the
                                                 answer is other workers that hold chunks
+    ChunkServers(ChunkListRequest) -> ServerList  trainer only: the ports of its chunk-server
+                                                processes (buffer.weights_serve_processes), on
+                                                the trainer's host; empty: ask the trainer itself
+    Ping(b"") -> b""                            a chunk-server process: the trainer's health check
+
+Chunk servers (buffer/weights/net_pool.py): process k of N serves the chunks whose number is k
+modulo N (so each chunk has one sender and "sent least often" stays exact across processes),
+the same Chunk method with the same token and TLS; what it cannot decide (every chunk asked
+for has left it already and the requester takes chunks from peers: only the trainer's main
+process knows the peers) it answers ASK_TRAINER, and the worker asks the trainer again with
+`sent` set.
 
 Chunks are numbered globally: file 0's chunks first, then file 1's, ... in manifest order (a
 `ChunkList`'s `locate` maps a number to file, offset, length). A set of chunk numbers crosses
@@ -34,6 +45,10 @@ SERVICE = "tandem.Weights"
 CHUNK_LIST_METHOD = f"/{SERVICE}/ChunkList"
 CHUNK_METHOD = f"/{SERVICE}/Chunk"
 PEERS_METHOD = f"/{SERVICE}/Peers"
+CHUNK_SERVERS_METHOD = f"/{SERVICE}/ChunkServers"
+PING_METHOD = f"/{SERVICE}/Ping"
+REDIRECT = -1  # a ChunkReply's index: every chunk asked for is with live peers, ask them
+ASK_TRAINER = -2  # a ChunkReply's index (chunk servers): every chunk asked for left here already
 SIDECAR_PREFIX = ".tandem-"  # a fetch's own files in <dest>.partial/; no weight file starts so
 
 
@@ -161,6 +176,19 @@ class ChunkList(_Message):
         )
 
     @classmethod
+    def unhashed(cls, manifest: WeightManifest, manifest_text: str, chunk_bytes: int) -> ChunkList:
+        """The manifest's chunking with zero digests: what a chunk-server process needs to find
+        a chunk (file, offset, length) without hashing the version once more (the trainer's
+        main process hashed it; the worker checks every chunk against that list). Never sent."""
+        files = [
+            FileChunks(e.name, e.bytes, e.sha256, [bytes(32)] * max(1, -(-e.bytes // chunk_bytes)))
+            for e in manifest.files
+        ]
+        out = cls(manifest.version, chunk_bytes, manifest_text, files)
+        out.check()
+        return out
+
+    @classmethod
     def of_folder(cls, folder: str, manifest: WeightManifest, manifest_text: str, chunk_bytes: int) -> ChunkList:
         """Hash the manifest's files in `folder` chunk by chunk (one read of each file)."""
         files = []
@@ -199,7 +227,9 @@ class ChunkRequest(_Message):
     """One chunk: `index`, or (index -1) any chunk of the bitmap `want`, the server's choice
     (the trainer sends the one it has sent least often: each chunk leaves it about once).
     `peers`: the requester takes chunks from peers, except those in `avoid` (so the trainer
-    may answer REDIRECT, index -1, when live peers hold every chunk of `want`)."""
+    may answer REDIRECT, index -1, when live peers hold every chunk of `want`). `sent`: every
+    chunk of `want` left the trainer already (its chunk server said ASK_TRAINER), so the trainer
+    sends one again only if no live peer covers it."""
 
     version: int
     peer_id: str
@@ -207,6 +237,7 @@ class ChunkRequest(_Message):
     want: bytes = b""
     peers: bool = False
     avoid: list[str] = dataclasses.field(default_factory=list)
+    sent: bool = False
 
     @classmethod
     def _build(cls, d: dict):
@@ -218,7 +249,8 @@ class ChunkRequest(_Message):
 
 @dataclasses.dataclass
 class ChunkReply(_Message):
-    """`index` -1 (no data): every chunk asked for is with live peers; ask them.
+    """`index` REDIRECT (no data): every chunk asked for is with live peers; ask them.
+    ASK_TRAINER (no data, from a chunk-server process): ask the trainer with `sent` set.
 
     Framed, not one msgpack map: a 4-byte little-endian length, the msgpack map of version and
     index, then the chunk's raw bytes. Decoding hands `data` out as a memoryview of the
@@ -248,6 +280,25 @@ class ChunkReply(_Message):
             return cls(head["version"], head["index"], view[4 + n :])
         except (ValueError, TypeError, struct.error, msgpack.UnpackException) as e:
             raise WireError(f"{cls.__name__}: undecodable message: {e!r}") from None
+
+
+@dataclasses.dataclass
+class ServerList(_Message):
+    """The trainer's chunk-server processes: their ports on the host the worker reaches the
+    trainer at (its buffer.grpc_address: same name, so the same TLS certificate), in order, so
+    that port k serves the chunks k modulo len(ports); a port 0 is a process not up now (being
+    restarted): its chunks are the trainer's to send. Empty: the trainer serves every chunk."""
+
+    ports: list[int]
+
+    @classmethod
+    def _build(cls, d: dict):
+        out = super()._build(d)
+        if not isinstance(out.ports, list) or not all(
+            isinstance(p, int) and not isinstance(p, bool) and 0 <= p < 65536 for p in out.ports
+        ):
+            raise TypeError("field ports: a list of port numbers")
+        return out
 
 
 @dataclasses.dataclass

@@ -1,4 +1,5 @@
-"""Issue 15's fixes and later issues' (30.<item>: issue 30; 26a-f: weight deltas;
+"""Issue 15's fixes and later issues' (30.<item>: issue 30; 26a-f: weight deltas; 26g-m: the
+trainer's chunk-server processes;
 27w-a..e: adapter-only versions on the workers), each
 removed in turn: its tests must fail without it and pass with it.
 
@@ -38,6 +39,7 @@ EN, WN, CN = "buffer/experience/net_server.py", "buffer/weights/net_server.py", 
 C = "tests/test_contained_failures.py::"
 D = "tests/test_weights_delta.py::"
 L = "tests/test_lora_worker.py::"
+P, WP = "tests/test_weights_pool.py::", "buffer/weights/net_pool.py"
 
 
 @dataclasses.dataclass
@@ -513,6 +515,58 @@ CASES = [
         "launch.local gives the workers and the validator no base (model path)",
         [("launch/local.py", '    common.append(f"{MODEL}={model}")\n', "")],
         [L + "test_launch_local_gives_the_workers_and_the_validator_their_base"],
+    ),
+    Case(
+        "26g",
+        "the worker ignores the trainer's chunk servers (every chunk from its own process)",
+        [("buffer/weights/net_client.py", 'return [f"{host}:{p}" if p else "" for p in ports]', "return []")],
+        [P + "test_fetch_over_several_serving_processes_is_bit_exact"],
+    ),
+    Case(
+        "26h",
+        "the trainer ignores ChunkRequest.sent (a chunk server's deferral): it sends chunks peers hold",
+        [(WN, "if all_sent or all(self.served[i] for i in options):", "if all(self.served[i] for i in options):")],
+        [P + "test_fetch_over_several_serving_processes_is_bit_exact"],
+    ),
+    Case(
+        "26i",
+        "a chunk server that died is never restarted",
+        [(WP, "        s.start_at = time.monotonic() + s.backoff_s\n", "        s.start_at = math.inf\n")],
+        [P + "test_killed_serving_process_is_replaced_and_the_fetch_completes"],
+    ),
+    Case(
+        "26i2",
+        "a chunk server that stopped answering is left in place (Pings not counted)",
+        [(WP, "        if s.unanswered >= PING_FAILURES:", "        if False:")],
+        [P + "test_hung_serving_process_is_killed_and_replaced"],
+    ),
+    Case(
+        "26j",
+        "the pool's stop leaves its processes running",
+        [(WP, "            for s in self.servers:\n                self._end(s, STOP_GRACE_S)\n", "")],
+        [P + "test_no_orphans_after_the_trainer_server_stops"],
+    ),
+    Case(
+        "26k",
+        "a chunk server outlives a killed trainer (no PR_SET_PDEATHSIG, stdin EOF not watched: it "
+        "serves 60 s more, then exits, so that the case leaves no orphans of its own)",
+        [
+            (WP, "ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)", "pass"),
+            (WP, "    sys.stdin.buffer.read()  # until EOF", "    time.sleep(60)  # until EOF"),
+        ],
+        [P + "test_no_orphans_after_the_trainer_is_killed"],
+    ),
+    Case(
+        "26m",
+        "the chunk servers listen without TLS when the trainer has it",
+        [(WP, "    creds = server_credentials(cfg)\n", "    creds = None\n")],
+        [P + "test_chunk_servers_speak_tls_and_check_the_token"],
+    ),
+    Case(
+        "26l",
+        "buffer.weights_serve_processes unbounded",
+        [("buffer/config.py", "        ge=-1,\n        le=64,\n", "")],
+        [P + "test_serve_processes_refused_early_with_the_field_named"],
     ),
 ]
 

@@ -26,6 +26,15 @@ workers' own uplinks carry the copies. A peer that fails a request is skipped fo
 `weights_peer_ttl_s`; a peer whose chunk fails its sha256 is never used again for the version;
 the chunk goes back to the missing set, taken from another peer or the trainer.
 
+The trainer's chunk-server processes (buffer.weights_serve_processes: its sends on more cores
+than its one GIL's; buffer/weights/net_pool.py): the trainer names their ports (ChunkServers,
+asked once per fetch), on its own host; the fetch spreads its weights_trainer_streams over them,
+each request asking process k for the wanted chunks k modulo N, the least loaded first. One
+that fails a request is skipped for weights_peer_ttl_s (its chunks asked of the trainer's main
+process meanwhile, which holds every chunk); one that answers ASK_TRAINER (all it holds of what
+was asked left it already, and only the main process knows the peers) has its chunks asked of
+the main process from then on, with `sent` set.
+
 """
 
 from __future__ import annotations
@@ -52,13 +61,16 @@ from buffer.layout import RunLayout
 from buffer.storage import when_space
 from buffer.weights import delta
 from buffer.weights.base import WeightSource
-from buffer.weights.net_server import OPTIONS, REDIRECT, ChunkServicer, Holding
+from buffer.weights.net_server import OPTIONS, ChunkServicer, Holding
 from protocol import run_service as rs
 from protocol.weights import ManifestError, WeightManifest, sha256_file, verify_files
 from protocol.weights_wire import (
+    ASK_TRAINER,
     CHUNK_LIST_METHOD,
     CHUNK_METHOD,
+    CHUNK_SERVERS_METHOD,
     PEERS_METHOD,
+    REDIRECT,
     SIDECAR_PREFIX,
     ChunkList,
     ChunkListRequest,
@@ -67,6 +79,7 @@ from protocol.weights_wire import (
     PeerInfo,
     PeerList,
     PeerReport,
+    ServerList,
     WireError,
     from_bitmap,
     to_bitmap,
@@ -89,12 +102,17 @@ class FetchCancelled(Exception):
     `<dest>.partial/`, and the next fetch of the version resumes them."""
 
 
+FILE_HASH_THREADS = 4  # files hashed at once while a fetch goes on (hashlib releases the GIL)
+
+
 class _FileHashes:
-    """The manifest's whole-file sha256 of each file, computed while the transfer goes on: a
-    thread of its own hashes each file's chunks in order as they are written (read back from
-    the page cache), so that at the end only the last chunks remain to hash instead of every
-    file again (on a fast link that final pass was a quarter of a fetch). Chunks arrive in any
-    order; a file's hash waits at its first missing chunk."""
+    """The manifest's whole-file sha256 of each file, computed while the transfer goes on:
+    threads of its own (up to FILE_HASH_THREADS, thread t the files t modulo their number) hash
+    each file's chunks in order as they are written (read back from the page cache), so that at
+    the end only the last chunks remain to hash instead of every file again (on a fast link
+    that final pass was a quarter of a fetch). One thread hashed ~1.3 GB/s on the GPU machine's
+    cores: at a receive rate near that it fell behind, so files are hashed in parallel. Chunks
+    arrive in any order; a file's hash waits at its first missing chunk."""
 
     def __init__(self, chunks: ChunkList, fds: list[int], ready: set[int]):
         self.chunks, self.fds = chunks, fds
@@ -104,23 +122,25 @@ class _FileHashes:
         self.cond = threading.Condition()
         self.closed = False
         self.error: BaseException | None = None
-        self.thread = threading.Thread(target=self._run, name="weights-file-sha256", daemon=True)
-        self.thread.start()
+        n = max(1, min(FILE_HASH_THREADS, len(chunks.files)))
+        self.threads = [
+            threading.Thread(target=self._run, args=(range(t, len(chunks.files), n),), name="weights-file-sha256")
+            for t in range(n)
+        ]
+        for th in self.threads:
+            th.daemon = True
+            th.start()
 
     def written(self, index: int) -> None:
         with self.cond:
             self.ready.add(index)
-            self.cond.notify()
+            self.cond.notify_all()
 
-    def _advance(self) -> bool:
-        """Hash the next ready chunk of any file; False when none is ready."""
+    def _advance(self, files: range) -> bool:
+        """Hash the next ready chunk of one of `files` (this thread's); False when none is."""
         with self.cond:
             pos = next(
-                (
-                    p
-                    for p in range(len(self.next))
-                    if self.next[p] in self.ready and self.next[p] in self.chunks.chunks_of(p)
-                ),
+                (p for p in files if self.next[p] in self.ready and self.next[p] in self.chunks.chunks_of(p)),
                 None,
             )
         if pos is None:
@@ -130,10 +150,10 @@ class _FileHashes:
         self.next[pos] += 1
         return True
 
-    def _run(self) -> None:
+    def _run(self, files: range) -> None:
         try:
             while True:
-                if self._advance():
+                if self._advance(files):
                     continue
                 with self.cond:
                     if self.closed:
@@ -144,12 +164,13 @@ class _FileHashes:
 
     def digests(self, timeout_s: float) -> list[str] | None:
         """Every file's hex sha256 once all chunks are hashed (call when all are written);
-        None if the thread failed or did not finish within `timeout_s`."""
+        None if a thread failed or they did not finish within `timeout_s`."""
         deadline = time.monotonic() + timeout_s
         with self.cond:
-            self.cond.notify()
+            self.cond.notify_all()
         while any(self.next[p] < self.chunks.chunks_of(p).stop for p in range(len(self.next))):
-            if self.error is not None or not self.thread.is_alive() or time.monotonic() > deadline:
+            alive = all(th.is_alive() for th in self.threads)
+            if self.error is not None or not alive or time.monotonic() > deadline:
                 return None
             time.sleep(0.005)
         return [h.hexdigest() for h in self.sha]
@@ -157,8 +178,9 @@ class _FileHashes:
     def close(self) -> None:
         with self.cond:
             self.closed = True
-            self.cond.notify()
-        self.thread.join(timeout=30)  # it ends at its next chunk (one pread + hash)
+            self.cond.notify_all()
+        for th in self.threads:
+            th.join(timeout=30)  # each ends at its next chunk (one pread + hash)
 
 
 class _Partial:
@@ -188,7 +210,9 @@ class _Partial:
             if os.fstat(fd).st_size != entry.bytes:
                 os.ftruncate(fd, entry.bytes)
             self.fds.append(fd)
-        self.pending: set[int] = set()  # verified, written, not yet fsynced
+        self.pending: set[int] = set()  # verified, written, not yet fsynced (the loop's own)
+        self._saver: threading.Thread | None = None  # the save in the background, if any
+        self._save_error: BaseException | None = None
         self.saved_at = time.monotonic()
         self.hashes = _FileHashes(chunks, self.fds, self.durable)
 
@@ -210,23 +234,53 @@ class _Partial:
         os.pwrite(self.fds[pos], data, offset)
 
     def save(self, every_s: float) -> None:
-        """Make the pending chunks durable (fsync their files, then the bitmap), at most every
-        `every_s` (0: now)."""
+        """Make the pending chunks durable (fsync their files, then the bitmap): with `every_s`
+        > 0 (the transfer's loop) at most that often and in the background, one save at a time
+        (an fsync of a second's chunks took 0.6 s of a 2.5 s fetch on the CPU box, and the loop
+        launched no request meanwhile); 0: now, after the one in the background (the end of a
+        transfer). An error of a background save is raised here, at the next call."""
+        if every_s > 0 and self._saver is not None and self._saver.is_alive():
+            return
+        self._join()
         if not self.pending or time.monotonic() - self.saved_at < every_s:
             return
-        for pos in {self.chunks.locate(i)[0] for i in self.pending}:
-            os.fsync(self.fds[pos])
-        self.durable |= self.pending
-        self.pending = set()
-        self._replace(_VERIFIED_FILE, to_bitmap(self.durable, self.chunks.total))
+        batch, self.pending = self.pending, set()
         self.saved_at = time.monotonic()
+        if every_s == 0:
+            self._flush(batch)
+            return
+        self._saver = threading.Thread(target=self._flush, args=(batch, True), name="weights-fsync", daemon=True)
+        self._saver.start()
+
+    def _flush(self, batch: set[int], background: bool = False) -> None:
+        try:
+            for pos in {self.chunks.locate(i)[0] for i in batch}:
+                os.fsync(self.fds[pos])
+            self.durable |= batch  # only here, and by forget() after _join: one writer at a time
+            self._replace(_VERIFIED_FILE, to_bitmap(self.durable, self.chunks.total))
+        except BaseException as e:
+            if not background:
+                raise
+            self._save_error = e  # its chunks stay out of the bitmap: fetched again on a resume
+
+    def _join(self) -> None:
+        """Wait for the save in the background (an fsync: bounded by the disk); raise its error."""
+        if self._saver is not None:
+            self._saver.join()
+            self._saver = None
+        error, self._save_error = self._save_error, None
+        if error is not None:
+            raise error
 
     def forget(self, indices) -> None:
+        self._join()
         self.durable -= set(indices)
         self.pending -= set(indices)
         self._replace(_VERIFIED_FILE, to_bitmap(self.durable, self.chunks.total))
 
     def close(self) -> None:
+        if self._saver is not None:
+            self._saver.join()  # before the files it syncs are closed (its error was raised or is moot)
         self.hashes.close()  # before the files it reads are closed
         for fd in self.fds:
             os.close(fd)
@@ -250,6 +304,9 @@ class FetchStats:
     duplicates: int = 0  # chunks that arrived twice (wasted bytes)
     redirects: int = 0  # trainer answers "live peers hold every chunk you asked for"
     busy: int = 0  # requests a server refused because its send slots were taken (asked later)
+    from_servers: int = 0  # of from_trainer: sent by the trainer's chunk-server processes
+    server_failures: int = 0  # requests to those that failed (their chunks asked of the trainer)
+    deferred: int = 0  # ASK_TRAINER answers of those (their chunks asked of the trainer since)
     seconds: float = 0.0
 
 
@@ -267,7 +324,12 @@ class WeightFetcher:
         self.trainer = open_channel(cfg, address, OPTIONS)
         self._calls = {
             name: self.trainer.unary_unary(method)
-            for name, method in (("ChunkList", CHUNK_LIST_METHOD), ("Chunk", CHUNK_METHOD), ("Peers", PEERS_METHOD))
+            for name, method in (
+                ("ChunkList", CHUNK_LIST_METHOD),
+                ("Chunk", CHUNK_METHOD),
+                ("Peers", PEERS_METHOD),
+                ("ChunkServers", CHUNK_SERVERS_METHOD),
+            )
         }
         self.stats: dict[int, FetchStats] = {}
         self._lock = threading.Lock()  # guards _holdings, _peer_lists, _channels
@@ -424,7 +486,7 @@ class WeightFetcher:
                 holding = Holding(chunks, partial, set(state.durable))
                 if self.server is not None:
                     self._hold(version, holding)
-                _Transfer(self, version, state, holding, stats).run()
+                _Transfer(self, version, state, holding, stats, self._chunk_servers(version)).run()
                 self._finish(state, holding, dest)
             finally:
                 state.close()
@@ -448,6 +510,21 @@ class WeightFetcher:
             log.info("not serving cached weight version %d to peers: %s", version, _why(e))
             return
         self._hold(version, Holding(chunks, dest, set(range(chunks.total))))
+
+    def _chunk_servers(self, version: int) -> list[str]:
+        """The addresses of the trainer's chunk-server processes ("" for one not up now), on the
+        host we reach the trainer at; none (every chunk from the trainer) if it names none or
+        does not answer (one try: the trainer serves every chunk itself anyway)."""
+        try:
+            raw = self._calls["ChunkServers"](
+                ChunkListRequest(version).encode(), timeout=self.cfg.weights_chunk_timeout_s, metadata=self.metadata
+            )
+            ports = ServerList.decode(raw).ports
+        except (grpc.RpcError, WireError) as e:
+            log.info("weight version %d: every chunk from the trainer (no chunk servers: %s)", version, _why(e))
+            return []
+        host = self.address.rpartition(":")[0]
+        return [f"{host}:{p}" if p else "" for p in ports]
 
     def _chunk_list(self, version: int) -> ChunkList:
         deadline = time.monotonic() + self.cfg.weights_stall_timeout_s
@@ -501,8 +578,22 @@ class _Transfer:
     weights_trainer_streams to the trainer in flight; results verified and written by the
     request threads, counted and made durable here."""
 
-    def __init__(self, fetcher: WeightFetcher, version: int, state: _Partial, holding: Holding, stats: FetchStats):
+    def __init__(
+        self,
+        fetcher: WeightFetcher,
+        version: int,
+        state: _Partial,
+        holding: Holding,
+        stats: FetchStats,
+        servers: list[str],
+    ):
         self.f, self.version, self.state, self.holding, self.stats = fetcher, version, state, holding, stats
+        self.servers = servers  # the trainer's chunk-server processes (k sends chunks k mod N)
+        self.via: dict[futures.Future, int | None] = {}  # a trainer request -> its server (None: main)
+        self.server_load: collections.Counter[int | None] = collections.Counter()
+        self.server_failed: dict[int, float] = {}  # server -> when it last failed
+        self.server_busy: dict[int, float] = {}  # server -> when to ask it again
+        self.deferred: set[int] = set()  # servers whose chunks are asked of the main process
         self.cfg = fetcher.cfg
         self.missing = set(range(state.chunks.total)) - state.durable
         self.inflight: dict[futures.Future, tuple[str, int | None]] = {}  # -> (source, chunk)
@@ -605,14 +696,48 @@ class _Transfer:
             return
         want = self.missing - busy - set().union(*held.values())
         avoid = sorted(self.bad | {p for p, t in self.failed.items() if now - t <= self.cfg.weights_peer_ttl_s})
-        # no more requests than chunks: each outstanding one may be bringing one of `want`
         for _ in range(min(self.cfg.weights_trainer_streams, len(want)) - n_trainer):
-            self._submit(TRAINER, None, self._from_trainer, want, avoid)
+            target = self._trainer_target(want, now)
+            if target is None:
+                break
+            via, part = target
+            # to the main process, chunks of a deferred server: it sent them all once already
+            sent = bool(self.deferred) and via is None and any(i % len(self.servers) in self.deferred for i in part)
+            self.via[self._submit(TRAINER, None, self._from_trainer, part, avoid, via, sent)] = via
+            self.server_load[via] += 1
 
-    def _submit(self, source: str, index: int | None, fn, *args) -> None:
-        self.inflight[self.pool.submit(fn, *args)] = (source, index)
+    def _trainer_target(self, want: set[int], now: float) -> tuple[int | None, set[int]] | None:
+        """Where the next trainer request goes, and the chunks it asks for: the least loaded of
+        the chunk servers up (process k: the chunks k mod N of `want`) and the main process (the
+        chunks of those down, failed lately or deferred), each with fewer requests in flight
+        than chunks to ask it for (each outstanding one may be bringing one of them)."""
+        if not self.servers:
+            return (None, want) if self.server_load[None] < len(want) else None
+        n = len(self.servers)
+        parts: dict[int | None, set[int]] = collections.defaultdict(set)
+        for i in want:
+            k = i % n
+            up = (
+                self.servers[k]
+                and k not in self.deferred
+                and now - self.server_failed.get(k, -1e9) > self.cfg.weights_peer_ttl_s
+            )
+            if not up:
+                parts[None].add(i)
+            elif now >= self.server_busy.get(k, 0.0):
+                parts[k].add(i)
+        options = [(self.server_load[k], random.random(), k) for k, p in parts.items() if self.server_load[k] < len(p)]
+        if not options:
+            return None
+        _, _, k = min(options, key=lambda o: (o[0], o[1]))
+        return k, parts[k]
+
+    def _submit(self, source: str, index: int | None, fn, *args) -> futures.Future:
+        fut = self.pool.submit(fn, *args)
+        self.inflight[fut] = (source, index)
         if source != TRAINER:
             self.peer_load[source] += 1
+        return fut
 
     def _store(self, reply: ChunkReply) -> int:
         """Verify a reply against the chunk list and write it (in the request's thread)."""
@@ -636,21 +761,23 @@ class _Transfer:
             raise _Corrupt(f"asked for chunk {index}, got {reply.index}")
         return self._store(reply), len(reply.data)
 
-    def _from_trainer(self, want: set[int], avoid: list[str]) -> tuple[int, int]:
-        raw = self.f._calls["Chunk"](
+    def _from_trainer(self, want: set[int], avoid: list[str], via: int | None, sent: bool) -> tuple[int, int]:
+        call = self.f._calls["Chunk"] if via is None else self.f._peer_call(self.servers[via])
+        raw = call(
             ChunkRequest(
                 self.version,
                 self.f.peer_id,
                 want=to_bitmap(want, self.state.chunks.total),
                 peers=self.cfg.weights_peer_fanout,
                 avoid=avoid,
+                sent=sent,
             ).encode(),
             timeout=self.cfg.weights_chunk_timeout_s,
             metadata=self.f.metadata,
         )
         reply = ChunkReply.decode(raw)
-        if reply.index == REDIRECT:
-            return REDIRECT, 0
+        if reply.index in (REDIRECT, ASK_TRAINER) and not reply.data:
+            return reply.index, 0
         if reply.index not in want:
             raise _Corrupt(f"got chunk {reply.index}, not one asked for")
         return self._store(reply), len(reply.data)
@@ -658,8 +785,11 @@ class _Transfer:
     def _settle(self, fut: futures.Future) -> bool:
         """Count a finished request; True when it brought a new verified chunk."""
         source, _ = self.inflight.pop(fut)
+        via = self.via.pop(fut, None)
         if source != TRAINER:
             self.peer_load[source] -= 1
+        else:
+            self.server_load[via] -= 1
         try:
             index, size = fut.result()
         except _Corrupt as e:
@@ -684,7 +814,14 @@ class _Transfer:
                 )
             return False
         except (grpc.RpcError, WireError) as e:
-            self._failed(source, e)
+            if via is not None:
+                self._server_failed(via, e)
+            else:
+                self._failed(source, e)
+            return False
+        if index == ASK_TRAINER and via is not None:
+            self.stats.deferred += 1
+            self.deferred.add(via)
             return False
         if index == REDIRECT:  # live peers hold all we asked for: the next peer list has them
             self.stats.redirects += 1
@@ -700,12 +837,30 @@ class _Transfer:
         self.state.hashes.written(index)
         if source == TRAINER:
             self.stats.from_trainer += 1
+            self.stats.from_servers += via is not None
             self.stats.bytes_from_trainer += size
             self.trainer_backoff = 0.2
         else:
             self.stats.from_peers += 1
             self.stats.bytes_from_peers += size
         return True
+
+    def _server_failed(self, k: int, e: Exception) -> None:
+        """A chunk-server process failed a request: busy, asked again shortly; else (it died,
+        it restarts; or it does not hold the version) its chunks go to the trainer's main
+        process for weights_peer_ttl_s, which says what is wrong if anything is."""
+        if isinstance(e, grpc.RpcError) and e.code() == grpc.StatusCode.RESOURCE_EXHAUSTED:
+            self.stats.busy += 1
+            self.server_busy[k] = time.monotonic() + self.cfg.weights_peer_refresh_s
+            return
+        self.stats.server_failures += 1
+        self.server_failed[k] = time.monotonic()
+        log.info(
+            "the trainer's chunk server at %s failed a request (%s); its chunks from the trainer for %.0f s",
+            self.servers[k],
+            _why(e),
+            self.cfg.weights_peer_ttl_s,
+        )
 
     def _failed(self, source: str, e: Exception) -> None:
         code = e.code() if isinstance(e, grpc.RpcError) else None

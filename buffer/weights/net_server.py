@@ -24,6 +24,7 @@ import threading
 import time
 from collections.abc import Callable
 from concurrent import futures
+from typing import Protocol
 
 import grpc
 
@@ -31,7 +32,9 @@ from buffer.channel import MAX_MESSAGE_BYTES, ServicePool, authorized, in_pool, 
 from buffer.config import BufferConfig
 from protocol.weights import ManifestError, WeightManifest
 from protocol.weights_wire import (
+    ASK_TRAINER,
     CHUNK_METHOD,
+    REDIRECT,
     SERVICE,
     ChunkList,
     ChunkListRequest,
@@ -40,23 +43,29 @@ from protocol.weights_wire import (
     PeerInfo,
     PeerList,
     PeerReport,
+    ServerList,
     WireError,
     from_bitmap,
 )
 
+
+class ChunkServers(Protocol):
+    """The trainer's chunk-server processes (buffer/weights/net_pool.py's ChunkServerPool,
+    which imports this module: hence a protocol here, not the class)."""
+
+    def ports(self) -> list[int]: ...
+
+    def stop(self) -> None: ...
+
+
 log = logging.getLogger(__name__)
 
-# Chunks (<= 4 MiB) fit the experience stream's limit; a chunk list (32 bytes a chunk: 2 MiB
-# for 256 GB in 4 MiB chunks) is the largest message a worker receives.
 # Chunks (<= 4 MiB) fit the experience stream's limit; a chunk list (32 bytes a chunk: 2 MiB
 # for 256 GB in 4 MiB chunks) is the largest message a worker receives.
 OPTIONS = [("grpc.max_receive_message_length", 64 << 20), ("grpc.max_send_message_length", MAX_MESSAGE_BYTES)]
 
 
 _PACE_BYTES = 256 << 10  # the uplink model's packet: concurrent replies interleave at this grain
-
-
-REDIRECT = -1  # a ChunkReply's index: every chunk asked for is with live peers, ask them
 
 
 class _Uplink:
@@ -112,11 +121,14 @@ class Holding:
         finally:
             os.close(fd)
 
-    def pick(self, want: set[int], peer: str, window_s: float, covered: Callable[[], set[int]] = set) -> int | None:
+    def pick(
+        self, want: set[int], peer: str, window_s: float, covered: Callable[[], set[int]] = set, all_sent: bool = False
+    ) -> int | None:
         """The chunk of `want` this holder has sent least often, preferring those not sent to
         `peer` within `window_s` (its request for them may still be on the way back). A chunk
-        sent before is only sent again when it is not in `covered()` (held by, or just sent
-        to, a live peer the requester can use); REDIRECT when every one is."""
+        sent before (`all_sent`: every one of `want` was, by a chunk-server process) is only sent
+        again when it is not in `covered()` (held by, or just sent to, a live peer the
+        requester can use); REDIRECT when every one is."""
         now = time.monotonic()
         with self.lock:
             for who, sent in list(self.recent.items()):
@@ -128,7 +140,7 @@ class Holding:
             options = [i for i in want if i in self.have]
             if not options:
                 return None
-            if all(self.served[i] for i in options):
+            if all_sent or all(self.served[i] for i in options):
                 elsewhere = covered()
                 options = [i for i in options if i not in elsewhere]
                 if not options:
@@ -140,12 +152,21 @@ class Holding:
 
 
 class ChunkServicer:
-    """The Chunk method, served from `holding(version)`; shared by the trainer and the peers."""
+    """The Chunk method, served from `holding(version)`; shared by the trainer, its chunk-server
+    processes (`defer`: a request that takes chunks from peers, of which every chunk held here
+    was sent already, is answered ASK_TRAINER: only the trainer's main process knows the peers,
+    to REDIRECT or send one again) and the peers."""
 
     def __init__(
-        self, holding: Callable[[int], Holding | None], secret: str, cfg: BufferConfig, max_waiting: int, covered=None
+        self,
+        holding: Callable[[int], Holding | None],
+        secret: str,
+        cfg: BufferConfig,
+        max_waiting: int,
+        covered=None,
+        defer: bool = False,
     ):
-        self.holding = holding
+        self.holding, self.defer = holding, defer
         self.max_waiting, self.waiting = max_waiting, 0
         self.covered = covered  # (version, requester, its peers to avoid) -> chunks peers cover
         self.expected = f"Bearer {secret}".encode()
@@ -199,12 +220,13 @@ class ChunkServicer:
             covered: Callable[[], set[int]] = set
             if self.covered is not None and req.peers:
                 covered = lambda: self.covered(req.version, req.peer_id, set(req.avoid))  # noqa: E731
-            index = held.pick(
-                from_bitmap(req.want, held.chunks.total), req.peer_id, self.cfg.weights_chunk_timeout_s, covered
-            )
+            elif self.defer and req.peers:  # all sent once already: "covered", the trainer decides
+                covered = lambda: held.have  # noqa: E731
+            want = from_bitmap(req.want, held.chunks.total)
+            index = held.pick(want, req.peer_id, self.cfg.weights_chunk_timeout_s, covered, req.sent)
             if index == REDIRECT:
-                self.count(redirects=1)
-                return ChunkReply(req.version, REDIRECT, b"").encode()
+                self.count(**{"deferred" if self.defer else "redirects": 1})
+                return ChunkReply(req.version, ASK_TRAINER if self.defer else REDIRECT, b"").encode()
         if index is None:
             context.abort(grpc.StatusCode.NOT_FOUND, f"v{req.version}: no chunk asked for is held here")
         try:
@@ -245,13 +267,21 @@ class WeightService:
 
     version_dir(v) -> the published folder of version v (with its manifest.json), or None when
     it is not (or no longer) published. `register(server)` adds the service to a grpc.Server
-    (e.g. the experience ShardServer's `.server`; before or after it starts)."""
+    (e.g. the experience ShardServer's `.server`; before or after it starts). `pool`: the
+    chunk-server processes that send the chunks of the same folders (net_pool.chunk_servers),
+    named to workers by ChunkServers; the service owns it from then on: `close()` ends it."""
 
-    def __init__(self, version_dir: Callable[[int], str | None], secret: str, cfg: BufferConfig):
-        self.version_dir, self.cfg = version_dir, cfg
+    def __init__(
+        self,
+        version_dir: Callable[[int], str | None],
+        secret: str,
+        cfg: BufferConfig,
+        pool: ChunkServers | None = None,
+    ):
+        self.version_dir, self.cfg, self.pool = version_dir, cfg, pool
         self.chunk_bytes = cfg.weights_chunk_kb << 10
         # its own pool (buffer.grpc_max_workers); half of it at most waits for a send slot
-        self.pool = ServicePool(cfg.grpc_max_workers, "grpc-weights")
+        self.threads = ServicePool(cfg.grpc_max_workers, "grpc-weights")
         self.chunks = ChunkServicer(self._holding, secret, cfg, max(1, cfg.grpc_max_workers // 2), self._covered)
         self.stats = self.chunks.stats
         self._held: collections.OrderedDict[int, Holding] = collections.OrderedDict()
@@ -263,12 +293,26 @@ class WeightService:
         self.prober = futures.ThreadPoolExecutor(PROBE_THREADS, thread_name_prefix="weights-probe")
 
     def register(self, server: grpc.Server) -> None:
-        server.add_generic_rpc_handlers([self.chunks.handlers(self.pool, ChunkList=self.ChunkList, Peers=self.Peers)])
+        server.add_generic_rpc_handlers(
+            [
+                self.chunks.handlers(
+                    self.threads, ChunkList=self.ChunkList, Peers=self.Peers, ChunkServers=self.ChunkServers
+                )
+            ]
+        )
 
     def close(self) -> None:
-        """After the server stopped: end the probes and the pool's threads."""
+        """After the server stopped: end the chunk-server processes, the probes and the threads."""
+        if self.pool is not None:
+            self.pool.stop()
         self.prober.shutdown(wait=True, cancel_futures=True)
-        self.pool.shutdown(wait=False, cancel_futures=True)
+        self.threads.shutdown(wait=False, cancel_futures=True)
+
+    def ChunkServers(self, raw: bytes, context) -> bytes:
+        """The ports of the chunk-server processes (0: one not up now), none without a pool."""
+        check_token(context, self.chunks.expected)
+        decode_or_abort(ChunkListRequest, raw, context)
+        return ServerList(self.pool.ports() if self.pool is not None else []).encode()
 
     def _holding(self, version: int) -> Holding | None:
         """The version's chunk list, hashed once (one thread per version; others wait)."""
@@ -463,9 +507,14 @@ class WeightService:
 
 
 def add_weight_service(
-    server: grpc.Server, version_dir: Callable[[int], str | None], secret: str, cfg: BufferConfig
+    server: grpc.Server,
+    version_dir: Callable[[int], str | None],
+    secret: str,
+    cfg: BufferConfig,
+    pool: ChunkServers | None = None,
 ) -> WeightService:
-    """Serve the published versions `version_dir` finds on `server`; returns the service."""
-    service = WeightService(version_dir, secret, cfg)
+    """Serve the published versions `version_dir` finds on `server` (their chunks from `pool`'s
+    processes too: see WeightService); returns the service."""
+    service = WeightService(version_dir, secret, cfg, pool)
     service.register(server)
     return service
