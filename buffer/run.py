@@ -2,6 +2,7 @@
 
     run = setup_worker_run(cfg)     # a worker, the validator, a pool, launch.control: cfg.root + cfg.buffer
     run = setup_trainer_run(root)   # the trainer, and the launch tools on its folder: the run folder
+    announcer = setup_reward_server_run(root)  # a reward server (rollout/reward_server.py)
 
 A `WorkerRun` holds only what the roles beside the trainer may use (the worker-side interfaces of
 buffer/{experience,weights,control}/base.py); a `TrainerRun` is the run folder itself, with the
@@ -40,6 +41,9 @@ from buffer.experience.net_client import GrpcSink
 from buffer.experience.net_server import ShardServer
 from buffer.experience.reader import ExperienceReader
 from buffer.layout import RunLayout
+from buffer.reward.base import RewardAnnouncer, RewardClient, RewardEndpoints
+from buffer.reward.fs import FsRewardEndpoints
+from buffer.reward.net_client import GrpcRewardClient, StaticEndpoints
 from buffer.storage import filesystem, is_local
 from buffer.weights.base import WeightSource
 from buffer.weights.fs import FsWeightSource, WeightStore
@@ -63,6 +67,10 @@ class WorkerRun:
     control: ControlStore
     validation: ValidationStore
     make_sink: Callable[[str], ExperienceSink]
+    # the run's reward servers as this role finds them: the run folder's (fs), none (grpc: the
+    # worker names them, reward_model.addresses)
+    reward_endpoints: RewardEndpoints | None = None
+    buffer: BufferConfig = dataclasses.field(default_factory=BufferConfig)
     # a signal came: calls waiting for an unreachable trainer give up at once (raise
     # buffer.channel.Interrupted); nothing waits so on the run folder
     interrupt: Callable[[], None] = lambda: None
@@ -70,6 +78,22 @@ class WorkerRun:
     def sink(self, worker_id: str) -> ExperienceSink:
         """Where worker `worker_id`'s shards go (one per writer)."""
         return self.make_sink(worker_id)
+
+    def reward_client(
+        self, addresses: list[str], wait_s: float, call_timeout_s: float, max_inflight: int
+    ) -> RewardClient:
+        """A client of the run's reward servers (buffer/reward/): those at `addresses`, else
+        those announced where this role can see them; the run's token and TLS."""
+        if addresses:
+            endpoints: RewardEndpoints = StaticEndpoints(addresses)
+        elif self.reward_endpoints is not None:
+            endpoints = self.reward_endpoints
+        else:
+            raise ValueError(
+                "reward_model.addresses: with buffer.transport=grpc a worker cannot see the run "
+                "folder's reward servers; give their host:port"
+            )
+        return GrpcRewardClient(endpoints, self.buffer, wait_s, call_timeout_s, max_inflight)
 
 
 @dataclasses.dataclass
@@ -93,6 +117,11 @@ class TrainerRun:
     @functools.cached_property
     def checkpoints(self) -> FsCheckpoints:
         return FsCheckpoints(self.files)
+
+    @functools.cached_property
+    def reward(self) -> FsRewardEndpoints:
+        """The reward servers announced in the folder (launch.status, launch.local)."""
+        return FsRewardEndpoints(self.fs, self.files)
 
     def reader(self, cfg: BufferConfig, max_staleness: int, **kwargs) -> ExperienceReader:
         """The trainer's ExperienceSource of experience/ (buffer/experience/reader.py)."""
@@ -163,6 +192,8 @@ def _shared_folder_run(root: str, buffer: BufferConfig) -> WorkerRun:
         control=folder.control,
         validation=folder.validation,
         make_sink=functools.partial(_folder_sink, folder, buffer),
+        reward_endpoints=folder.reward,
+        buffer=buffer,
     )
 
 
@@ -193,8 +224,15 @@ def _network_run(root: str, buffer: BufferConfig) -> WorkerRun:
         control=NetControl(client),
         validation=NetValidation(client),
         make_sink=make_sink,
+        buffer=buffer,
         interrupt=client.interrupt,
     )
+
+
+def setup_reward_server_run(root: str) -> RewardAnnouncer:
+    """Where a reward server announces itself: the run folder at `root` (with buffer.transport=grpc
+    its own folder, the workers naming it by reward_model.addresses)."""
+    return setup_trainer_run(root).reward
 
 
 class RunServer:
