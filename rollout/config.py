@@ -106,20 +106,20 @@ class RewardModelConfig:
     servers (`python -m rollout.reward_server`, started by launch.local --reward-model or
     launch.submit reward) instead of in its own process; the servers read the same keys."""
 
-    enable: bool = F(
-        False,
-        "score responses with the reward model (as verl: its score replaces the rule reward, "
+    enable: bool | None = F(
+        None,
+        "true: score responses with the reward model (as verl: its score replaces the rule reward, "
         "which the experience keeps beside it as rule_reward)",
     )
     model: RewardModelModelConfig = F(factory=RewardModelModelConfig)
-    micro_batch_size_per_gpu: int = F(64, "server: rows per forward pass, at most", ge=1, le=65536)
-    forward_max_token_len_per_gpu: int = F(
-        32768, "server: padded tokens per forward pass, at most (a longer row goes alone)", ge=16
+    micro_batch_size_per_gpu: int | None = F(None, "server: rows per forward pass, at most (None: 64)", ge=1, le=65536)
+    forward_max_token_len_per_gpu: int | None = F(
+        None, "server: padded tokens per forward pass, at most; a longer row goes alone (None: 32768)", ge=16
     )
-    max_length: int = F(
-        2048,
-        "server: tokens of a (prompt, response) row, at most; longer rows lose their beginning "
-        "(verl cuts the end; the classifier reads the last token, so tandem keeps it)",
+    max_length: int | None = F(
+        None,
+        "server: tokens of a (prompt, response) row, at most (None: the model's max_position_embeddings); "
+        "longer rows lose their beginning (verl cuts the end; the classifier reads the last token, so tandem keeps it)",
         ge=8,
     )
     addresses: list[str] = F(
@@ -135,6 +135,12 @@ class RewardModelConfig:
     )
     call_timeout_s: float = F(120.0, "worker (tandem): deadline of one scoring call; past it, retried", gt=0)
     max_inflight: int = F(8, "worker (tandem): groups of one batch being scored at once", ge=1, le=1024)
+
+    def rows(self) -> int:
+        return self.micro_batch_size_per_gpu or 64
+
+    def tokens(self) -> int:
+        return self.forward_max_token_len_per_gpu or 32768
 
     def check(self) -> None:
         if self.enable and not self.model.path:

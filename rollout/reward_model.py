@@ -95,7 +95,7 @@ class RewardScorer:
         self,
         model_path: str,
         device: str = "cpu",
-        max_length: int = 2048,
+        max_length: int | None = None,
         micro_batch_rows: int = 64,
         token_budget: int = 16384,
         input_tokenizer: str | None = None,
@@ -103,7 +103,7 @@ class RewardScorer:
         import torch
         from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
-        self.device, self.max_length = device, max_length
+        self.device = device
         self.micro_batch_rows, self.token_budget = micro_batch_rows, token_budget
         self.tokenizer = AutoTokenizer.from_pretrained(input_tokenizer or model_path)
         dtype = torch.bfloat16 if device.startswith("cuda") else torch.float32
@@ -113,6 +113,8 @@ class RewardScorer:
                 f"reward_model.model.path: {model_path} has {self.model.config.num_labels} labels; "
                 "a reward model has one output (num_labels=1)"
             )
+        # None: as many tokens as the model has positions
+        self.max_length = max_length or int(getattr(self.model.config, "max_position_embeddings", 0) or 1 << 30)
         self.pad = self.model.config.pad_token_id
         if self.pad is None:
             self.pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0

@@ -87,9 +87,7 @@ class RewardServerProcess:
         path = str(rm.model.path)
         t0 = time.monotonic()
         self.checksum = model_checksum(path)
-        self.scorer = RewardScorer(
-            path, self.device, rm.max_length, rm.micro_batch_size_per_gpu, rm.forward_max_token_len_per_gpu
-        )
+        self.scorer = RewardScorer(path, self.device, rm.max_length, rm.rows(), rm.tokens())
         log.info(
             "reward model %s (checksum %s) on %s in %.1f s",
             path,
@@ -105,8 +103,8 @@ class RewardServerProcess:
             secret,
             threads=sc.threads,
             max_queued=sc.max_queued,
-            gather_tokens=4 * rm.forward_max_token_len_per_gpu,
-            info={"model": path, "max_length": rm.max_length, "device": self.device},
+            gather_tokens=4 * rm.tokens(),
+            info={"model": path, "max_length": self.scorer.max_length, "device": self.device},
         )
         self.host = sc.host or socket.gethostbyname(socket.gethostname())
         self.server, self.port = serve(self.service, cfg.buffer, self.host, sc.port)

@@ -155,7 +155,7 @@ class RewardService:
             rows, spans = [], []
             for job in jobs:
                 spans.append((len(rows), len(job.rows)))
-                rows += [self.row_type(len(rows), ids) for ids in job.rows]
+                rows += [self.row_type(len(rows) + k, ids) for k, ids in enumerate(job.rows)]
             t0 = time.monotonic()
             try:
                 scores = self.scorer.score_rows(rows)
