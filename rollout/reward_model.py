@@ -101,18 +101,19 @@ class RewardScorer:
         input_tokenizer: str | None = None,
     ):
         import torch
-        from transformers import AutoModelForSequenceClassification, AutoTokenizer
+        from transformers import AutoConfig, AutoModelForSequenceClassification, AutoTokenizer
 
         self.device = device
         self.micro_batch_rows, self.token_budget = micro_batch_rows, token_budget
         self.tokenizer = AutoTokenizer.from_pretrained(input_tokenizer or model_path)
         dtype = torch.bfloat16 if device.startswith("cuda") else torch.float32
-        self.model = AutoModelForSequenceClassification.from_pretrained(model_path, dtype=dtype)
-        if self.model.config.num_labels != 1:
+        config = AutoConfig.from_pretrained(model_path)
+        if config.num_labels != 1:  # before the weights: a head of another size would not load
             raise ValueError(
-                f"reward_model.model.path: {model_path} has {self.model.config.num_labels} labels; "
+                f"reward_model.model.path: {model_path} has {config.num_labels} labels; "
                 "a reward model has one output (num_labels=1)"
             )
+        self.model = AutoModelForSequenceClassification.from_pretrained(model_path, config=config, dtype=dtype)
         # None: as many tokens as the model has positions
         self.max_length = max_length or int(getattr(self.model.config, "max_position_embeddings", 0) or 1 << 30)
         self.pad = self.model.config.pad_token_id
