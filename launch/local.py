@@ -451,14 +451,15 @@ def role_args(
         if val
         else None
     )
-    rm = ["reward_model.enable=true", f"reward_model.model.path={args.reward_model}"] if args.reward_model else []
+    model_rm = getattr(args, "reward_model", None)  # tests build their own namespaces
+    rm = ["reward_model.enable=true", f"reward_model.model.path={model_rm}"] if model_rm else []
     return trainer, [*common, *data_arg, *worker_recipe, *rm, *args.worker], validator
 
 
 def reward_plan(run: TrainerRun, args) -> list[tuple[list[str], int]]:
     """--reward-model: each reward server's config arguments and its port (free now, on
     loopback: with --remote-workers the workers are told the addresses, reward_model.addresses)."""
-    if not args.reward_model:
+    if not getattr(args, "reward_model", None):
         return []
     out = []
     for i in range(args.reward_servers):
@@ -559,7 +560,7 @@ def reward_children(run: TrainerRun, args, reward: list[tuple[list[str], int]]) 
     the token they and the workers share from $TANDEM_GRPC_TOKEN, made up now if unset."""
     if reward and not os.environ.get(TOKEN_ENV):
         os.environ[TOKEN_ENV] = secrets.token_hex(16)
-    gpus = args.reward_gpus.split(",") if args.reward_gpus else None
+    gpus = args.reward_gpus.split(",") if getattr(args, "reward_gpus", None) else None
     config = ["--config", os.path.abspath(args.config)] if args.config else []
     return [
         Child(
