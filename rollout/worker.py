@@ -366,7 +366,7 @@ class RolloutWorker:
             (f"{self.id}/{tag}/{i}", p.messages, [self._text(s) for s in g]) for i, (p, g) in enumerate(scored) if g
         ]
         replies = iter(self.reward_client.score_groups(todo, should_stop=lambda: self.stopping))
-        out = []
+        out: list[tuple[Prompt, list[Sample]]] = []
         for prompt, samples in scored:
             reply = next(replies) if samples else None
             if reply is None:

@@ -57,7 +57,7 @@ class RewardClient(abc.ABC):
         self, groups: list[tuple[str, list[dict], list[str]]], should_stop: ShouldStop = lambda: False
     ) -> list[ScoreReply | None]:
         """`score` of each (group id, messages, responses); a client may have several in flight."""
-        return [self.score(*g, should_stop=should_stop) for g in groups]
+        return [self.score(g[0], g[1], g[2], should_stop=should_stop) for g in groups]
 
     @abc.abstractmethod
     def close(self) -> None:

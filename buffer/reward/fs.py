@@ -33,7 +33,7 @@ class FsRewardEndpoints(RewardAnnouncer):
 
     def all(self) -> list[RewardEndpoint]:
         """Every endpoint that parses, live or not (launch.status)."""
-        out = []
+        out: list[RewardEndpoint] = []
         if not self.fs.exists(self.layout.reward_dir):
             return out
         for path in sorted(self.fs.ls(self.layout.reward_dir, detail=False)):

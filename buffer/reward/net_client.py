@@ -178,9 +178,9 @@ class GrpcRewardClient(RewardClient):
     ) -> list[rw.ScoreReply | None]:
         """`score` of each (group id, messages, responses), at most max_inflight at once."""
 
-        def one(group) -> rw.ScoreReply | None:
+        def one(group: tuple[str, list[dict], list[str]]) -> rw.ScoreReply | None:
             with self.slots:
-                return self.score(*group, should_stop=should_stop)
+                return self.score(group[0], group[1], group[2], should_stop=should_stop)
 
         return [f.result() for f in [self.pool.submit(one, g) for g in groups]]
 

@@ -139,7 +139,8 @@ class RewardService:
         with self.cond:
             while not self.queue and not self._stop:
                 self.cond.wait(0.5)
-            jobs, tokens = [], 0
+            jobs: list[_Job] = []
+            tokens = 0
             while self.queue and (not jobs or tokens + sum(map(len, self.queue[0].rows)) <= self.gather_tokens):
                 job = self.queue.popleft()
                 jobs.append(job)
@@ -152,7 +153,8 @@ class RewardService:
             jobs = self._take()
             if not jobs:
                 continue
-            rows, spans = [], []
+            rows: list = []
+            spans: list[tuple[int, int]] = []
             for job in jobs:
                 spans.append((len(rows), len(job.rows)))
                 rows += [self.row_type(len(rows) + k, ids) for k, ids in enumerate(job.rows)]
