@@ -258,7 +258,12 @@ def test_a_killed_reward_server_is_waited_for_and_no_group_is_lost_or_scored_twi
             if p is not None and p.poll() is None:
                 p.kill()
                 p.wait(timeout=30)
-    assert run.returncode == 0, out.decode(errors="replace")[-3000:]
+    text = out.decode(errors="replace")
+    assert run.returncode == 0, text[-3000:]
+    # The workers waited through the outage: none died (a restarted worker loses the groups it
+    # held unscored), and the one that waited went on with the new server.
+    assert "starting it again" not in text, text[-3000:]
+    assert [ln for ln in worker_lines(root, "answers (after") if _after(ln, killed_at)], "no worker resumed"
     files = shards(root)
     assert len(files) > written_while_down  # scored again after the restart
     checksum = model_checksum(rm_dir)
