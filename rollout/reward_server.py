@@ -76,11 +76,11 @@ def device_of(name: str) -> str:
 
 
 class RewardServerProcess:
-    def __init__(self, cfg: RewardServerConfig):
+    def __init__(self, cfg: RewardServerConfig, stop: threading.Event):
         self.cfg = cfg
         sc, rm = cfg.server, cfg.reward_model
         self.id = sc.id or f"reward-{socket.gethostname()}-{os.getpid()}"
-        self.stop = threading.Event()
+        self.stop = stop  # set by SIGTERM/SIGINT, also while the model loads
         self.announcer = setup_reward_server_run(cfg.root)
         secret = token(cfg.buffer)  # before the model loads: a missing token fails at once
         self.device = device_of(sc.device)
@@ -118,10 +118,6 @@ class RewardServerProcess:
             last_beat=time.time(),
             beat_s=sc.beat_s,
         )
-
-    def _on_signal(self, signum, _frame) -> None:
-        log.info("%s received: withdrawing, then finishing the queued groups", signal.Signals(signum).name)
-        self.stop.set()
 
     def _announce(self) -> None:
         self.endpoint.last_beat = time.time()
@@ -161,14 +157,20 @@ def main(argv: list[str] | None = None) -> int:
     import torch
 
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
+    stop = threading.Event()
+
+    def on_signal(signum, _frame) -> None:
+        log.info("%s received: withdrawing, then finishing the queued groups", signal.Signals(signum).name)
+        stop.set()
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
     try:
-        process = RewardServerProcess(cfg)
+        process = RewardServerProcess(cfg, stop)
     except (OSError, ValueError) as e:  # the model folder, the token, the port
         print(f"python -m rollout.reward_server: {e}", file=sys.stderr)
         return 2
-    signal.signal(signal.SIGTERM, process._on_signal)
-    signal.signal(signal.SIGINT, process._on_signal)
-    process.run()
+    process.run()  # a signal during the load: it never announces, and stops at once
     return 0
 
 

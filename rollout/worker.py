@@ -487,6 +487,15 @@ class RolloutWorker:
     def run_batch(self) -> float:
         return self.finish_batch(self.generate_batch())
 
+    def _finished(self, pending: concurrent.futures.Future) -> float:
+        """The finisher's result; while it waits (for reward servers, say) the heartbeat stays
+        fresh, so that launch.status tells a waiting worker from a silent one."""
+        while True:
+            try:
+                return pending.result(timeout=WAITING_BEAT_S)
+            except concurrent.futures.TimeoutError:
+                self.heartbeat("waiting")
+
     def _log_batch(self, mean_reward: float) -> None:
         self.heartbeat("running")
         log.info(
@@ -640,7 +649,7 @@ class RolloutWorker:
                 count = self.claim() if self.rounds.on else None
                 if count == 0:  # this version's groups are all claimed: publish ours, then wait
                     if pending is not None:
-                        self._log_batch(pending.result())
+                        self._log_batch(self._finished(pending))
                         pending = None
                     count = self._redraw()
                     if count == 0:
@@ -648,10 +657,10 @@ class RolloutWorker:
                         continue
                 batch = self.generate_batch(count)
                 if pending is not None:
-                    self._log_batch(pending.result())
+                    self._log_batch(self._finished(pending))
                 pending = finisher.submit(self.finish_batch, batch)
             if pending is not None:
-                self._log_batch(pending.result())
+                self._log_batch(self._finished(pending))
         finally:
             finisher.shutdown(wait=True)
             if self.reward_client is not None:

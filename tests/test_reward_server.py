@@ -250,6 +250,12 @@ def test_a_killed_reward_server_is_waited_for_and_no_group_is_lost_or_scored_twi
             "a worker saying which reward server it waits for",
         )
         assert "127.0.0.1:" in waiting[0] or f"{root}/reward" in waiting[0], waiting
+        beats = setup_trainer_run(str(root)).heartbeats
+        wait_for(  # the waiting worker's heartbeat stays fresh (launch.status: waiting, not silent)
+            lambda: any(b["state"] == "waiting" and b["last_beat"] > killed_at + 6 for b in beats.all()),
+            60,
+            "a fresh 'waiting' heartbeat during the outage",
+        )
         written_while_down = len(shards(root))
         second = reward_server(root, rm_dir)
         out, _ = run.communicate(timeout=600)
@@ -290,3 +296,25 @@ def _after(line: str, t: float) -> bool:
     except ValueError:
         return False
     return stamp >= int(t) - 1
+
+
+def test_submit_renders_one_reward_server_per_gpu(tmp_path):
+    root = str(tmp_path / "run")
+    cmd = [sys.executable, "-m", "launch.submit", "reward", "--root", root, "--partition", "rm", "--nodes", "2"]
+    cmd += ["--gpus-per-node", "4", "--dry-run", "reward_model.model.path=/models/rm", "reward_model.max_length=4096"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=subprocess_env(), timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    script = proc.stdout
+    assert "#SBATCH --nodes=2" in script and "#SBATCH --ntasks-per-node=4" in script and "--gpus-per-node=4" in script
+    assert f"-m rollout.reward_server --run {root} --set reward_model.model.path=/models/rm" in script
+    assert "reward_task.sh" in script and "TANDEM_BIND_GPU=1" in script
+    bad = subprocess.run([*cmd, "server.id=x"], capture_output=True, text=True, env=subprocess_env(), timeout=120)
+    assert bad.returncode == 2 and "server.id: set per task" in bad.stderr, bad.stderr
+    none = subprocess.run(
+        [sys.executable, "-m", "launch.submit", "reward", "--root", root, "--dry-run"],
+        capture_output=True,
+        text=True,
+        env=subprocess_env(),
+        timeout=120,
+    )
+    assert none.returncode == 2 and "reward_model.model.path" in none.stderr, none.stderr
