@@ -2,7 +2,7 @@
 
     run = setup_worker_run(cfg)     # a worker, the validator, a pool, launch.control: cfg.root + cfg.buffer
     run = setup_trainer_run(root)   # the trainer, and the launch tools on its folder: the run folder
-    announcer = setup_reward_server_run(root)  # a reward server (rollout/reward_server.py)
+    announcer = setup_reward_server_run(cfg)  # a reward server (rollout/reward_server.py): cfg.root + cfg.buffer
 
 A `WorkerRun` holds only what the roles beside the trainer may use (the worker-side interfaces of
 buffer/{experience,weights,control}/base.py); a `TrainerRun` is the run folder itself, with the
@@ -43,7 +43,7 @@ from buffer.experience.reader import ExperienceReader
 from buffer.layout import RunLayout
 from buffer.reward.base import RewardAnnouncer, RewardClient, RewardEndpoints
 from buffer.reward.fs import FsRewardEndpoints
-from buffer.reward.net_client import GrpcRewardClient, StaticEndpoints
+from buffer.reward.net_client import GrpcRewardClient, NetRewardEndpoints, StaticEndpoints
 from buffer.storage import filesystem, is_local
 from buffer.weights.base import WeightSource
 from buffer.weights.fs import FsWeightSource, WeightStore
@@ -67,8 +67,7 @@ class WorkerRun:
     control: ControlStore
     validation: ValidationStore
     make_sink: Callable[[str], ExperienceSink]
-    # the run's reward servers as this role finds them: the run folder's (fs), none (grpc: the
-    # worker names them, reward_model.addresses)
+    # the run's reward servers as this role finds them: the run folder's (fs), the run service's (grpc)
     reward_endpoints: RewardEndpoints | None = None
     buffer: BufferConfig = dataclasses.field(default_factory=BufferConfig)
     # a signal came: calls waiting for an unreachable trainer give up at once (raise
@@ -89,10 +88,7 @@ class WorkerRun:
         elif self.reward_endpoints is not None:
             endpoints = self.reward_endpoints
         else:
-            raise ValueError(
-                "reward_model.addresses: with buffer.transport=grpc a worker cannot see the run "
-                "folder's reward servers; give their host:port"
-            )
+            raise ValueError("reward_model.addresses: this role finds no reward servers; give their host:port")
         return GrpcRewardClient(endpoints, self.buffer, wait_s, call_timeout_s, max_inflight)
 
 
@@ -224,15 +220,21 @@ def _network_run(root: str, buffer: BufferConfig) -> WorkerRun:
         control=NetControl(client),
         validation=NetValidation(client),
         make_sink=make_sink,
+        reward_endpoints=NetRewardEndpoints(client),
         buffer=buffer,
         interrupt=client.interrupt,
     )
 
 
-def setup_reward_server_run(root: str) -> RewardAnnouncer:
-    """Where a reward server announces itself: the run folder at `root` (with buffer.transport=grpc
-    its own folder, the workers naming it by reward_model.addresses)."""
-    return setup_trainer_run(root).reward
+def setup_reward_server_run(cfg) -> RewardAnnouncer:
+    """Where a reward server (config `cfg`: root, buffer) announces itself: the run folder
+    (buffer.transport=fs), or the trainer's run service (grpc: `root` is its own folder)."""
+    buffer = getattr(cfg, "buffer", None) or BufferConfig()
+    if buffer.transport == "fs":
+        return setup_trainer_run(cfg.root).reward
+    elif buffer.transport == "grpc":
+        return NetRewardEndpoints(RunClient(buffer))
+    raise ValueError(f"buffer.transport={buffer.transport!r}: 'fs' or 'grpc'")
 
 
 class RunServer:

@@ -81,7 +81,7 @@ class RewardServerProcess:
         sc, rm = cfg.server, cfg.reward_model
         self.id = sc.id or f"reward-{socket.gethostname()}-{os.getpid()}"
         self.stop = stop  # set by SIGTERM/SIGINT, also while the model loads
-        self.announcer = setup_reward_server_run(cfg.root)
+        self.announcer = setup_reward_server_run(cfg)
         secret = token(cfg.buffer)  # before the model loads: a missing token fails at once
         self.device = device_of(sc.device)
         path = str(rm.model.path)
@@ -123,7 +123,7 @@ class RewardServerProcess:
         self.endpoint.last_beat = time.time()
         try:
             self.announcer.announce(self.endpoint)
-        except OSError as e:  # a full disk: the next beat tries again; workers keep the address a while
+        except (OSError, RuntimeError) as e:  # a full disk, the trainer's service refusing or away: next beat
             log.warning("cannot announce at %s: %s", self.announcer.where(), e)
 
     def run(self) -> None:
@@ -140,7 +140,10 @@ class RewardServerProcess:
         self.shutdown()
 
     def shutdown(self) -> None:
-        self.announcer.withdraw(self.id)  # workers stop picking it; calls under way finish
+        try:
+            self.announcer.withdraw(self.id)  # workers stop picking it; calls under way finish
+        except (OSError, RuntimeError) as e:  # its endpoint goes stale instead (DEAD_AFTER_BEATS)
+            log.warning("cannot withdraw from %s: %s", self.announcer.where(), e)
         drained = self.service.drain(self.cfg.server.drain_s)
         if not drained:
             log.warning("reward server %s: groups still queued after server.drain_s; their workers retry", self.id)

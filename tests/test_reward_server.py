@@ -110,7 +110,7 @@ class Served:
         self.service = RewardService(scorer, Row, checksum, server_id, secret, threads=4)
         self.server, port = serve(self.service, buffer, "127.0.0.1", 0)
         self.endpoint = RewardEndpoint(server_id, f"127.0.0.1:{port}", checksum, os.getpid(), "here", 0, 0, 1.0)
-        self.announcer = setup_reward_server_run(root)
+        self.announcer = setup_trainer_run(root).reward
         self.endpoint.last_beat = time.time()
         self.announcer.announce(self.endpoint)
 
@@ -318,3 +318,44 @@ def test_submit_renders_one_reward_server_per_gpu(tmp_path):
         timeout=120,
     )
     assert none.returncode == 2 and "reward_model.model.path" in none.stderr, none.stderr
+
+
+def test_without_the_run_folder_servers_are_found_through_the_run_service(tmp_path, scorer, rm_dir):
+    """buffer.transport=grpc: the reward server announces itself to the trainer's run service
+    and the worker finds it there; neither has the trainer's folder."""
+    from buffer.config import BufferConfig
+    from rollout.config import RewardServerConfig
+
+    port = free_port()
+    (tmp_path / "token").write_text(TOKEN)
+    buffer = BufferConfig(
+        transport="grpc",
+        grpc_bind=f"127.0.0.1:{port}",
+        grpc_address=f"127.0.0.1:{port}",
+        grpc_token_file=str(tmp_path / "token"),
+        grpc_call_timeout_s=10,
+        grpc_trainer_wait_s=20,
+        grpc_linger_s=0,
+    )
+    trainer = setup_trainer_run(str(tmp_path / "trainer"))
+    trainer.state.ensure_run_id()
+    service = trainer.serve(buffer)
+    checksum = model_checksum(rm_dir)
+    reward = RewardService(scorer, Row, checksum, "r0", TOKEN)
+    server, rport = serve(reward, buffer, "127.0.0.1", 0)
+    try:
+        announcer = setup_reward_server_run(RewardServerConfig(root=str(tmp_path / "rm-own"), buffer=buffer))
+        announcer.announce(RewardEndpoint("r0", f"127.0.0.1:{rport}", checksum, 1, "h", 0, time.time(), 1.0))
+        assert [e.server_id for e in trainer.reward.live()] == ["r0"]  # in the trainer's folder
+        worker = setup_worker_run(WorkerConfig(root=str(tmp_path / "worker"), buffer=buffer))
+        client = worker.reward_client([], wait_s=30, call_timeout_s=10, max_inflight=2)
+        reply = client.score("g0", Q, RESPONSES)
+        assert reply.scorer == checksum and reply.scores == pytest.approx(scorer.score(Q, RESPONSES), abs=1e-5)
+        client.close()
+        announcer.withdraw("r0")
+        assert worker.reward_endpoints.live() == []
+        assert not (tmp_path / "worker" / "reward").exists()  # nothing of it in the worker's own folder
+    finally:
+        server.stop(0).wait(5)
+        reward.close()
+        service.stop(grace_s=1)

@@ -14,7 +14,9 @@ scores again, with the same result.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
+import json
 import logging
 import threading
 import time
@@ -22,11 +24,12 @@ from concurrent import futures
 
 import grpc
 
-from buffer.channel import MAX_BACKOFF_S, RETRIED, open_channel, token
+from buffer.channel import MAX_BACKOFF_S, RETRIED, RunClient, open_channel, token
 from buffer.config import BufferConfig
 from buffer.control.base import ShouldStop
-from buffer.reward.base import RewardClient, RewardEndpoints, RewardServiceError
+from buffer.reward.base import RewardAnnouncer, RewardClient, RewardEndpoints, RewardServiceError
 from protocol import reward as rw
+from protocol import run_service as rs
 
 log = logging.getLogger(__name__)
 
@@ -42,6 +45,30 @@ class StaticEndpoints(RewardEndpoints):
 
     def where(self) -> str:
         return f"reward_model.addresses {self.addresses}"
+
+
+class NetRewardEndpoints(RewardAnnouncer):
+    """The run's reward servers through the trainer's run service (buffer.transport=grpc: a
+    worker or a reward server without the run folder; protocol/run_service.py's AnnounceReward,
+    WithdrawReward, RewardEndpoints), kept in the trainer's folder as buffer/reward/fs.py does."""
+
+    def __init__(self, client: RunClient):
+        self.client = client
+
+    def announce(self, endpoint: rw.RewardEndpoint) -> None:
+        self.client.call("AnnounceReward", rs.RewardAnnounce(dataclasses.asdict(endpoint)))
+
+    def withdraw(self, server_id: str) -> None:
+        self.client.call("WithdrawReward", rs.WorkerRef(server_id))
+
+    def live(self) -> list[rw.RewardEndpoint]:
+        docs = self.client.call("RewardEndpoints").docs
+        return [
+            rw.RewardEndpoint.from_json(json.dumps(d), where=f"the run service at {self.client.address}") for d in docs
+        ]
+
+    def where(self) -> str:
+        return f"the run service at {self.client.address}"
 
 
 class _Server:
