@@ -131,6 +131,11 @@ def test_a_client_shares_the_announced_servers_with_the_token(tmp_path, monkeypa
     servers = [Served(root, scorer, checksum, f"r{i}") for i in range(2)]
     try:
         assert sorted(e.server_id for e in setup_trainer_run(root).reward.live()) == ["r0", "r1"]
+        from launch.status import render, snapshot
+
+        shown = snapshot(root)["reward_servers"]
+        assert [(s["server_id"], s["live"], s["scorer"]) for s in shown] == [(f"r{i}", True, checksum) for i in (0, 1)]
+        render(snapshot(root))  # launch.status draws them
         client = worker_run(root).reward_client([], wait_s=30, call_timeout_s=10, max_inflight=4)
         groups = [(f"g{i}", Q, RESPONSES[i % 4 :]) for i in range(12)]
         replies = client.score_groups(groups)
