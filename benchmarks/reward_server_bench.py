@@ -5,13 +5,14 @@
 
 Part `score`: a Qwen2.5-0.5B-shaped sequence classifier (one label, random init, built from a
 config here: no download), bf16 on the GPU, scores (prompt, response) rows of `--seq-len` tokens
-(default 512) in micro-batches of a token budget (`--budgets`, rows = budget // seq-len), under
-`torch.no_grad`, as a reward server does; samples/s per budget after `--warmup` batches, peak
-memory. Part `generate` (in its own process, needs vLLM): a 0.5B policy (random init, same
-shape) generates one worker batch (`--prompts` x `--n` responses of `--response-len` tokens from
-prompts of `--seq-len - --response-len` tokens, ignore_eos), timed; with the best samples/s of
-part `score`, the batch's scoring time is batch / samples_s and its share of the worker's time
-is score / (generate + score), the worker waiting on the server for its scores (no overlap).
+(default 512) in micro-batches of a token budget (`--budgets`, rows = budget // seq-len) through
+the reward server's own scorer (rollout/reward_model.py: RewardScorer.score_rows); samples/s per
+budget after `--warmup` batches, peak memory. Part `generate` (in its own process, needs vLLM):
+a 0.5B policy (random init, same shape) generates one worker batch (`--prompts` x `--n`
+responses of `--response-len` tokens from prompts of `--seq-len - --response-len` tokens,
+ignore_eos), timed; with the best samples/s of part `score`, the batch's scoring time is batch /
+samples_s and its share of the worker's time is score / (generate + score), the worker waiting
+on the server for its scores (no overlap).
 """
 
 from __future__ import annotations
@@ -43,29 +44,46 @@ def classifier(shape: dict, device: str):
     return Qwen2ForSequenceClassification(config).to(device=device, dtype=dtype).eval()
 
 
+def scorer_folder(shape: dict) -> str:
+    """The classifier saved as a reward model folder (with the built-in tokenizer: the rows are
+    token ids already, the tokenizer only has to load), as a reward server is given one."""
+    import tempfile
+
+    from rollout import builtin_task
+
+    folder = tempfile.mkdtemp(prefix="rm-bench-")
+    classifier(shape, "cpu").save_pretrained(folder)
+    builtin_task.build_tokenizer().save_pretrained(folder)
+    return folder
+
+
 def score_part(args, shape: dict, device: str) -> list[dict]:
-    """samples/s of the classifier per micro-batch token budget."""
+    """samples/s of the reward server's scorer (rollout.reward_model.RewardScorer.score_rows:
+    micro-batches of the token budget, padding, the scores back on the CPU) per budget."""
     import torch
 
-    model = classifier(shape, device)
+    from rollout.reward_model import RewardScorer, Row
+
+    folder = scorer_folder(shape)
     gen = torch.Generator().manual_seed(0)
     rows_out = []
     for budget in args.budgets:
         rows = max(1, budget // args.seq_len)
-        ids = torch.randint(2, shape["vocab_size"], (rows, args.seq_len), generator=gen).to(device)
-        mask = torch.ones_like(ids)
+        scorer = RewardScorer(folder, device, args.seq_len, micro_batch_rows=rows, token_budget=budget)
+        ids = torch.randint(2, shape["vocab_size"], (rows, args.seq_len), generator=gen).tolist()
+        batch = [Row(i, r) for i, r in enumerate(ids)]
         if device == "cuda":
             torch.cuda.reset_peak_memory_stats()
         try:
-            with torch.no_grad():
-                for i in range(args.warmup + args.batches):
-                    if i == args.warmup:
-                        _sync(device)
-                        t0 = time.perf_counter()
-                    scores = model(input_ids=ids, attention_mask=mask).logits[:, 0].float().cpu()
+            for i in range(args.warmup + args.batches):
+                if i == args.warmup:
+                    _sync(device)
+                    t0 = time.perf_counter()
+                scores = scorer.score_rows(batch)
             _sync(device)
         except torch.OutOfMemoryError:
             rows_out.append({"budget_tokens": budget, "rows": rows, "oom": True})
+            del scorer
             torch.cuda.empty_cache()
             continue
         seconds = time.perf_counter() - t0
@@ -75,12 +93,13 @@ def score_part(args, shape: dict, device: str) -> list[dict]:
             "samples_s": round(rows * args.batches / seconds, 1),
             "tokens_s": round(rows * args.seq_len * args.batches / seconds),
             "batch_ms": round(1000 * seconds / args.batches, 2),
-            "finite": bool(torch.isfinite(scores).all()),
+            "finite": bool(torch.isfinite(torch.tensor(scores)).all()),
         }
         if device == "cuda":
             row["peak_gib"] = round(torch.cuda.max_memory_allocated() / 2**30, 2)
         rows_out.append(row)
         print(json.dumps(row), flush=True)
+        del scorer
     return rows_out
 
 

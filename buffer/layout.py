@@ -20,6 +20,8 @@ checks it).
       sync/v<version>/<slot>       synchronous mode: the worker that claimed each of the
                                    version's group slots (buffer/control/sync.py)
       workers/<worker>.json        heartbeats
+      reward/<server>.json         a reward-model server's address and model checksum, refreshed
+                                   as its heartbeat (buffer/reward/fs.py)
       workers/<worker>.claim       the writer's durable claim of its next shard numbers
       validation/requests/v<version>.json  a version the trainer asked rollout.validate to
                                    evaluate; the version stays on disk while this exists
@@ -225,6 +227,15 @@ class RunLayout:
     @property
     def validator_heartbeat(self) -> str:
         return self._p("validation", "validator.json")
+
+    # reward-model servers (buffer/reward/fs.py)
+    @property
+    def reward_dir(self) -> str:
+        return self._p("reward")
+
+    def reward_endpoint(self, server_id: str) -> str:
+        """A reward server's endpoint (protocol.reward.RewardEndpoint), refreshed as a heartbeat."""
+        return self._p("reward", f"{check_worker_id(server_id)}.json")
 
     # status, metrics and logs
     @property

@@ -2,6 +2,7 @@
 
     run = setup_worker_run(cfg)     # a worker, the validator, a pool, launch.control: cfg.root + cfg.buffer
     run = setup_trainer_run(root)   # the trainer, and the launch tools on its folder: the run folder
+    announcer = setup_reward_server_run(cfg)  # a reward server (rollout/reward_server.py): cfg.root + cfg.buffer
 
 A `WorkerRun` holds only what the roles beside the trainer may use (the worker-side interfaces of
 buffer/{experience,weights,control}/base.py); a `TrainerRun` is the run folder itself, with the
@@ -40,6 +41,9 @@ from buffer.experience.net_client import GrpcSink
 from buffer.experience.net_server import ShardServer
 from buffer.experience.reader import ExperienceReader
 from buffer.layout import RunLayout
+from buffer.reward.base import RewardAnnouncer, RewardClient, RewardEndpoints
+from buffer.reward.fs import FsRewardEndpoints
+from buffer.reward.net_client import GrpcRewardClient, NetRewardEndpoints, StaticEndpoints
 from buffer.storage import filesystem, is_local
 from buffer.weights.base import WeightSource
 from buffer.weights.fs import FsWeightSource, WeightStore
@@ -64,6 +68,9 @@ class WorkerRun:
     control: ControlStore
     validation: ValidationStore
     make_sink: Callable[[str], ExperienceSink]
+    # the run's reward servers as this role finds them: the run folder's (fs), the run service's (grpc)
+    reward_endpoints: RewardEndpoints | None = None
+    buffer: BufferConfig = dataclasses.field(default_factory=BufferConfig)
     # a signal came: calls waiting for an unreachable trainer give up at once (raise
     # buffer.channel.Interrupted); nothing waits so on the run folder
     interrupt: Callable[[], None] = lambda: None
@@ -71,6 +78,19 @@ class WorkerRun:
     def sink(self, worker_id: str) -> ExperienceSink:
         """Where worker `worker_id`'s shards go (one per writer)."""
         return self.make_sink(worker_id)
+
+    def reward_client(
+        self, addresses: list[str], wait_s: float, call_timeout_s: float, max_inflight: int
+    ) -> RewardClient:
+        """A client of the run's reward servers (buffer/reward/): those at `addresses`, else
+        those announced where this role can see them; the run's token and TLS."""
+        if addresses:
+            endpoints: RewardEndpoints = StaticEndpoints(addresses)
+        elif self.reward_endpoints is not None:
+            endpoints = self.reward_endpoints
+        else:
+            raise ValueError("reward_model.addresses: this role finds no reward servers; give their host:port")
+        return GrpcRewardClient(endpoints, self.buffer, wait_s, call_timeout_s, max_inflight)
 
 
 @dataclasses.dataclass
@@ -94,6 +114,11 @@ class TrainerRun:
     @functools.cached_property
     def checkpoints(self) -> FsCheckpoints:
         return FsCheckpoints(self.files)
+
+    @functools.cached_property
+    def reward(self) -> FsRewardEndpoints:
+        """The reward servers announced in the folder (launch.status, launch.local)."""
+        return FsRewardEndpoints(self.fs, self.files)
 
     def reader(self, cfg: BufferConfig, max_staleness: int, **kwargs) -> ExperienceReader:
         """The trainer's ExperienceSource of experience/ (buffer/experience/reader.py)."""
@@ -164,6 +189,8 @@ def _shared_folder_run(root: str, buffer: BufferConfig) -> WorkerRun:
         control=folder.control,
         validation=folder.validation,
         make_sink=functools.partial(_folder_sink, folder, buffer),
+        reward_endpoints=folder.reward,
+        buffer=buffer,
     )
 
 
@@ -194,8 +221,21 @@ def _network_run(root: str, buffer: BufferConfig) -> WorkerRun:
         control=NetControl(client),
         validation=NetValidation(client),
         make_sink=make_sink,
+        reward_endpoints=NetRewardEndpoints(client),
+        buffer=buffer,
         interrupt=client.interrupt,
     )
+
+
+def setup_reward_server_run(cfg) -> RewardAnnouncer:
+    """Where a reward server (config `cfg`: root, buffer) announces itself: the run folder
+    (buffer.transport=fs), or the trainer's run service (grpc: `root` is its own folder)."""
+    buffer = getattr(cfg, "buffer", None) or BufferConfig()
+    if buffer.transport == "fs":
+        return setup_trainer_run(cfg.root).reward
+    elif buffer.transport == "grpc":
+        return NetRewardEndpoints(RunClient(buffer))
+    raise ValueError(f"buffer.transport={buffer.transport!r}: 'fs' or 'grpc'")
 
 
 class RunServer:

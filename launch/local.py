@@ -167,6 +167,14 @@ def parse_args(argv):
         help="start a worker or the validator that died again, at most this many times each "
         "(default 3; 0: a death ends the run); one that refused to run (exit code 2) is never restarted",
     )
+    p.add_argument(
+        "--reward-model",
+        help="score the workers' responses with this reward model (an HF sequence classifier, one "
+        "output) on --reward-servers reward servers (python -m rollout.reward_server) in place of "
+        "the rule reward, which the experience keeps beside it (reward_model.enable)",
+    )
+    p.add_argument("--reward-servers", type=int, default=1, help="reward server processes (default 1)")
+    p.add_argument("--reward-gpus", help="GPUs for the reward servers, one each in turn, e.g. 3")
     p.add_argument("--trainer-gpus", help="CUDA_VISIBLE_DEVICES of the trainer, e.g. 0")
     p.add_argument("--worker-gpus", help="GPUs for the workers, one each in turn, e.g. 1,2")
     p.add_argument("--validator-gpu", help="CUDA_VISIBLE_DEVICES of the validator, e.g. 3")
@@ -177,6 +185,12 @@ def parse_args(argv):
         p.error("--sft-steps, --test-freq and --max-restarts must be at least 0")
     if args.sft_config and not args.sft_steps:
         p.error("--sft-config needs --sft-steps")
+    if args.reward_servers < 1:
+        p.error("--reward-servers must be at least 1")
+    if args.reward_model:
+        if not os.path.isdir(args.reward_model):
+            p.error(f"--reward-model {args.reward_model}: not a folder")
+        args.reward_model = os.path.abspath(args.reward_model)
     return args
 
 
@@ -437,16 +451,38 @@ def role_args(
         if val
         else None
     )
-    return trainer, [*common, *data_arg, *worker_recipe, *args.worker], validator
+    model_rm = getattr(args, "reward_model", None)  # tests build their own namespaces
+    rm = ["reward_model.enable=true", f"reward_model.model.path={model_rm}"] if model_rm else []
+    return trainer, [*common, *data_arg, *worker_recipe, *rm, *args.worker], validator
+
+
+def reward_plan(run: TrainerRun, args) -> list[tuple[list[str], int]]:
+    """--reward-model: each reward server's config arguments and its port (free now, on
+    loopback: with --remote-workers the workers are told the addresses, reward_model.addresses)."""
+    if not getattr(args, "reward_model", None):
+        return []
+    out = []
+    for i in range(args.reward_servers):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        argv = [f"root={run.files.root}", f"reward_model.model.path={args.reward_model}", f"server.id=r{i}"]
+        argv = [*(["--config", os.path.abspath(args.config)] if args.config else []), *argv]
+        out.append(([*argv, "server.host=127.0.0.1", f"server.port={port}", "server.beat_s=1"], port))
+    return out
 
 
 def check_config(
-    trainer_args: list[str], worker_args: list[str], validator_args: list[str] | None, sft: list[str] | None = None
+    trainer_args: list[str],
+    worker_args: list[str],
+    validator_args: list[str] | None,
+    sft: list[str] | None = None,
+    reward: list[str] | None = None,
 ) -> None:
     """Build the roles' configs (and SFT's, `sft`) now, so that a bad key or an engine that
     cannot start stops the run before any process starts; print each line about verl keys that
     do not apply once (the roles' logs have them too)."""
-    from rollout.config import ValidatorConfig, WorkerConfig
+    from rollout.config import RewardServerConfig, ValidatorConfig, WorkerConfig
     from rollout.engine import engine_problem
     from trainer.config import TrainerConfig, device_problem
     from trainer.sft_config import SFTConfig
@@ -454,11 +490,13 @@ def check_config(
     lines: list[str] = []
     roles = [(TrainerConfig, trainer_args), (WorkerConfig, worker_args)]
     roles += [(ValidatorConfig, validator_args)] if validator_args else []
-    for cls, argv in roles + ([(SFTConfig, sft)] if sft else []):
+    for cls, argv in roles + ([(SFTConfig, sft)] if sft else []) + ([(RewardServerConfig, reward)] if reward else []):
         try:
             overrides, yaml_file, _ = split_argv(argv)
             cfg, warnings = load(cls, overrides, yaml_file)
             lines += [w for w in warnings if w not in lines]
+            if cls is RewardServerConfig:
+                continue
             problem = (
                 engine_problem(cfg.actor_rollout_ref.rollout.name)
                 if cls in (WorkerConfig, ValidatorConfig)
@@ -517,13 +555,46 @@ def worker_command(i: int, argv: list[str]) -> list[str]:
     return [f"worker.id=w{i}", f"worker.seed={i}", *argv]
 
 
+def reward_children(run: TrainerRun, args, reward: list[tuple[list[str], int]]) -> list[Child]:
+    """The reward servers (--reward-model), owned like the workers (restarted when they die);
+    the token they and the workers share from $TANDEM_GRPC_TOKEN, made up now if unset."""
+    if reward and not os.environ.get(TOKEN_ENV):
+        os.environ[TOKEN_ENV] = secrets.token_hex(16)
+    gpus = args.reward_gpus.split(",") if getattr(args, "reward_gpus", None) else None
+    config = ["--config", os.path.abspath(args.config)] if args.config else []
+    return [
+        Child(
+            f"reward server r{i}",
+            [sys.executable, "-m", "rollout.reward_server", "--run", run.files.root, *config, *_sets(argv)],
+            run.files.log(f"reward-r{i}"),
+            gpus[i % len(gpus)] if gpus else None,
+        )
+        for i, (argv, _) in enumerate(reward)
+    ]
+
+
+def _sets(argv: list[str]) -> list[str]:
+    """A reward server's config arguments as its flags (its root is --run, its file --config)."""
+    keys = [a for a in argv if "=" in a and not a.startswith("root=")]
+    return [x for a in keys for x in ("--set", a)]
+
+
 def start_children(
-    run: TrainerRun, args, trainer_args: list[str], worker_args: list[str], validator_args: list[str] | None
+    run: TrainerRun,
+    args,
+    trainer_args: list[str],
+    worker_args: list[str],
+    validator_args: list[str] | None,
+    reward: list[tuple[list[str], int]] = (),  # type: ignore[assignment]
 ) -> tuple[Child, list[Child]]:
-    """The trainer, and the other children: the workers, then the validator if it has args.
-    With --remote-workers each of the others runs in its own folder (`remote`)."""
+    """The trainer, and the other children: the reward servers, the workers, then the validator
+    if it has args. With --remote-workers each worker and the validator runs in its own folder
+    (`remote`), told the reward servers' addresses."""
     py = sys.executable
     grpc: list[str] = []
+    servers = reward_children(run, args, list(reward))
+    if args.remote_workers and reward:
+        worker_args = [*worker_args, f"reward_model.addresses=[{','.join(f'127.0.0.1:{p}' for _, p in reward)}]"]
     if args.remote_workers:
         trainer_extra, grpc = remote_settings(args)
         trainer_args = [*trainer_args, *trainer_extra]
@@ -562,7 +633,7 @@ def start_children(
     if validator_args is not None:
         argv, log = place("validator", validator_args, run.files.log("validator"), args.validator)
         workers.append(Child("validator", [py, "-m", "rollout.validate", *argv], log, args.validator_gpu))
-    return trainer, workers
+    return trainer, [*servers, *workers]
 
 
 def read_metrics(path: str) -> list[dict]:
@@ -703,6 +774,7 @@ class Plan:
     data: str | None  # None: the config names the train files
     val: list[str] | None  # None: no validation
     sft: list[str] | None  # trainer.sft's arguments; None: no SFT stage
+    reward: list[tuple[list[str], int]]  # each reward server's arguments and port (--reward-model)
 
 
 def plan(args) -> Plan:
@@ -713,8 +785,9 @@ def plan(args) -> Plan:
     args.steps = int(args.steps or config.get(STEPS) or DEFAULT_STEPS)
     model, data, val = prepare(run, args, config)
     sft = sft_command(run, args, model) if args.sft_steps else None
-    check_config(*role_args(run, args, model, data, config, val), sft)
-    return Plan(run, config, model, data, val, sft)
+    reward = reward_plan(run, args)
+    check_config(*role_args(run, args, model, data, config, val), sft, reward[0][0] if reward else None)
+    return Plan(run, config, model, data, val, sft, reward)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -736,7 +809,7 @@ def main(argv: list[str] | None = None) -> int:
         except (KeyboardInterrupt, TimeoutError, ChildFailed) as e:
             print(f"launch.local: SFT stopped: {e or 'interrupted'}", file=sys.stderr)
             return 130 if isinstance(e, KeyboardInterrupt) else 1
-    trainer, workers = start_children(run, args, *role_args(run, args, model, p.data, p.config, p.val))
+    trainer, workers = start_children(run, args, *role_args(run, args, model, p.data, p.config, p.val), p.reward)
     failed, code = None, 0
     try:
         failed = supervise(trainer, workers, run, args)

@@ -222,7 +222,25 @@ def snapshot(root: str, silent_after: float = 300.0, now: float | None = None) -
         "workers": [_worker(w, b, now, silent_after) for w, b in beats.items()],
         "buffer": _buffer(run, rows),
         "validation": validation(vals),
+        "reward_servers": reward_servers(run, now),
     }
+
+
+def reward_servers(run: TrainerRun, now: float) -> list[dict]:
+    """The reward servers announced in the run folder (issue 28): address, model checksum, and
+    whether workers would pick them now (a fresh beat, serving)."""
+    live = {e.server_id for e in run.reward.live()}
+    return [
+        {
+            "server_id": e.server_id,
+            "address": e.address,
+            "scorer": e.scorer,
+            "state": e.state,
+            "beat_age_s": round(now - e.last_beat, 1),
+            "live": e.server_id in live,
+        }
+        for e in run.reward.all()
+    ]
 
 
 # --- text -------------------------------------------------------------------------------------
@@ -342,6 +360,16 @@ def render(snap: dict):
     ]
     if refusals := refusal_lines(snap["workers"]):
         parts.insert(3, kv("refused weight versions (the worker exited 2; see its log)", refusals))
+    if snap.get("reward_servers"):
+        lines = [
+            (
+                s["server_id"],
+                f"{s['address']}  scorer {s['scorer'][:16]}  beat {s['beat_age_s']:.0f} s ago"
+                + ("" if s["live"] else "  (not picked: silent or draining)"),
+            )
+            for s in snap["reward_servers"]
+        ]
+        parts.append(kv("reward servers", lines))
     if snap["validation"]:
         val = Table(title="validation", title_justify="left")
         for c in ("metric", "step", "value", "first", "best"):

@@ -7,6 +7,8 @@
         trainer.test_freq=10
     python -m launch.submit validate --root /shared/runs/r1 --partition cheap --gpus-per-node 1 \\
         data.val_files=[/shared/data/test.parquet] actor_rollout_ref.rollout.name=vllm
+    python -m launch.submit reward --root /shared/runs/r1 --partition cheap --nodes 1 \\
+        --gpus-per-node 8 reward_model.model.path=/shared/models/rm reward_model.max_length=4096
     python -m launch.submit sft --root /shared/sft/s1 --partition big --nodes 2 --gpus-per-node 8 \\
         --config sft.yaml model.partial_pretrain=/shared/models/base
 
@@ -44,7 +46,7 @@ def parse_args(argv):
         formatter_class=argparse.RawDescriptionHelpFormatter,
         allow_abbrev=False,
     )
-    p.add_argument("role", choices=["rollout", "trainer", "sft", "validate"])
+    p.add_argument("role", choices=["rollout", "trainer", "sft", "validate", "reward"])
     p.add_argument(
         "--root",
         required=True,
@@ -92,7 +94,11 @@ def parse_args(argv):
         help="trainer/sft: c10d rendezvous port on the first node (default: 20000 + job id %% 20000)",
     )
     p.add_argument("--job-name", default="", help="job name (default tandem-<role>)")
-    p.add_argument("--worker-prefix", default="", help="rollout: worker id prefix (default w-j<job id>)")
+    p.add_argument(
+        "--worker-prefix",
+        default="",
+        help="rollout: worker id prefix (default w-j<job id>); reward: server id prefix (default r-j<job id>)",
+    )
     p.add_argument("--output", help="job output file (default ROOT/logs/slurm-<role>-%%j.out)")
     p.add_argument(
         "--sbatch",
@@ -166,6 +172,11 @@ def role_args(role: str, root: str, rest: list[str]) -> list[str]:
             raise ConfigError("worker.id: set per task by the job (use --worker-prefix)")
     elif role == "validate":
         from rollout.config import ValidatorConfig as cls
+    elif role == "reward":
+        from rollout.config import RewardServerConfig as cls
+
+        if "server.id" in overrides:
+            raise ConfigError("server.id: set per task by the job (use --worker-prefix)")
     elif role == "sft":
         from trainer.sft_config import SFTConfig as cls
     else:
@@ -277,6 +288,8 @@ def ray_spec_from(args) -> ray_jobs.RaySpec:
 
 def main_ray(args, rest: list[str]) -> int:
     try:
+        if args.role == "reward":
+            raise ValueError("reward: a Ray job of reward servers is not supported yet; submit it to SLURM")
         spec = ray_spec_from(args)
         job = ray_jobs.render(args.role, spec, role_args(args.role, spec.root, rest))
     except (ConfigError, ValueError, OSError) as e:
@@ -307,6 +320,8 @@ def main(argv: list[str] | None = None) -> int:
             script = slurm.render_rollout(spec, extra)
         elif args.role == "validate":
             script = slurm.render_validate(spec, extra)
+        elif args.role == "reward":
+            script = slurm.render_reward(spec, extra)
         else:
             script = slurm.render_trainer(spec, extra, args.role)
     except (ConfigError, ValueError) as e:

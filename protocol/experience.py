@@ -18,9 +18,13 @@ A GRPO group (all `n` samples of one prompt draw) is never split across shards, 
 batch whole groups without waiting on other shards.
 
 Versions: 1 = bare IPC stream; 2 = IPC stream + integrity trailer; 3 = experience shards carry
-the run id (RUN_ID_KEY, RunState.run_id in buffer/control/) in the metadata. Versions 2 and 3 are read (a
-checkpoint's pool.arrow of version 2 still loads); the trainer refuses experience shards without
-its run id whatever their version.
+the run id (RUN_ID_KEY, RunState.run_id in buffer/control/) in the metadata; 4 = two columns at
+the end, `rule_reward` (the rule function's score, which `reward` is unless a reward model scored
+the sample) and `scorer` (protocol.reward.model_checksum of the reward model that scored it, ""
+for the rule). Versions 2 to 4 are read (a checkpoint's pool.arrow of version 2 still loads):
+`decode` gives an older table the new columns (rule_reward = reward, scorer = ""), so every
+reader sees one schema. The trainer refuses experience shards without its run id whatever their
+version.
 """
 
 from __future__ import annotations
@@ -33,8 +37,8 @@ from collections.abc import Iterable
 
 import pyarrow as pa
 
-SCHEMA_VERSION = "3"
-READABLE_VERSIONS = ("2", "3")
+SCHEMA_VERSION = "4"
+READABLE_VERSIONS = ("2", "3", "4")
 SCHEMA_VERSION_KEY = b"tandem.schema_version"
 RUN_ID_KEY = b"tandem.run_id"
 # On an empty shard: its number held samples its writer could not hand over again after a restart
@@ -70,6 +74,8 @@ class Sample:
     data_source: str
     created_at: float  # unix seconds, generation start
     finished_at: float  # unix seconds, reward computed
+    rule_reward: float | None = None  # the rule reward (None: `reward` is it); version 4
+    scorer: str = ""  # model_checksum of the reward model whose score `reward` is; "": the rule
 
 
 SCHEMA = pa.schema(
@@ -88,6 +94,8 @@ SCHEMA = pa.schema(
         pa.field("data_source", pa.string(), nullable=False),
         pa.field("created_at", pa.float64(), nullable=False),
         pa.field("finished_at", pa.float64(), nullable=False),
+        pa.field("rule_reward", pa.float32(), nullable=False),
+        pa.field("scorer", pa.string(), nullable=False),
     ],
     metadata={SCHEMA_VERSION_KEY: SCHEMA_VERSION.encode()},
 )
@@ -96,18 +104,33 @@ _NAMES = [f.name for f in dataclasses.fields(Sample)]
 assert _NAMES == SCHEMA.names, "Sample and SCHEMA must list the same columns in the same order"
 
 
+ADDED_IN_4 = ("rule_reward", "scorer")  # the columns older shards lack, filled by `upgrade`
+
+
 def to_table(samples: Iterable[Sample], extra_metadata: dict[str, object] | None = None) -> pa.Table:
     rows = list(samples)
     cols = {name: [getattr(s, name) for s in rows] for name in _NAMES}
+    cols["rule_reward"] = [s.reward if s.rule_reward is None else s.rule_reward for s in rows]
     meta = {k.encode(): str(v).encode() for k, v in (extra_metadata or {}).items()}
     meta.update(SCHEMA.metadata)  # the schema version cannot be overridden
     return pa.Table.from_pydict(cols, schema=SCHEMA.with_metadata(meta))
 
 
 def from_table(table: pa.Table) -> list[Sample]:
+    table = upgrade(table)
     check_schema(table.schema)
     cols = table.to_pydict()
     return [Sample(**{name: cols[name][i] for name in _NAMES}) for i in range(table.num_rows)]
+
+
+def upgrade(table: pa.Table) -> pa.Table:
+    """A table of an older version with the columns it lacks (rule_reward = reward: no reward
+    model scored it; scorer = ""); any other table as it is (check_schema judges it)."""
+    if table.schema.names != SCHEMA.names[: -len(ADDED_IN_4)]:
+        return table
+    reward = table.column("reward")
+    table = table.append_column(SCHEMA.field("rule_reward"), reward.cast(pa.float32()))
+    return table.append_column(SCHEMA.field("scorer"), pa.array([""] * table.num_rows, pa.string()))
 
 
 def check_schema(schema: pa.Schema) -> None:
@@ -183,7 +206,7 @@ def validate_table(table: pa.Table, vocab_size: int | None = None) -> None:
         raise where(
             _row_mask(table, "behaviour_logprobs", lambda v: pc.invert(pc.is_finite(v))), "non-finite behaviour logprob"
         )
-    for name in ("reward", "temperature"):
+    for name in ("reward", "rule_reward", "temperature"):
         col = table.column(name)
         if not pc.all(pc.is_finite(col)).as_py():
             raise where(pc.invert(pc.is_finite(col)), f"non-finite {name}")
@@ -273,7 +296,7 @@ def decode(data: bytes) -> pa.Table:
         # Offsets in bounds, UTF-8 valid: a writer's bug (the digest is of what it wrote)
         # must end here, not in the compute kernels or in a decode later (~0.03 ms per MB).
         table.validate(full=True)
-        return table
+        return upgrade(table)
     except (pa.ArrowException, OSError, ValueError) as e:  # digest fine, not a valid stream
         raise IntegrityError(f"not a readable Arrow IPC stream: {type(e).__name__}: {e}") from e
 

@@ -151,6 +151,11 @@ class CommandReply:
     where: str = ""  # the command's file on the trainer's disk, for launch.control's line
 
 
+@dataclasses.dataclass
+class RewardAnnounce:
+    endpoint: dict = dataclasses.field(default_factory=dict)  # a protocol.reward.RewardEndpoint's fields
+
+
 @dataclasses.dataclass(frozen=True)
 class Rpc:
     request: type
@@ -190,6 +195,11 @@ RPCS: dict[str, Rpc] = {
     "ReadPoolState": Rpc(WorkerRef, DocReply),
     "WritePoolState": Rpc(PoolStateWrite, Empty),
     "PoolStates": Rpc(Empty, DocReply),
+    # RewardAnnouncer / RewardEndpoints (buffer/reward/): reward servers and workers without the
+    # run folder; an announcement replaces the server's endpoint (idempotent: no request id)
+    "AnnounceReward": Rpc(RewardAnnounce, Empty),
+    "WithdrawReward": Rpc(WorkerRef, Empty),
+    "RewardEndpoints": Rpc(Empty, DocsReply),
 }
 
 

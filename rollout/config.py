@@ -94,6 +94,63 @@ class RewardFunctionConfig:
 
 
 @dataclasses.dataclass
+class RewardModelModelConfig:
+    path: str | None = F(
+        None, "HF sequence-classification folder (one output, num_labels=1) that the reward servers load"
+    )
+
+
+@dataclasses.dataclass
+class RewardModelConfig:
+    """verl's reward_model section. A worker scores each finished group on the run's reward
+    servers (`python -m rollout.reward_server`, started by launch.local --reward-model or
+    launch.submit reward) instead of in its own process; the servers read the same keys."""
+
+    enable: bool | None = F(
+        None,
+        "true: score responses with the reward model (as verl: its score replaces the rule reward, "
+        "which the experience keeps beside it as rule_reward)",
+    )
+    model: RewardModelModelConfig = F(factory=RewardModelModelConfig)
+    micro_batch_size_per_gpu: int | None = F(None, "server: rows per forward pass, at most (None: 64)", ge=1, le=65536)
+    forward_max_token_len_per_gpu: int | None = F(
+        None, "server: padded tokens per forward pass, at most; a longer row goes alone (None: 32768)", ge=16
+    )
+    max_length: int | None = F(
+        None,
+        "server: tokens of a (prompt, response) row, at most (None: the model's max_position_embeddings); "
+        "longer rows lose their beginning (verl cuts the end; the classifier reads the last token, so tandem keeps it)",
+        ge=8,
+    )
+    addresses: list[str] = F(
+        doc="worker (tandem): host:port of the reward servers; empty: those announced in the run "
+        "folder (reward/), which a worker with buffer.transport=grpc cannot see",
+        factory=list,
+    )
+    wait_s: float = F(
+        1800.0,
+        "worker (tandem): seconds a group waits for a reward server to answer (none reachable, "
+        "all busy) before the worker fails, naming the addresses every 30 s meanwhile",
+        gt=0,
+    )
+    call_timeout_s: float = F(120.0, "worker (tandem): deadline of one scoring call; past it, retried", gt=0)
+    max_inflight: int = F(8, "worker (tandem): groups of one batch being scored at once", ge=1, le=1024)
+
+    def rows(self) -> int:
+        return self.micro_batch_size_per_gpu or 64
+
+    def tokens(self) -> int:
+        return self.forward_max_token_len_per_gpu or 32768
+
+    def check(self) -> None:
+        if self.enable and not self.model.path:
+            raise ConfigError("reward_model.model.path: required with reward_model.enable=true")
+        for a in self.addresses:
+            if not re.fullmatch(r"[^\s:]+:\d{1,5}", a):
+                raise ConfigError(f"reward_model.addresses: {a!r} is not host:port")
+
+
+@dataclasses.dataclass
 class EngineProcessSection:
     """What every process with an engine (worker, validator) is told."""
 
@@ -131,6 +188,7 @@ class WorkerConfig:
     data: DataConfig = F(factory=DataConfig)
     actor_rollout_ref: ActorRolloutRefConfig = F(factory=ActorRolloutRefConfig)
     custom_reward_function: RewardFunctionConfig = F(factory=RewardFunctionConfig)
+    reward_model: RewardModelConfig = F(factory=RewardModelConfig)
     buffer: BufferConfig = F(factory=BufferConfig)
     worker: WorkerSection = F(factory=WorkerSection)
 
@@ -161,3 +219,39 @@ class ValidatorConfig:
     def check(self) -> None:
         if not self.data.val_files:
             raise ConfigError("data.val_files: at least one parquet file of held-out prompts is required")
+
+
+@dataclasses.dataclass
+class RewardServerSection:
+    id: str = F("", "server id (letters, digits, _ . -); default: reward-<hostname>-<pid>")
+    device: str = F("auto", "torch device: auto (cuda when there is one)|cpu|cuda|cuda:N")
+    host: str | None = F(
+        None, "address workers reach it at (and it listens on); default: this node's, as its hostname resolves"
+    )
+    port: int = F(0, "port it listens on (0: a free one, announced)", ge=0, le=65535)
+    beat_s: float = F(5.0, "seconds between refreshes of its endpoint in the run folder", gt=0, le=300)
+    threads: int = F(16, "scoring calls handled at once (they queue for the one scoring thread)", ge=1, le=1024)
+    max_queued: int = F(512, "groups waiting to be scored; one more is refused (busy: the worker retries)", ge=1)
+    drain_s: float = F(60.0, "on SIGTERM: seconds to finish the queued groups before it stops", ge=0)
+    SECTION = "server"
+
+    def check(self) -> None:
+        if not re.fullmatch(r"auto|cpu|cuda(:\d+)?", self.device):
+            raise ConfigError(f"server.device: {self.device!r} is not one of auto, cpu, cuda, cuda:N")
+        if self.id:
+            try:
+                check_worker_id(self.id)
+            except ValueError as e:
+                raise ConfigError(f"server.id: {e}") from None
+
+
+@dataclasses.dataclass
+class RewardServerConfig:
+    root: str = F(doc="the run folder (its endpoint is announced in ROOT/reward/)")
+    reward_model: RewardModelConfig = F(factory=RewardModelConfig)
+    buffer: BufferConfig = F(factory=BufferConfig)  # the token and TLS (grpc_token_file, grpc_tls_*)
+    server: RewardServerSection = F(factory=RewardServerSection)
+
+    def check(self) -> None:
+        if not self.reward_model.model.path:
+            raise ConfigError("reward_model.model.path: the reward model folder is required (--model)")

@@ -29,6 +29,8 @@ class Prompt:
     token_ids: list[int]
     ground_truth: object
     extra_info: dict
+    # the chat messages the prompt came from: what a reward server re-tokenises (issue 28)
+    messages: list = dataclasses.field(default_factory=list)
 
 
 def _row_field(row: dict, field: str, where: str):
@@ -100,6 +102,7 @@ def load_prompts(
                     token_ids=list(ids),
                     ground_truth=_row_field(row, "reward_model.ground_truth", where),
                     extra_info=extra,
+                    messages=[{"role": str(m["role"]), "content": str(m["content"])} for m in messages],
                 )
             )
     if skipped:

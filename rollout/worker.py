@@ -157,8 +157,19 @@ class RolloutWorker:
         signal.signal(signal.SIGTERM, self._on_signal)
         signal.signal(signal.SIGINT, self._on_signal)
         self.score = reward.resolve(cfg.custom_reward_function.path, cfg.custom_reward_function.name)
-        # Before writing anything, waiting for weights or loading an engine: every row can be scored.
-        reward.check_data_sources(data_sources(cfg.data.train_files), cfg.custom_reward_function.path)
+        rm = cfg.reward_model
+        # The run's reward servers (buffer/reward/): each finished group is scored there.
+        self.reward_client = (
+            self.stores.reward_client(rm.addresses, rm.wait_s, rm.call_timeout_s, rm.max_inflight)
+            if rm.enable
+            else None
+        )
+        self.scorer = ""  # the checksum of the reward model that scored the newest group
+        self.groups_unscored = 0  # groups a stop cut off while waiting for their scores: not written
+        # Before writing anything, waiting for weights or loading an engine: every row can be
+        # scored (with a reward model, the rule reward is only recorded: a row without one gets 0).
+        if self.reward_client is None:
+            reward.check_data_sources(data_sources(cfg.data.train_files), cfg.custom_reward_function.path)
         self.store = self.stores.weights
         # full or adapter-only versions; the base an adapter must name (issue 27)
         self.gate = VersionGate(cfg.actor_rollout_ref.model.path)
@@ -301,21 +312,29 @@ class RolloutWorker:
             self.versions_skipped,
         )
 
+    def _rule(self, prompt: Prompt, text: str) -> float | None:
+        """The rule reward of one response; None when its value cannot be recorded (dropped)."""
+        try:
+            return self.score(prompt.data_source, text, prompt.ground_truth, prompt.extra_info)
+        except reward.RewardError as e:  # one bad value costs one sample, not the run
+            self.rewards_dropped += 1
+            log.warning(
+                "dropped a sample of prompt %s: %s (%d dropped so far)", prompt.prompt_id, e, self.rewards_dropped
+            )
+            return None
+        except Exception as e:  # noqa: BLE001 - a user's reward raising costs that sample's score only
+            return self._reward_failed(prompt, e)
+
     def _samples(self, prompt: Prompt, group: list[Completion], versions: list[int], started: float) -> list[Sample]:
-        """Scored samples of one group; the shard writer assigns their group and sample ids."""
+        """Scored samples of one group; the shard writer assigns their group and sample ids. With
+        a reward model the rule reward is only recorded beside its score: one it cannot record
+        counts as 0 there instead of dropping the sample."""
         out = []
         for c, version in zip(group, versions):
             text = self.engine.tokenizer.decode(c.token_ids, skip_special_tokens=True)
-            try:
-                r = self.score(prompt.data_source, text, prompt.ground_truth, prompt.extra_info)
-            except reward.RewardError as e:  # one bad value costs one sample, not the run
-                self.rewards_dropped += 1
-                log.warning(
-                    "dropped a sample of prompt %s: %s (%d dropped so far)", prompt.prompt_id, e, self.rewards_dropped
-                )
+            r = self._rule(prompt, text)
+            if r is None and self.reward_client is None:
                 continue
-            except Exception as e:  # noqa: BLE001 - a user's reward raising costs that sample's score only
-                r = self._reward_failed(prompt, e)
             out.append(
                 Sample(
                     sample_id="",
@@ -326,7 +345,7 @@ class RolloutWorker:
                     prompt_ids=prompt.token_ids,
                     response_ids=c.token_ids,
                     behaviour_logprobs=c.logprobs,
-                    reward=r,
+                    reward=0.0 if r is None else r,
                     finish_reason=c.finish_reason,
                     temperature=self.cfg.actor_rollout_ref.rollout.temperature,
                     data_source=prompt.data_source,
@@ -335,6 +354,40 @@ class RolloutWorker:
                 )
             )
         return out
+
+    def _model_scores(self, scored: list[tuple[Prompt, list[Sample]]], tag: str) -> list[tuple[Prompt, list[Sample]]]:
+        """The reward model's scores in place of the rule rewards, as verl's reward managers use
+        `rm_scores` whenever the batch has them (verl/workers/reward_manager/naive.py returns
+        data.batch["rm_scores"] and never calls the rule function then; a combination is a custom
+        manager's). The rule reward stays beside it (rule_reward), and the scorer's checksum.
+        A group whose scoring was cut short by a stop comes back empty: not written, counted."""
+        assert self.reward_client is not None
+        todo = [
+            (f"{self.id}/{tag}/{i}", p.messages, [self._text(s) for s in g]) for i, (p, g) in enumerate(scored) if g
+        ]
+        replies = iter(self.reward_client.score_groups(todo, should_stop=lambda: self.stopping))
+        out: list[tuple[Prompt, list[Sample]]] = []
+        for prompt, samples in scored:
+            reply = next(replies) if samples else None
+            if reply is None:
+                self.groups_unscored += bool(samples)
+                out.append((prompt, []))
+                continue
+            self.scorer = reply.scorer
+            kept = []
+            for s, value in zip(samples, reply.scores):
+                try:
+                    value = reward.check_value(value, prompt.data_source)
+                except reward.RewardError as e:
+                    self.rewards_dropped += 1
+                    log.warning("dropped a sample of prompt %s: the reward model's %s", prompt.prompt_id, e)
+                    continue
+                kept.append(dataclasses.replace(s, rule_reward=s.reward, reward=value, scorer=reply.scorer))
+            out.append((prompt, kept))
+        return out
+
+    def _text(self, s: Sample) -> str:
+        return self.engine.tokenizer.decode(s.response_ids, skip_special_tokens=True)
 
     def _reward_failed(self, prompt: Prompt, e: Exception) -> float:
         """A reward function that raised scores the sample 0 (its group stays whole for the
@@ -414,8 +467,12 @@ class RolloutWorker:
     def finish_batch(self, batch: GeneratedBatch) -> float:
         """Score and publish one generated batch; returns its mean reward."""
         rewards, empty = [], 0
-        for prompt, group, versions in zip(batch.prompts, batch.groups, batch.versions):
-            samples = self._samples(prompt, group, versions, batch.started)
+        scored = [
+            (p, self._samples(p, g, v, batch.started)) for p, g, v in zip(batch.prompts, batch.groups, batch.versions)
+        ]
+        if self.reward_client is not None:  # a finished group waits here for its scores, unwritten
+            scored = self._model_scores(scored, f"{batch.started:.3f}")
+        for _prompt, samples in scored:
             rewards += [s.reward for s in samples]
             if samples:
                 self.writer.add_group(samples)
@@ -429,6 +486,15 @@ class RolloutWorker:
 
     def run_batch(self) -> float:
         return self.finish_batch(self.generate_batch())
+
+    def _finished(self, pending: concurrent.futures.Future) -> float:
+        """The finisher's result; while it waits (for reward servers, say) the heartbeat stays
+        fresh, so that launch.status tells a waiting worker from a silent one."""
+        while True:
+            try:
+                return pending.result(timeout=WAITING_BEAT_S)
+            except concurrent.futures.TimeoutError:
+                self.heartbeat("waiting")
 
     def _log_batch(self, mean_reward: float) -> None:
         self.heartbeat("running")
@@ -508,6 +574,13 @@ class RolloutWorker:
                 "rewards_dropped": self.rewards_dropped,
                 "reward_failures": self.reward_failures,
                 "versions_skipped": self.versions_skipped,
+                "reward_model": None
+                if self.reward_client is None
+                else {
+                    "scorer": self.scorer,
+                    "retries": getattr(self.reward_client, "retries", 0),
+                    "groups_unscored": self.groups_unscored,
+                },
                 "refused": self.refused,
                 "loads": self.loads,
                 "history": self.history,
@@ -576,7 +649,7 @@ class RolloutWorker:
                 count = self.claim() if self.rounds.on else None
                 if count == 0:  # this version's groups are all claimed: publish ours, then wait
                     if pending is not None:
-                        self._log_batch(pending.result())
+                        self._log_batch(self._finished(pending))
                         pending = None
                     count = self._redraw()
                     if count == 0:
@@ -584,12 +657,14 @@ class RolloutWorker:
                         continue
                 batch = self.generate_batch(count)
                 if pending is not None:
-                    self._log_batch(pending.result())
+                    self._log_batch(self._finished(pending))
                 pending = finisher.submit(self.finish_batch, batch)
             if pending is not None:
-                self._log_batch(pending.result())
+                self._log_batch(self._finished(pending))
         finally:
             finisher.shutdown(wait=True)
+            if self.reward_client is not None:
+                self.reward_client.close()
             self.writer.close()  # flush, also on failure; over gRPC wait for the acknowledgements
         self.heartbeat("stopped")
         log.info(

@@ -367,7 +367,6 @@ FIXTURE_WARNED = {
     "actor_rollout_ref.rollout.free_cache_engine",
     "actor_rollout_ref.rollout.load_format",
     "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu",
-    "reward_model.model.path",
     "algorithm.rollout_correction.rollout_is",
     "trainer.total_epochs",
     "trainer.nnodes",
@@ -442,7 +441,7 @@ def test_every_key_of_verls_own_config_is_classified_and_both_roles_build_from_i
         ("actor_rollout_ref.model.lora_adapter_path", "/adapter", "saved LoRA adapter"),
         ("actor_rollout_ref.model.lora.rank", "8", "Megatron LoRA"),
         ("actor_rollout_ref.actor.strategy", "megatron", "megatron"),
-        ("reward_model.enable", "true", "reward models"),
+        ("reward.reward_model.enable", "true", "reward.reward_model"),
         ("actor_rollout_ref.actor.ulysses_sequence_parallel_size", "2", "sequence parallel"),
         ("actor_rollout_ref.rollout.multi_turn.enable", "true", "multi-turn"),
         ("algorithm.filter_groups.enable", "true", "dynamic sampling"),
@@ -483,6 +482,20 @@ def test_verl_lora_keys_are_applied_to_actor_and_critic(tmp_path):
         load(TrainerConfig, {**over, "critic.model.target_modules": "[lm_head]"}, path)
     with pytest.raises(ConfigError, match="actor_rollout_ref.model.lora_dropout: must be <= 0.9"):
         load(TrainerConfig, {"root": "/run", "actor_rollout_ref.model.lora_dropout": "1.0"}, VERL_YAML)
+
+
+def test_a_reward_model_is_accepted_with_its_folder_and_refused_without():
+    """Issue 28: reward_model.enable with verl's keys reaches the worker (its reward servers);
+    without reward_model.model.path the field is named."""
+    over = {"root": "/run", "reward_model.enable": "true", "reward_model.model.path": "/rm"}
+    over |= {"reward_model.micro_batch_size_per_gpu": "4", "reward_model.max_length": "512"}
+    for cls in ROLES:
+        cfg, _ = load(cls, over, VERL_YAML)
+    w, _ = load(WorkerConfig, over, VERL_YAML)
+    assert w.reward_model.enable and w.reward_model.model.path == "/rm" and w.reward_model.rows() == 4
+    assert w.reward_model.max_length == 512
+    with pytest.raises(ConfigError, match="^reward_model.model.path: required"):
+        load(WorkerConfig, {"root": "/run", "reward_model.enable": "true"}, VERL_YAML)
 
 
 @pytest.mark.parametrize(

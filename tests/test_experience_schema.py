@@ -22,12 +22,14 @@ from protocol.experience import (
     to_table,
 )
 
-FLOAT32_FIELDS = {"reward", "temperature"}
+FLOAT32_FIELDS = {"reward", "temperature", "rule_reward"}
 
 
 def _assert_same(got: Sample, want: Sample) -> None:
     for f in dataclasses.fields(Sample):
         a, b = getattr(got, f.name), getattr(want, f.name)
+        if f.name == "rule_reward" and b is None:  # unset: the reward is the rule's (to_table records it)
+            b = want.reward
         if f.name == "behaviour_logprobs":
             assert len(a) == len(b), f.name
             assert a == pytest.approx(b, rel=1e-6, abs=1e-7), f.name
@@ -158,3 +160,23 @@ def test_check_rows_rejects_empty_prompt_or_response():
 
 def test_check_rows_accepts_valid_rows():
     check_rows(_samples())  # raises on failure
+
+
+def test_a_version_3_shard_reads_with_the_rule_reward_and_no_scorer():
+    """Schema 4 (issue 28) adds rule_reward and scorer at the end; a shard written before them
+    decodes into the current schema: its reward was the rule's, no reward model scored it."""
+    import pyarrow as pa
+
+    from protocol.experience import ADDED_IN_4, SCHEMA
+
+    samples = [dataclasses.replace(s, rule_reward=0.25, scorer="abc") for s in _samples()]
+    new = from_table(decode(encode(to_table(samples))))
+    assert {(s.rule_reward, s.scorer) for s in new} == {(0.25, "abc")}
+    table = to_table(_samples()).drop_columns(list(ADDED_IN_4))
+    old = table.replace_schema_metadata({**table.schema.metadata, SCHEMA_VERSION_KEY: b"3"})
+    back_table = decode(encode(old))
+    assert back_table.schema.remove_metadata().equals(SCHEMA.remove_metadata())
+    back = from_table(back_table)
+    assert [s.scorer for s in back] == [""] * len(back)
+    assert [s.rule_reward for s in back] == pytest.approx([s.reward for s in _samples()])
+    assert isinstance(back_table.column("scorer"), pa.ChunkedArray)

@@ -1,12 +1,8 @@
 """Issue 28's CPU learning acceptance: a tiny reward model trained here (trainer/rm_train.py, 400
 Bradley-Terry steps) prefers the built-in task's right answers on held-out questions, and
-RL against its scores alone raises the rule reward, which is measured beside it and never
-trained on.
-
-Until the reward-server role (issue 28) exists, the workers reach the model
-through `custom_reward_function.path` (tests/data/rm_reward.py: the real model, scored in the
-worker, never reading the ground truth); with it, the same test is to run `launch.local
---reward-model DIR`."""
+RL against its scores alone (`launch.local --reward-model DIR`: a reward server scores every
+group, its score replaces the rule reward) raises the rule reward, which is measured beside it
+(the experience's rule_reward, the validator's held-out score) and never trained on."""
 
 from __future__ import annotations
 
@@ -16,13 +12,11 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import REPO_ROOT, subprocess_env
+from conftest import subprocess_env
 
 from buffer.run import setup_trainer_run
 from launch.local import rl_metrics
 from trainer import rm_train
-
-RM_REWARD = REPO_ROOT / "tests" / "data" / "rm_reward.py"
 
 
 @pytest.fixture(scope="module")
@@ -103,12 +97,14 @@ def test_rl_against_the_reward_model_raises_the_rule_reward(reward_model, tmp_pa
             "10",  # the validator scores held-out questions greedily with the rule reward
             "--timeout",
             "800",
-            "--worker",
-            f"custom_reward_function.path={RM_REWARD}",  # the model's score is the workers' whole reward
+            "--reward-model",
+            path,  # the model's score is the workers' whole reward
+            "--trainer",
+            "buffer.retention=keep",  # the shards stay: which scorer scored each sample
         ],
         capture_output=True,
         text=True,
-        env={**subprocess_env(), "TANDEM_TEST_RM_DIR": path},
+        env=subprocess_env(),
         timeout=900,
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
@@ -120,3 +116,9 @@ def test_rl_against_the_reward_model_raises_the_rule_reward(reward_model, tmp_pa
     # (trained without answer-shaped wrong responses, the policy learned to say "222" to every
     # question: 0.107) and a random reward (no signal: the greedy answer stays near chance, 1/14).
     assert first < 0.1 and last >= 0.3, points
+    from protocol.experience import decode, from_table
+    from protocol.reward import model_checksum
+
+    samples = [s for f in sorted(root.glob("experience/*/*.arrow")) for s in from_table(decode(f.read_bytes()))]
+    assert samples and {s.scorer for s in samples} == {model_checksum(path)}  # every sample the server's
+    assert any(s.reward != s.rule_reward for s in samples)  # trained on the model's score, not the rule

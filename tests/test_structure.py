@@ -2,7 +2,7 @@
 
 - run paths are computed only by the run's stores: RunLayout and `filesystem(` appear only in
   buffer/layout.py (the definitions), buffer/storage.py, buffer/checkpoints.py, the rooms
-  (buffer/experience/, buffer/weights/, buffer/control/) and buffer/run.py;
+  (buffer/experience/, buffer/weights/, buffer/control/, buffer/reward/) and buffer/run.py;
 - `launch/` imports the roles (rollout, trainer, buffer), never the reverse;
 - no import circle among the project's modules (function-level imports included, and a module
   loaded by name through importlib counted as imported);
@@ -43,6 +43,7 @@ PATHS_ALLOWED = (
     "buffer/experience/",
     "buffer/weights/",
     "buffer/control/",
+    "buffer/reward/",
 )
 BUFFER_TOP = ("buffer.run", "buffer.writer", "buffer.inspect")
 BY_NAME = ("import_module", "__import__")  # loading a module by a string

@@ -28,6 +28,7 @@ from pathlib import Path
 
 from buffer.storage import respect_umask
 from rollout import builtin_task
+from rollout.reward_model import build_classifier, reward_text  # what a reward server scores with
 
 TASK = "tandem/copy"
 ALPHABET = "01234"  # the built-in task's prompt digits
@@ -59,36 +60,6 @@ BOUNDS = {  # flag -> (type, low, high): what a few CPU minutes can train
     "heldout_fraction": (float, 0.05, 0.5),
     "eval_pairs": (int, 10, 100_000),
 }
-
-
-def reward_text(tokenizer, messages: list[dict], response: str) -> str:
-    """What the reward model reads for one (prompt messages, response): the prompt through the
-    tokenizer's chat template with the generation prompt, then the response (as the policy saw
-    and said it)."""
-    return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True) + response
-
-
-def build_classifier(tokenizer, seed: int = 0, hidden: int = 64, layers: int = 2, max_positions: int = 128):
-    """A random-init Qwen2 sequence classifier (one label) for `tokenizer`'s vocabulary; its
-    pad id lets it find each row's last real token."""
-    import torch
-    from transformers import Qwen2Config, Qwen2ForSequenceClassification
-
-    torch.manual_seed(seed)
-    config = Qwen2Config(
-        vocab_size=len(tokenizer),
-        hidden_size=hidden,
-        intermediate_size=4 * hidden,
-        num_hidden_layers=layers,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=max_positions,
-        num_labels=1,
-        bos_token_id=None,
-        eos_token_id=tokenizer.eos_token_id,
-        pad_token_id=tokenizer.pad_token_id,
-    )
-    return Qwen2ForSequenceClassification(config)
 
 
 def split_questions(digits: int, fraction: float, seed: int) -> tuple[list[str], list[str]]:

@@ -34,9 +34,11 @@ from buffer.config import BufferConfig
 from buffer.control.base import ControlStore, ProgressStore, RunState, SyncClaims, ValidationStore
 from buffer.control.fs import FsHeartbeats
 from buffer.layout import RunLayout, check_worker_id
+from buffer.reward.fs import FsRewardEndpoints
 from buffer.storage import is_disk_full
 from buffer.weights.base import WeightSource
 from protocol import run_service as rs
+from protocol.reward import RewardEndpoint
 from protocol.validation import ValidationResult
 from protocol.weights import SYNC_GROUPS
 
@@ -44,6 +46,7 @@ log = logging.getLogger(__name__)
 ANSWERS_KEPT = 4096  # replies of state-changing calls kept for retries of the same request id
 STALE_BEAT_S = 120.0  # lingering ignores a heartbeat older than this (a worker killed outright)
 NOTE_S = 10.0
+MAX_REWARD_SERVERS = 1024  # reward endpoints the service keeps (live or stale) in the folder
 
 
 class _Refuse(Exception):
@@ -83,6 +86,8 @@ class ServedRun(Protocol):
     def control(self) -> ControlStore: ...
     @property
     def validation(self) -> ValidationStore: ...
+    @property
+    def reward(self) -> FsRewardEndpoints: ...
 
 
 class RunService:
@@ -336,6 +341,28 @@ class RunService:
 
     def _do_PoolStates(self, request, context) -> rs.DocReply:
         return rs.DocReply(self.run.control.pool_states())
+
+    def _do_AnnounceReward(self, request, context) -> rs.Empty:
+        """A reward server's endpoint, in the trainer's folder (reward/<id>.json); at most
+        MAX_REWARD_SERVERS ids (a client must not fill the disk with invented ones)."""
+        doc = _doc(request.endpoint, "reward endpoint", rs.MAX_BEAT_BYTES)
+        try:
+            endpoint = RewardEndpoint.from_json(json.dumps(doc), where="a reward endpoint sent")
+        except ValueError as e:
+            raise _Refuse(grpc.StatusCode.INVALID_ARGUMENT, str(e)) from None
+        check_worker_id(endpoint.server_id)
+        known = {e.server_id for e in self.run.reward.all()}
+        if endpoint.server_id not in known and len(known) >= MAX_REWARD_SERVERS:
+            raise _Refuse(grpc.StatusCode.INVALID_ARGUMENT, f"{MAX_REWARD_SERVERS} reward servers announced already")
+        self.run.reward.announce(endpoint)
+        return rs.Empty()
+
+    def _do_WithdrawReward(self, request, context) -> rs.Empty:
+        self.run.reward.withdraw(check_worker_id(request.worker_id))
+        return rs.Empty()
+
+    def _do_RewardEndpoints(self, request, context) -> rs.DocsReply:
+        return rs.DocsReply([dataclasses.asdict(e) for e in self.run.reward.live()])
 
     # --- the end of the run ------------------------------------------------------------------
     def linger(self, timeout_s: float) -> None:

@@ -20,6 +20,7 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 TASK_SCRIPT = HERE / "rollout_task.sh"
+REWARD_TASK_SCRIPT = HERE / "reward_task.sh"
 _TIME = re.compile(r"^(\d+-)?\d+(:\d{1,2}){0,2}$|^UNLIMITED$|^INFINITE$", re.I)
 _NAME = re.compile(r"^[A-Za-z0-9_.-]+$")
 
@@ -135,6 +136,32 @@ def render_rollout(spec: JobSpec, worker_args: list[str]) -> str:
         worker_args=_q(args),
     )
     return _finish(_template("rollout.sbatch").substitute(values), spec)
+
+
+def render_reward(spec: JobSpec, server_args: list[str]) -> str:
+    """Reward servers (rollout/reward_server.py), one per GPU (or per task on CPU); `server_args`
+    are key=value settings (each passed as --set) and optionally --config FILE."""
+    spec.check("reward")
+    if spec.array:
+        raise ValueError("reward job: --array is for rollout jobs only (give --nodes)")
+    flags, i = ["--run", spec.root], 0
+    while i < len(server_args):
+        if server_args[i] == "--config":
+            flags += server_args[i : i + 2]
+            i += 2
+            continue
+        flags += ["--set", server_args[i]]
+        i += 1
+    values = _common(spec, "reward")
+    values.update(
+        tasks_per_node=spec.gpus_per_node or spec.tasks_per_node,
+        signal_before_s=spec.signal_before_s,
+        worker_prefix=shlex.quote(spec.worker_prefix),
+        bind_gpu=1 if spec.gpus_per_node else 0,
+        task_script=shlex.quote(str(REWARD_TASK_SCRIPT)),
+        server_args=_q(flags),
+    )
+    return _finish(_template("reward.sbatch").substitute(values), spec)
 
 
 def render_trainer(spec: JobSpec, trainer_args: list[str], role: str = "trainer") -> str:

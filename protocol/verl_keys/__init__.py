@@ -432,12 +432,62 @@ RULES: list[Rule] = [
     *warn("datagen / sampler settings; they are off", "data.datagen", "data.sampler"),
     *same("chat-template arguments are not passed yet", unset, "data.apply_chat_template_kwargs"),
     # rewards
+    # reward_model.enable, model.path, micro_batch_size_per_gpu, max_length and
+    # forward_max_token_len_per_gpu are the worker's fields (rollout/config.py: reward servers)
     *same(
-        "model reward models are not supported yet: use custom_reward_function",
+        "verl 0.9's reward.reward_model (a reward model behind a rollout engine) is not supported: "
+        "set reward_model.enable and reward_model.model.path (a sequence classifier on reward servers)",
         off,
-        "reward_model.enable",
         "reward.reward_model.enable",
     ),
+    *warn(
+        "workers send the text the policy's tokenizer decodes; the reward servers always re-tokenise "
+        "it with the reward model's own tokenizer and chat template (verl's switch of templates, always on)",
+        "reward_model.model.input_tokenizer",
+    ),
+    deprecated(
+        "reward_model.micro_batch_size",
+        "reward_model.micro_batch_size_per_gpu",
+        "divided by the GPU count",
+        per_gpu,
+    ),
+    *same(
+        "reward servers run the HF model on one GPU each (no Megatron)",
+        one_of("fsdp", "fsdp2"),
+        "reward_model.strategy",
+    ),
+    *same("sequence parallelism is not supported yet", one_of(1), "reward_model.ulysses_sequence_parallel_size"),
+    *warn(
+        "reward servers always micro-batch by rows (micro_batch_size_per_gpu) and padded tokens "
+        "(forward_max_token_len_per_gpu)",
+        "reward_model.use_dynamic_bsz",
+    ),
+    *warn(
+        "workers score a batch in their own thread while the engine generates the next one",
+        "reward_model.launch_reward_fn_async",
+    ),
+    *warn(
+        "reward servers are processes of their own: launch.local --reward-model, launch.submit reward --nodes",
+        "reward_model.nnodes",
+        "reward_model.n_gpus_per_node",
+        "reward_model.num_workers",
+        "reward_model.enable_resource_pool",
+    ),
+    *warn(KERNELS, "reward_model.model.use_remove_padding", "reward_model.model.use_fused_kernels"),
+    *warn(FSDP, "reward_model.model.fsdp_config"),
+    *same(
+        "generative reward models (a rollout engine) are not supported: the reward model is a sequence classifier",
+        unset,
+        "reward_model.rollout.name",
+    ),
+    *warn("rollout settings of a generative reward model; the reward model is a classifier", "reward_model.rollout"),
+    *same(
+        "reward loops are not supported: workers send each group to the reward servers",
+        unset,
+        "reward_model.reward_loop_module_path",
+        "reward_model.reward_loop_class_name",
+    ),
+    *same("sandbox code-execution rewards are not supported yet", unset, "reward_model.sandbox_fusion.url"),
     *same(
         "tandem scores each response alone, as verl's naive reward manager",
         one_of("naive"),
@@ -456,8 +506,8 @@ RULES: list[Rule] = [
         "sandbox code-execution rewards are not supported yet", unset, "sandbox_fusion.url", "reward.sandbox_fusion.url"
     ),
     *warn(
-        "reward-model and reward-loop settings; workers score in-process with "
-        "custom_reward_function or verl's default_compute_score",
+        "reward-model and reward-loop settings; workers score with custom_reward_function or "
+        "verl's default_compute_score, and with reward_model.enable on the reward servers",
         "reward_model",
         "reward",
         "sandbox_fusion",
