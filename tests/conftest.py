@@ -311,3 +311,28 @@ def weight_distances(ref: dict, run: dict, init_dir) -> tuple[float, float, str]
     moved = sum(((ref[k] - init[k]) ** 2).sum().item() for k in ref) ** 0.5
     worst = max(ref, key=lambda k: (run[k] - ref[k]).abs().max().item())
     return differ, moved, worst
+
+
+def fetch_at_once(fetchers, version: int, folder) -> list[str]:
+    """Every WeightFetcher of `fetchers` fetches `version` at the same time, fetcher i into
+    folder/w<i>/v<version> (the peer fan-out tests); their folders, in order. Raises the first
+    error of any; each thread is joined within 300 s (a transfer stuck past that fails)."""
+    import threading
+
+    dests: dict[int, str] = {}
+    errors: list[BaseException] = []
+
+    def run(i: int) -> None:
+        try:
+            dests[i] = fetchers[i].fetch(version, str(folder / f"w{i}" / f"v{version}"))
+        except BaseException as e:  # reported below, in the test's thread
+            errors.append(e)
+
+    threads = [threading.Thread(target=run, args=(i,), daemon=True) for i in range(len(fetchers))]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join(timeout=300)
+    assert not any(th.is_alive() for th in threads), "a fetch did not end within 300 s"
+    assert not errors, errors
+    return [dests[i] for i in range(len(fetchers))]

@@ -10,7 +10,7 @@ import time
 
 import pytest
 import torch
-from conftest import free_port, subprocess_env
+from conftest import fetch_at_once, free_port, subprocess_env
 from lora_helpers import make_adapter, publish_adapter, trainer_logprobs
 
 from buffer.config import BufferConfig
@@ -250,7 +250,6 @@ def test_adapter_versions_over_the_network_store(tmp_path, models):
 def test_adapter_versions_fan_out_between_peers(tmp_path):
     """Two workers fetch an adapter version at once from a trainer whose uplink is slow: chunks
     flow between the workers' peer servers, both copies verify, and the engine applies them."""
-    import threading
 
     from buffer.weights.net_client import WeightFetcher
     from rollout.engine import HFEngine
@@ -275,21 +274,8 @@ def test_adapter_versions_fan_out_between_peers(tmp_path):
     store = WeightStore(str(tmp_path / "trainer"))
     manifest = publish_adapter(store, tmp_path / "a", tmp_path / "base", 0)
     fetchers = [WeightFetcher(cfg.grpc_address, "lora-token", cfg, f"w{i}") for i in range(2)]
-    dests, errors = {}, []
-
-    def run(i):
-        try:
-            dests[i] = fetchers[i].fetch(0, str(tmp_path / f"w{i}" / "v0"))
-        except BaseException as e:  # reported below
-            errors.append(e)
-
-    threads = [threading.Thread(target=run, args=(i,)) for i in range(2)]
     try:
-        for th in threads:
-            th.start()
-        for th in threads:
-            th.join(timeout=300)
-        assert not errors, errors
+        dests = fetch_at_once(fetchers, 0, tmp_path)
         stats = [f.stats[0] for f in fetchers]
         assert stats[0].chunks >= 8, stats[0].chunks  # enough chunks for a peer to serve some
         assert sum(s.from_peers for s in stats) > 0, stats

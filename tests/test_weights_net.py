@@ -14,7 +14,7 @@ import grpc
 import msgpack
 import pytest
 import torch
-from conftest import free_port, subprocess_env
+from conftest import fetch_at_once, free_port, subprocess_env
 from safetensors.torch import save_file
 
 from buffer.config import BufferConfig
@@ -383,21 +383,8 @@ def test_peer_fanout_used(tmp_path, trainer):
     t = trainer(weights_upload_mb_s=1.0)
     cfg = t.shards.servicer.cfg
     fetchers = [WeightFetcher(cfg.grpc_address, TOKEN, cfg, f"w{i}") for i in range(4)]
-    dests, errors = {}, []
-
-    def run(i):
-        try:
-            dests[i] = fetchers[i].fetch(1, str(tmp_path / f"w{i}" / "v1"))
-        except BaseException as e:
-            errors.append(e)
-
-    threads = [threading.Thread(target=run, args=(i,)) for i in range(4)]
     try:
-        for th in threads:
-            th.start()
-        for th in threads:
-            th.join(timeout=300)
-        assert not errors, errors
+        dests = fetch_at_once(fetchers, 1, tmp_path)
         stats = [f.stats[1] for f in fetchers]
         total = stats[0].chunks
         assert sum(s.from_peers for s in stats) > 0

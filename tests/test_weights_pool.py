@@ -7,11 +7,10 @@ import signal
 import subprocess
 import sys
 import textwrap
-import threading
 
 import grpc
 import pytest
-from conftest import free_port, subprocess_env
+from conftest import fetch_at_once, free_port, subprocess_env
 from test_weights_net import TOKEN, _background_fetch, _cfg, _publish, _verified, _wait
 
 from buffer.config import BufferConfig
@@ -122,21 +121,8 @@ def test_fanout_over_the_serving_processes(tmp_path, pool_trainer):
     than four copies (test_weights_net's test_peer_fanout_used, with the processes)."""
     t = pool_trainer(weights_serve_processes=2, weights_upload_mb_s=1.0)
     fetchers = [WeightFetcher(t.cfg.grpc_address, TOKEN, t.cfg, f"w{i}") for i in range(4)]
-    dests, errors = {}, []
-
-    def run(i):
-        try:
-            dests[i] = fetchers[i].fetch(1, str(tmp_path / f"w{i}" / "v1"))
-        except BaseException as e:
-            errors.append(e)
-
-    threads = [threading.Thread(target=run, args=(i,)) for i in range(4)]
     try:
-        for th in threads:
-            th.start()
-        for th in threads:
-            th.join(timeout=300)
-        assert not errors, errors
+        dests = fetch_at_once(fetchers, 1, tmp_path)
         stats = [f.stats[1] for f in fetchers]
         total = stats[0].chunks
         assert sum(s.from_peers for s in stats) > 0
