@@ -60,6 +60,9 @@ def parse_args(argv):
     p.add_argument("--tasks-per-node", type=int, default=1, help="rollout: workers per node")
     p.add_argument("--worker-prefix", default="w", help="rollout: worker ids <prefix>[-t<k>]")
     p.add_argument("--nproc-per-node", type=int, default=1, help="trainer/sft: ranks per node")
+    p.add_argument(
+        "--max-restarts", type=int, default=2, help="trainer/sft: torchrun's restarts of every rank after one dies"
+    )
     p.add_argument("--rdzv-id", default="tandem", help="trainer/sft: torchrun's rendezvous id")
     p.add_argument("--port", default="auto", help="several nodes: rendezvous port on node 0")
     p.add_argument("--placement-strategy", default="STRICT_SPREAD")
@@ -97,6 +100,7 @@ def node_procs(plan, node_rank: int, rendezvous: str | None) -> list[Proc]:
                     "torch.distributed.run",
                     f"--nnodes={plan.nodes}",
                     f"--nproc_per_node={plan.nproc_per_node}",
+                    f"--max-restarts={plan.max_restarts}",
                     *meet,
                     "-m",
                     module,

@@ -44,6 +44,7 @@ class RaySpec:
     tasks_per_node: int = 1  # rollout on CPU: workers per node (GPU: one per GPU)
     cpus_per_task: int = 1  # rollout/validate: per worker; trainer/sft: per node
     nproc_per_node: int = 1  # trainer/sft: ranks per node
+    max_restarts: int = 2  # trainer/sft: torchrun's restarts of every rank after one dies
     port: str = "auto"  # trainer/sft on several nodes: rendezvous port on node 0
     strategy: str = "STRICT_SPREAD"  # trainer/sft on several nodes: placement-group strategy
     worker_prefix: str = ""  # rollout: worker ids <prefix>[-t<k>]; default w-<submission id>
@@ -73,6 +74,8 @@ class RaySpec:
             if getattr(self, name) < low:
                 flag = "--stop-timeout" if name == "stop_timeout_s" else f"--{name.replace('_', '-')}"
                 bad(f"{flag} must be at least {low}, got {getattr(self, name)}")
+        if not 0 <= self.max_restarts <= 100:
+            bad(f"--max-restarts must be in 0..100, got {self.max_restarts}")
         if self.nodes > 1 and role == "validate":
             bad("one validator per run: one node")
         if self.strategy not in STRATEGIES:
@@ -119,7 +122,14 @@ def driver_argv(role: str, spec: RaySpec, role_args: list[str], submission_id: s
         args.append(f"buffer.flush_interval={spec.flush_interval:g}")
     plan = ["--nodes", spec.nodes, "--gpus-per-node", spec.gpus_per_node, "--cpus-per-node", _node_cpus(role, spec)]
     if role in TORCHRUN_ROLES:
-        plan += ["--nproc-per-node", spec.nproc_per_node, "--rdzv-id", submission_id]
+        plan += [
+            "--nproc-per-node",
+            spec.nproc_per_node,
+            "--max-restarts",
+            spec.max_restarts,
+            "--rdzv-id",
+            submission_id,
+        ]
         if spec.nodes > 1:
             plan += ["--port", spec.port, "--placement-strategy", spec.strategy]
     elif role == "rollout":

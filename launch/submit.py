@@ -75,6 +75,13 @@ def parse_args(argv):
         default=None,
         help="trainer/sft: ranks per node (default: --gpus-per-node, or 1 on CPU)",
     )
+    p.add_argument(
+        "--max-restarts",
+        type=int,
+        default=2,
+        help="trainer/sft: when a rank dies (a native crash, an OOM kill), torchrun restarts every "
+        "rank from the last checkpoint, this many times before the job fails (default 2)",
+    )
     p.add_argument("--time", default="1-00:00:00", help="time limit (default 1-00:00:00)")
     p.add_argument(
         "--signal-before",
@@ -204,6 +211,7 @@ def spec_from(args) -> slurm.JobSpec:
         flush_interval=args.flush_interval,
         nproc_per_node=nproc,
         port=str(args.port),
+        max_restarts=args.max_restarts,
         worker_prefix=args.worker_prefix,
         signal_before_s=args.signal_before or (600 if args.role == "trainer" else 120),
         output=args.output,
@@ -270,6 +278,7 @@ def ray_spec_from(args) -> ray_jobs.RaySpec:
         tasks_per_node=args.tasks_per_node,
         cpus_per_task=args.cpus_per_task or (nproc if torchrun else 1),
         nproc_per_node=nproc,
+        max_restarts=args.max_restarts,
         port=str(args.port),
         strategy=args.placement_strategy,
         worker_prefix=args.worker_prefix,

@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -24,6 +25,18 @@ from rollout import builtin_task
 REPO = Path(__file__).resolve().parents[1]
 BASE = os.environ.get("TANDEM_SLURM_BASE", "/tmp/tandem-slurm")
 STEPS = 50
+
+
+def _lock_pid(layout: RunLayout) -> int | None:
+    """The pid rank 0 of the trainer holding the run wrote to trainer.lock (None: not yet)."""
+    try:
+        return int(json.loads(Path(layout.root, "trainer.lock").read_text())["pid"])
+    except (OSError, ValueError, KeyError):
+        return None
+
+
+def text_count(path: Path, needle: str) -> int:
+    return path.read_text().count(needle) if path.exists() else 0
 
 
 def _env(**extra) -> dict:
@@ -613,7 +626,8 @@ def test_pool_adopts_its_jobs_after_a_restart_and_cancels_pending_ones(slurm, tm
 def test_trainer_job_checkpoints_on_the_time_limit_signal_and_is_requeued(slurm, experience):
     """SLURM sends the trainer job's batch script USR1 before the time limit (#SBATCH
     --signal=B:USR1@...; sent here at once with scancel --batch --signal=USR1): the trainer
-    checkpoints and exits, the job is requeued, and the requeued job resumes and finishes."""
+    checkpoints and exits, the job is requeued, and the requeued job resumes; a rank of it killed
+    with -9 is restarted by torchrun, resumes again, and the job finishes."""
     from conftest import STEPS, run_folder
 
     root = run_folder(experience, "requeued")
@@ -649,8 +663,22 @@ def test_trainer_job_checkpoints_on_the_time_limit_signal_and_is_requeued(slurm,
     dump = lambda: out.read_text()[-3000:] if out.exists() else "(no job output yet)"  # noqa: E731
     try:
         _wait(lambda: len(_metrics(layout)) >= 2, 300, "two trainer steps", dump=dump)
+        first = _lock_pid(layout)
         _run(["scancel", "--batch", "--signal=USR1", job], check=True)
         _wait(lambda: int(_job(job).get("Restarts", "0")) >= 1, 300, "the job to be requeued", dump=dump)
+        # A rank of the requeued job dies as a native crash would (SIGKILL, by the pid its rank 0
+        # wrote to trainer.lock): torchrun restarts it (--max-restarts), and it resumes again.
+        _wait(
+            lambda: text_count(out, "resumed from") >= 1 and _lock_pid(layout) not in (None, first),
+            300,
+            "the requeued trainer to resume",
+            dump=dump,
+        )
+        crashed = _lock_pid(layout)
+        os.kill(crashed, signal.SIGKILL)
+        restarted = lambda: text_count(out, "resumed from") >= 2 and _lock_pid(layout) not in (None, crashed)  # noqa: E731
+        _wait(lambda: restarted() or _squeue(job) is None, 300, "torchrun to restart the killed rank", dump=dump)
+        assert restarted(), f"the job ended instead of restarting the killed rank:\n{dump()}"
         for shard in sorted(held.iterdir()):  # published as a worker does: whole, by rename
             tmp = root / "experience" / "w0" / f".{shard.name}.tmp-test"
             shutil.copy(shard, tmp)
@@ -663,7 +691,7 @@ def test_trainer_job_checkpoints_on_the_time_limit_signal_and_is_requeued(slurm,
             _run(["scancel", job])
     text = out.read_text()
     assert "asking the trainer to checkpoint and exit" in text and "requeueing job" in text, text[-3000:]
-    assert "resumed from" in text, text[-3000:]
+    assert "resumed from" in text and "torchrun restart 1 of 2" in text, text[-3000:]
     final = {r["step"]: r["samples/ids"] for r in _metrics(layout)}  # later lines win
     assert sorted(final) == list(range(1, STEPS + 1))
     trained = [i for ids in final.values() for i in ids]

@@ -75,6 +75,19 @@ def init_distributed(device_pref: str, timeout_s: float) -> torch.device:
     return device
 
 
+def say_restart(name: str) -> None:
+    """One line when torchrun has restarted this job's ranks (--max-restarts) after one died."""
+    count = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    if count:
+        log.warning(
+            "%s: torchrun restart %d of %s: a rank of the earlier attempt died (its log says why); "
+            "resuming from the last checkpoint",
+            name,
+            count,
+            os.environ.get("TORCHELASTIC_MAX_RESTARTS", "?"),
+        )
+
+
 class StopRequested(Exception):
     """ROOT/trainer.stop appeared: checkpoint and exit (to be requeued, or stopped by hand)."""
 
@@ -797,6 +810,8 @@ def main(argv: list[str] | None = None) -> int:
         stream=sys.stdout,
         format=f"%(asctime)s %(levelname)s trainer[{dist.get_rank()}] %(message)s",
     )
+    if dist.get_rank() == 0:
+        say_restart("trainer")
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
     try:
         lock = hold_run(cfg.root)

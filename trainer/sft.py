@@ -31,7 +31,7 @@ from protocol.weights import base_checksum
 from trainer import algo, checkpoint, lora
 from trainer.attention import attn_implementation
 from trainer.lora import LoraSpec
-from trainer.main import init_distributed
+from trainer.main import init_distributed, say_restart
 from trainer.metrics import MetricsLog
 from trainer.model import build_actor
 from trainer.publish import publish_version
@@ -330,6 +330,8 @@ def main(argv: list[str] | None = None) -> int:
         "data: %d training sequences (%d tokens), %d validation", len(train), sum(train.lengths), len(val) if val else 0
     )
     device = init_distributed(cfg.trainer.device, cfg.trainer.timeout_s)
+    if rank == 0:
+        say_restart("trainer.sft")
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
     trainer = SFTTrainer(cfg, device, train, val)
     try:

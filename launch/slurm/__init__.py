@@ -47,6 +47,8 @@ class JobSpec:
     flush_interval: float | None = None
     nproc_per_node: int = 1  # trainer only: ranks per node
     port: str = "auto"  # trainer only: rendezvous port ("auto": 20000 + job id % 20000)
+    max_restarts: int = 2  # trainer/sft: torchrun restarts every rank from its last checkpoint
+    # this many times after one rank dies (a native crash, an OOM kill), before the job fails
     worker_prefix: str = ""  # rollout only: worker ids <prefix>[-a<k>][-t<rank>]
     signal_before_s: int = 120  # rollout, validate: SIGTERM, trainer: checkpoint + requeue,
     # this long before the time limit
@@ -65,6 +67,8 @@ class JobSpec:
             v = getattr(self, name)
             if v < (0 if name == "gpus_per_node" else 1):
                 bad(f"--{name.replace('_', '-')} must be at least {0 if name == 'gpus_per_node' else 1}, got {v}")
+        if not 0 <= self.max_restarts <= 100:
+            bad(f"--max-restarts must be in 0..100, got {self.max_restarts}")
         if not _TIME.match(self.time):
             bad(f"--time {self.time!r}: use SLURM's forms, e.g. 30, 4:00:00, 2-00:00:00")
         if self.partition is not None and not _NAME.match(self.partition):
@@ -182,6 +186,7 @@ def render_trainer(spec: JobSpec, trainer_args: list[str], role: str = "trainer"
     values.update(
         nproc_per_node=spec.nproc_per_node,
         port=spec.port,
+        max_restarts=spec.max_restarts,
         role=role,
         module=module,
         signal_before_s=spec.signal_before_s,
