@@ -13,6 +13,7 @@ from test_sync import FP32_MISMATCH_BOUND
 
 from buffer.run import setup_trainer_run
 from launch.local import rl_metrics
+from trainer.config import AlgorithmConfig
 
 
 def _run(experience, name, nproc, *extra, steps=2, groups=4):
@@ -69,8 +70,16 @@ def test_uneven_shares_kl_entropy_and_cosine_warmup(experience):
     assert all("rollout/mismatch_kl" not in r and r["rollout/mismatch_tokens"] == 0 for r in rows[1:])
 
 
-def test_tensorboard_logger_through_verl_tracking_with_verls_metric_names(experience):
-    root = _run(experience, "tb", 1, "trainer.logger=[console,tensorboard]", steps=2)
+@pytest.fixture(scope="module")
+def default_run(experience):
+    """One 1-rank, 2-step run with the defaults (grpo, one mini-batch, one epoch) plus the
+    tensorboard logger, which only adds a metrics backend: shared by the tensorboard test, the
+    pi_old-reuse side of the pi_old test and the grpo estimator case (one launch, not three)."""
+    return _run(experience, "tb", 1, "trainer.logger=[console,tensorboard]", steps=2)
+
+
+def test_tensorboard_logger_through_verl_tracking_with_verls_metric_names(default_run):
+    root = default_run
     for r in _rows(root):  # verl's metric_utils names, entropy_coeff=0 (the default)
         assert all(r[f"timing_s/{phase}"] > 0 for phase in ("adv", "update_actor", "update_weights", "step")), r
         assert r["timing_s/old_log_prob"] == 0.0  # one mini-batch, one epoch: pi_old from the update
@@ -128,12 +137,12 @@ def test_clip_acts_over_mini_batches_and_epochs(experience):
     assert narrow[0]["actor/pg_loss"] != pytest.approx(wide[0]["actor/pg_loss"], rel=1e-3)
 
 
-def test_pi_old_from_the_updates_own_forward_gives_the_same_update(experience):
+def test_pi_old_from_the_updates_own_forward_gives_the_same_update(experience, default_run):
     # One mini-batch, one epoch (the defaults here): pi_old is the update's own forward, detached,
     # so no separate pi_old pass runs, and the run equals one with the separate pass. Tolerance:
     # the two paths compute pi_old with the same kernels at the same weights (fp32, CPU), so they
     # differ at most by the reordering noise REORDER_REL_BOUND bounds (measured: identical here).
-    reuse = _run(experience, "pi_old_reuse", 1, steps=2)
+    reuse = default_run  # the defaults, 2 steps (the tensorboard backend changes no update)
     separate = _run(experience, "pi_old_pass", 1, "actor_rollout_ref.actor.old_log_prob_from_update=false", steps=2)
     a, b = _rows(reuse), _rows(separate)
     assert all(r["timing_s/old_log_prob"] == 0.0 for r in a), a[0].keys()  # no pass ran
@@ -171,8 +180,11 @@ def test_two_ranks_update_as_one_over_mini_batches_and_batch_whitening(experienc
 @pytest.mark.parametrize(
     "estimator", ["grpo", "rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline", "opo", "grpo_passk"]
 )
-def test_each_estimator_runs_a_step(experience, estimator):
-    root = _run(experience, f"adv_{estimator}", 1, f"algorithm.adv_estimator={estimator}", steps=1)
+def test_each_estimator_runs_a_step(experience, default_run, estimator):
+    # grpo is the default: default_run's first step is that step (same data, seed and options).
+    args = () if estimator == "grpo" else (f"algorithm.adv_estimator={estimator}",)
+    assert args or AlgorithmConfig().adv_estimator == "grpo"
+    root = default_run if not args else _run(experience, f"adv_{estimator}", 1, *args, steps=1)
     row = _rows(root)[0]
     assert row["actor/grad_norm"] > 0  # advantages were not all zero
     assert row["critic/advantages/max"] > row["critic/advantages/min"]
