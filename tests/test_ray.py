@@ -447,6 +447,8 @@ def test_rendered_four_node_trainer(tmp_path, capsys):
         "64",
         "--port",
         "29555",
+        "--max-restarts",
+        "5",
         "--env",
         "NCCL_SOCKET_IFNAME=ib0",
         "actor_rollout_ref.model.path=/m",
@@ -478,6 +480,7 @@ def test_rendered_four_node_trainer(tmp_path, capsys):
             "torch.distributed.run",
             "--nnodes=4",
             "--nproc_per_node=8",
+            "--max-restarts=5",  # a rank that dies restarts the group from its checkpoint
             "--rdzv_backend=c10d",
             "--rdzv_endpoint=10.0.0.1:29555",
             f"--rdzv_id={job['submission_id']}",
@@ -555,6 +558,7 @@ def test_rendered_validate_and_sft(tmp_path, capsys):
             "torch.distributed.run",
             "--nnodes=1",
             "--nproc_per_node=4",
+            "--max-restarts=2",  # the default
             "--standalone",
             "-m",
             "trainer.sft",

@@ -226,6 +226,7 @@ def test_dry_run_renders_every_role(tmp_path):
         "#SBATCH --nodes=4",
         "#SBATCH --gpus-per-node=8",
         "--nproc_per_node=8",
+        "--max-restarts=2",  # the default: a rank that dies restarts the group from its checkpoint
         "--rdzv_backend=c10d",
         "--rdzv_endpoint=${head_addr}:${rdzv_port}",
         "rdzv_port=29555",
