@@ -133,3 +133,21 @@ def test_packed_token_budget_counts_real_tokens():
     assert sorted(i for b in got for i in b.tolist()) == list(range(6))
     assert len(got) == 4  # first fit, longest first: [12], [11, 1], [8, 4], [3]
     assert len(micro_batches(torch.arange(6), lengths, cfg, packed=False)) == 5  # padded: rows x longest, in order
+
+
+def test_varlen_attention_takes_half_precision_and_refuses_float32_outside_autocast():
+    """FlashAttention (torch's varlen kernel, the trainer's packed path on GPU) runs in fp16/bf16
+    only: half inputs pass through `_half` unchanged; float32 ones outside autocast are refused
+    with the setting to change, not run at a silently lower precision. (Under CUDA autocast they
+    are cast to its dtype: tests/gpu/test_packed_grads_cuda.py, which failed on the kernel's own
+    "only support fp16 and bf16" before this.)"""
+    import pytest
+
+    from trainer import attention
+
+    q = torch.zeros(1, 2, 5, 4, dtype=torch.bfloat16)
+    dtype, *qkv = attention._half(q, q, q)
+    assert dtype == torch.bfloat16 and all(t is q for t in qkv)
+    pos = torch.tensor([[0, 1, 2, 0, 1]])
+    with pytest.raises(ValueError, match="float32 inputs outside autocast.*attn_implementation=sdpa"):
+        attention.varlen_attention(None, q.float(), q.float(), q.float(), None, position_ids=pos)

@@ -49,6 +49,7 @@ def varlen_attention(module, query, key, value, attention_mask, scaling=None, dr
     if dropout:
         raise ValueError(f"attn_implementation={NAME}: no attention dropout")
     cu, longest = cu_seqlens(position_ids)
+    out_dtype, query, key, value = _half(query, key, value)
     q, k, v = (t[0].transpose(0, 1) for t in (query, key, value))  # (N, H, D)
     options = _varlen_options(varlen_attn)
     if "enable_gqa" not in options and k.shape[1] != q.shape[1]:
@@ -64,7 +65,26 @@ def varlen_attention(module, query, key, value, attention_mask, scaling=None, dr
         kw["scale"] = scaling
     elif scaling is not None and abs(scaling - q.shape[-1] ** -0.5) > 1e-6 * scaling:
         raise ValueError(f"attn_implementation={NAME}: this torch's varlen_attn has no scale= (needs 1/sqrt(D))")
-    return varlen_attn(q, k, v, cu, cu, longest, longest, **kw).unsqueeze(0), None
+    return varlen_attn(q, k, v, cu, cu, longest, longest, **kw).unsqueeze(0).to(out_dtype), None
+
+
+def _half(*qkv: torch.Tensor) -> tuple:
+    """(the caller's dtype, q, k, v in a dtype FlashAttention takes). Under autocast a float32
+    model's rotary embedding (float32 cos/sin) promotes q and k to float32, which the kernel
+    refuses ("only support fp16 and bf16"): they go in autocast's dtype, and the output back in
+    the caller's, as transformers does for flash_attention_2. FSDP's bf16 parameters (the
+    trainer) arrive in bf16 and pass unchanged. Without autocast a float32 call is refused
+    rather than silently run at lower precision."""
+    dtype = qkv[0].dtype
+    if dtype in (torch.float16, torch.bfloat16):
+        return (dtype, *qkv)
+    if not torch.is_autocast_enabled("cuda"):
+        raise ValueError(
+            f"attn_implementation={NAME}: {dtype} inputs outside autocast; FlashAttention runs in "
+            "fp16/bf16 only (use bf16 parameters, autocast, or model.attn_implementation=sdpa)"
+        )
+    half = torch.get_autocast_dtype("cuda")
+    return (dtype, *(t.to(half) for t in qkv))
 
 
 @functools.cache
