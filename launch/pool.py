@@ -22,6 +22,15 @@ so the job ends COMPLETED with exit code 0 (a job still pending is simply cancel
 and the final state and exit code of each ended job, are kept in the pool state file; a
 restarted supervisor adopts the jobs it finds there.
 
+With `pool.role=reward` the members are reward servers (rollout/reward_server.py) instead of
+rollout workers, `<pool.id>-r<k>`, one per GPU of `pool.gpus` (local) or one single-server
+reward job each (slurm); every other key is a reward-server key. It follows the commands given
+with `python -m launch.control --role reward`; `remove N` drains the newest servers (SIGTERM:
+withdraw the endpoint, finish the queued groups, exit 0); the workers move to the others.
+
+    python -m launch.pool root=RUN pool.id=rm pool.role=reward pool.gpus=[0,1] \
+        pool.initial_workers=2 reward_model.model.path=/shared/models/rm
+
 With `pool.backend=ray` each worker is a Ray job (docs/ray.md); `remove N` is `ray job stop` on
 the newest (SIGTERM: the worker flushes and exits; the job ends STOPPED):
 
@@ -45,7 +54,8 @@ from buffer.layout import check_worker_id
 from buffer.run import setup_worker_run
 from protocol import control
 from protocol.config import ConfigError, F, build, split_argv, usage
-from rollout.config import WorkerConfig
+from rollout import reward_server
+from rollout.config import RewardServerConfig, WorkerConfig
 
 log = logging.getLogger("launch.pool")
 
@@ -77,7 +87,13 @@ class RayPoolSection:
 
 @dataclasses.dataclass
 class PoolSection:
-    id: str = F("pool", "supervisor id, unique per node (names its workers <id>-w<k>)")
+    id: str = F("pool", "supervisor id, unique per node (names its workers <id>-w<k>, reward servers <id>-r<k>)")
+    role: str = F(
+        "rollout",
+        "rollout: rollout workers (rollout.worker); reward: reward servers (rollout.reward_server), "
+        "following the control commands given with --role reward",
+        choices=list(control.ROLES),
+    )
     backend: str = F(
         "local",
         "local: worker processes on this node; slurm: one SLURM job per worker; ray: one Ray job per worker",
@@ -99,6 +115,8 @@ class PoolSection:
             raise ConfigError(f"pool.id: {e}") from None
         if self.backend == "ray" and not self.ray.address:
             raise ConfigError("pool.ray.address: give the Ray dashboard, e.g. http://HEAD:8265")
+        if self.backend == "ray" and self.role == "reward":
+            raise ConfigError("pool.role=reward: reward servers run as local processes or SLURM jobs, not Ray jobs yet")
 
 
 @dataclasses.dataclass
@@ -154,12 +172,12 @@ class Pool:
     def apply_new_commands(self) -> None:
         applied = set(self.state["applied"])
         for cmd in self.read_commands():
-            if cmd.id in applied:
+            if cmd.id in applied or cmd.role != self.cfg.role:  # another pool's command
                 continue
             delta = cmd.count if cmd.action == "add" else -cmd.count
             limit = min(self.cfg.max_workers, len(self.cfg.gpus) or self.cfg.max_workers)
             target = max(0, min(limit, self.state["target"] + delta))
-            log.info("command %s: %s %d -> target %d workers", cmd.id, cmd.action, cmd.count, target)
+            log.info("command %s: %s %d -> target %d %s", cmd.id, cmd.action, cmd.count, target, self.members_are)
             self.state["target"] = target
             self.state["applied"].append(cmd.id)
             applied.add(cmd.id)
@@ -179,6 +197,33 @@ class Pool:
         self.control.save_pool_state(self.cfg.id, self.state)
 
     # --- workers -----------------------------------------------------------------------------
+    @property
+    def members_are(self) -> str:
+        return "reward servers" if self.cfg.role == "reward" else "workers"
+
+    def member_id(self, index: int) -> str:
+        return f"{self.cfg.id}-{'r' if self.cfg.role == 'reward' else 'w'}{index}"
+
+    def member_argv(self, member_id: str) -> list[str]:
+        """The member's command line: a rollout worker, or a reward server (pool.role)."""
+        if self.cfg.role == "reward":
+            return [
+                sys.executable,
+                "-m",
+                "rollout.reward_server",
+                *reward_server.argv(self.root, self.worker_args),
+                "--set",
+                f"server.id={member_id}",
+            ]
+        return [
+            sys.executable,
+            "-m",
+            "rollout.worker",
+            f"root={self.root}",
+            f"worker.id={member_id}",
+            *self.worker_args,
+        ]
+
     def _free_gpu(self) -> int | None:
         used = {m.gpu for m in self.members}
         return next((g for g in self.cfg.gpus if g not in used), None)
@@ -186,13 +231,12 @@ class Pool:
     def start_worker(self) -> None:
         index = self.state["next_index"]
         self.state["next_index"] = index + 1
-        worker_id = f"{self.cfg.id}-w{index}"
+        worker_id = self.member_id(index)
         gpu = self._free_gpu()
         env = dict(os.environ)
         if self.cfg.gpus:
             env["CUDA_VISIBLE_DEVICES"] = str(gpu)
-        cmd = [sys.executable, "-m", "rollout.worker", f"root={self.root}", f"worker.id={worker_id}", *self.worker_args]
-        proc = subprocess.Popen(cmd, env=env, preexec_fn=_die_with_parent)
+        proc = subprocess.Popen(self.member_argv(worker_id), env=env, preexec_fn=_die_with_parent)
         self.members.append(Member(worker_id, gpu, proc))
         log.info("started %s (pid %d%s)", worker_id, proc.pid, f", GPU {gpu}" if gpu is not None else "")
 
@@ -225,7 +269,7 @@ class Pool:
                     self.cfg.max_restarts,
                 )
                 if self.restarts > self.cfg.max_restarts:
-                    raise RuntimeError(f"rollout workers crashed {self.restarts} times; see their logs")
+                    raise RuntimeError(f"{self.members_are} crashed {self.restarts} times; see their logs")
         return None
 
     def reconcile(self) -> None:
@@ -264,7 +308,8 @@ class Pool:
         deadline = time.monotonic() + self.cfg.drain_timeout_s
         for m in self.members:
             try:
-                m.proc.wait(timeout=max(0.0, deadline - time.monotonic()))
+                code = m.proc.wait(timeout=max(0.0, deadline - time.monotonic()))
+                log.info("%s exited with code %d", m.worker_id, code)
             except subprocess.TimeoutExpired:
                 log.error("%s did not drain in time; killing it", m.worker_id)
                 m.proc.kill()
@@ -318,7 +363,7 @@ class JobPool(Pool):
     def start_worker(self) -> None:
         index = self.state["next_index"]
         self.state["next_index"] = index + 1
-        worker_id = f"{self.cfg.id}-w{index}"
+        worker_id = self.member_id(index)
         job_id = self.submit_worker(worker_id)
         self.jobs.append(Job(job_id, worker_id))
         self.save()  # the job id is on record before anything else can fail
@@ -353,7 +398,7 @@ class JobPool(Pool):
         )
         if self.restarts > self.cfg.max_restarts:
             self.save()
-            raise RuntimeError(f"rollout jobs failed {self.restarts} times; see their output")
+            raise RuntimeError(f"{self.cfg.role} jobs failed {self.restarts} times; see their output")
 
     def reconcile(self) -> None:
         states = self.reap()
@@ -413,9 +458,11 @@ class SlurmPool(JobPool):
 
     def submit_worker(self, worker_id: str) -> str:
         spec = self.spec(worker_id)
+        role = self.cfg.role
         if "://" not in self.run_root:  # sbatch does not make the output file's folder
-            os.makedirs(os.path.dirname(self.slurm.output_path(spec, "rollout")), exist_ok=True)
-        return self.slurm.submit(self.slurm.render_rollout(spec, self.worker_args))
+            os.makedirs(os.path.dirname(self.slurm.output_path(spec, role)), exist_ok=True)
+        render = self.slurm.render_reward if role == "reward" else self.slurm.render_rollout
+        return self.slurm.submit(render(spec, self.worker_args))
 
     def queue_states(self, job_ids: list[str]) -> dict[str, str]:
         return self.slurm.queue_states(job_ids)
@@ -523,19 +570,22 @@ class RayPool(JobPool):
 
 
 def parse(argv: list[str]) -> tuple[PoolConfig, list[str]]:
-    """Split `pool.*` (and root) from the worker's keys; validate both before starting."""
+    """Split `pool.*` (and root) from the members' keys; validate both before starting."""
     overrides, yaml_file, wants_help = split_argv(argv)
     if wants_help:
         print(usage(PoolConfig, "python -m launch.pool", __doc__.split("\n\n")[0]))
-        print("\nEvery other key is a worker key: see python -m rollout.worker --help")
+        print("\nEvery other key is a worker key (python -m rollout.worker --help), or with pool.role=reward")
+        print("a reward-server key (python -m rollout.reward_server --help)")
         raise SystemExit(0)
     mine = {k: v for k, v in overrides.items() if k == "root" or k.startswith("pool.")}
     theirs = {k: v for k, v in overrides.items() if k not in mine}
     cfg = build(PoolConfig, mine)
-    worker = build(WorkerConfig, {**theirs, "root": cfg.root}, yaml_file)  # fail now, not in every worker
-    cfg.buffer = worker.buffer  # the workers' transport: where the pool finds the run's stores
-    if "worker.id" in theirs or "id" in theirs:
-        raise ConfigError("worker.id: set by the pool (<pool.id>-w<k>); set pool.id instead")
+    reward = cfg.pool.role == "reward"
+    schema, id_key, kind = (RewardServerConfig, "server.id", "r") if reward else (WorkerConfig, "worker.id", "w")
+    member = build(schema, {**theirs, "root": cfg.root}, yaml_file)  # fail now, not in every member
+    cfg.buffer = member.buffer  # the members' transport: where the pool finds the run's stores
+    if id_key in theirs or "id" in theirs:
+        raise ConfigError(f"{id_key}: set by the pool (<pool.id>-{kind}<k>); set pool.id instead")
     config = ["--config", os.path.abspath(yaml_file)] if yaml_file else []  # the workers' file
     return cfg, [*config, *(f"{k}={v}" for k, v in theirs.items())]
 
@@ -554,7 +604,7 @@ def main(argv: list[str] | None = None) -> int:
 
         try:
             pool = (SlurmPool if cfg.pool.backend == "slurm" else RayPool)(cfg, worker_args)
-            pool.spec("x").check("rollout")
+            pool.spec("x").check(cfg.pool.role)
             pool.run()
         except (slurm.SlurmError, ray_jobs.RayJobError, ValueError) as e:
             print(f"python -m launch.pool: {e}", file=sys.stderr)

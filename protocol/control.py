@@ -15,6 +15,10 @@ or a log of them, as `python -m launch.control` writes it:
 
     {"commands": [{"id": "c000001", "action": "add", "count": 2}, ...]}
 
+A command's `role` says which pool it is for: "rollout" (the default; rollout workers) or
+"reward" (reward servers, rollout/reward_server.py); each supervisor (launch/pool.py, pool.role)
+applies the commands of its own role only.
+
 A command's id makes it idempotent: a supervisor records the ids it applied and never applies
 one twice, whether the file is rewritten, repeated, or the supervisor restarts. A command
 without an id is identified by its content, so rewriting the same text does nothing.
@@ -27,6 +31,7 @@ import hashlib
 import json
 
 ACTIONS = ("add", "remove")
+ROLES = ("rollout", "reward")  # the pools a command can be for (launch/pool.py, pool.role)
 MAX_COUNT = 1024
 
 
@@ -39,6 +44,7 @@ class Command:
     id: str
     action: str
     count: int
+    role: str = "rollout"
 
 
 def _command(obj, where: str) -> Command:
@@ -49,11 +55,17 @@ def _command(obj, where: str) -> Command:
         raise ControlError(f"{where}: action must be one of {list(ACTIONS)}, got {action!r}")
     if isinstance(count, bool) or not isinstance(count, int) or not 1 <= count <= MAX_COUNT:
         raise ControlError(f"{where}: count must be an integer in [1, {MAX_COUNT}], got {count!r}")
+    role = obj.get("role", "rollout")
+    if role not in ROLES:
+        raise ControlError(f"{where}: role must be one of {list(ROLES)}, got {role!r}")
     cid = obj.get("id")
     if cid is None:
-        digest = hashlib.sha256(json.dumps({"action": action, "count": count}, sort_keys=True).encode())
+        # the role joins the content only when given: a rollout command's id is what it was
+        # before roles existed, so a supervisor that applied it does not apply it again
+        content = {"action": action, "count": count, **({"role": role} if role != "rollout" else {})}
+        digest = hashlib.sha256(json.dumps(content, sort_keys=True).encode())
         cid = "content-" + digest.hexdigest()[:16]
-    return Command(str(cid), action, count)
+    return Command(str(cid), action, count, role)
 
 
 def parse(text: str | bytes, where: str = "control file") -> list[Command]:
@@ -80,9 +92,9 @@ def next_id(taken: set[str]) -> str:
     return f"c{max(numbers, default=0) + 1:06d}"
 
 
-def new_command(cid: str, action: str, count: int) -> tuple[str, Command]:
+def new_command(cid: str, action: str, count: int, role: str = "rollout") -> tuple[str, Command]:
     """The text of a command file and its command (validated)."""
-    cmd = _command({"id": cid, "action": action, "count": count}, "new command")
+    cmd = _command({"id": cid, "action": action, "count": count, "role": role}, "new command")
     return json.dumps(dataclasses.asdict(cmd)) + "\n", cmd
 
 

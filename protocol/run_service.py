@@ -141,6 +141,7 @@ class NewCommand:
     action: str = ""
     count: int = 1
     request_id: str = ""
+    role: str = "rollout"  # protocol.control.ROLES: which pool the command is for
 
 
 @dataclasses.dataclass
@@ -149,6 +150,7 @@ class CommandReply:
     action: str = ""
     count: int = 0
     where: str = ""  # the command's file on the trainer's disk, for launch.control's line
+    role: str = ""  # empty from a trainer that predates roles (the client refuses that reply)
 
 
 @dataclasses.dataclass

@@ -67,6 +67,20 @@ def parse_args(argv: list[str] | None) -> RewardServerConfig:
         p.exit(2, f"{p.prog}: config error: {e}\n")
 
 
+def argv(root: str, settings: list[str]) -> list[str]:
+    """This command's flags for a launcher (SLURM job, pool member) that holds the settings as
+    `key=value` words and at most one `--config FILE`: `--run ROOT [--config FILE] --set k=v ...`."""
+    flags, i = ["--run", root], 0
+    while i < len(settings):
+        if settings[i] == "--config":
+            flags += settings[i : i + 2]
+            i += 2
+            continue
+        flags += ["--set", settings[i]]
+        i += 1
+    return flags
+
+
 def device_of(name: str) -> str:
     if name != "auto":
         return name

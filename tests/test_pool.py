@@ -190,3 +190,20 @@ def test_sigterm_drains_a_worker_with_no_partial_shard(run, tmp_path):
     assert shards and not [s for s in shards if ".tmp-" in s.name]
     # Everything generated was flushed on SIGTERM (flush thresholds were never reached).
     assert sum(len(from_table(decode(s.read_bytes()))) for s in shards) == beat["samples_written"] > 0
+
+
+def test_a_command_names_the_pool_it_is_for():
+    """A command's role picks the pool (launch.pool pool.role): 'rollout' by default, with the
+    content id it had before roles existed (a supervisor that applied a hand-written command
+    does not apply it again after an upgrade); 'reward' commands have ids of their own; any
+    other role is refused, naming it."""
+    from protocol import control
+
+    (old,) = control.parse('{"action": "add", "count": 2}')
+    assert old.role == "rollout" and old.id == "content-bc36efc368a9e180"
+    (rm,) = control.parse('{"action": "add", "count": 2, "role": "reward"}')
+    assert rm.role == "reward" and rm.id != old.id
+    with pytest.raises(control.ControlError, match="role must be one of .*'critic'"):
+        control.parse('{"action": "add", "role": "critic"}')
+    text, cmd = control.new_command("c000007", "remove", 1, "reward")
+    assert control.parse_command_file(text, "c000007", "c000007.json") == cmd

@@ -5,6 +5,7 @@ and a whole run whose reward server is killed (-9) and started again."""
 from __future__ import annotations
 
 import glob
+import json
 import logging
 import os
 import shutil
@@ -364,3 +365,46 @@ def test_without_the_run_folder_servers_are_found_through_the_run_service(tmp_pa
         server.stop(0).wait(5)
         reward.close()
         service.stop(grace_s=1)
+
+
+# --- the reward pool: launch.pool pool.role=reward, grown and shrunk by the control file ----------
+def test_the_control_file_grows_and_shrinks_a_pool_of_reward_servers(tmp_path, rm_dir):
+    """`launch.pool pool.role=reward` runs reward servers as the control commands of role
+    'reward' say, and ignores the rollout pool's: `add 1` announces a second server, `remove 1`
+    drains the newest (withdrawn, exit 0), a rollout command changes nothing; SIGTERM drains all."""
+    root = tmp_path / "run"
+    root.mkdir()
+    endpoints = setup_trainer_run(str(root)).reward
+    cmd = [sys.executable, "-m", "launch.pool", f"root={root}", "pool.id=rm", "pool.role=reward"]
+    cmd += ["pool.initial_workers=1", "pool.poll_interval=0.2", f"reward_model.model.path={rm_dir}"]
+    cmd += ["server.device=cpu", "server.host=127.0.0.1", "server.beat_s=0.5"]
+    log_path = tmp_path / "pool.log"
+    env = {**subprocess_env(), "TANDEM_GRPC_TOKEN": TOKEN, "OMP_NUM_THREADS": "1"}
+
+    def control(*args: str) -> None:
+        subprocess.run([sys.executable, "-m", "launch.control", "--root", str(root), *args], check=True, timeout=60)
+
+    def live() -> set[str]:
+        return {e.server_id for e in endpoints.live()}
+
+    with open(log_path, "wb") as log:
+        pool = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
+    try:
+        wait_for(lambda: live() == {"rm-r0"}, 120, "the first reward server's endpoint")
+        control("add", "3")  # the rollout pool's command: not this pool's
+        control("--role", "reward", "add", "1")
+        wait_for(lambda: live() == {"rm-r0", "rm-r1"}, 120, "a second reward server after 'add 1'")
+        control("--role", "reward", "remove", "1")
+        wait_for(lambda: live() == {"rm-r0"}, 60, "the newest server withdrawn after 'remove 1'")
+        wait_for(lambda: "rm-r1 exited with code 0" in log_path.read_text(), 60, "the drained server's exit")
+        state = json.loads((root / "pool" / "rm.json").read_text())
+        assert state["target"] == 1 and len(state["applied"]) == 2, state  # the rollout 'add 3' not applied
+        pool.send_signal(signal.SIGTERM)
+        assert pool.wait(timeout=120) == 0
+    finally:
+        if pool.poll() is None:
+            pool.kill()
+            pool.wait(timeout=30)
+    text = log_path.read_text()
+    assert "rm-r0 exited with code 0" in text and "crashed" not in text, text[-3000:]
+    assert live() == set(), "a drained server withdraws its endpoint"

@@ -138,9 +138,9 @@ class ControlStore(abc.ABC):
         and an error message for each unreadable one (the pool logs them)."""
 
     @abc.abstractmethod
-    def submit(self, action: str, count: int) -> tuple[Command, str]:
-        """launch.control: record a new command under the next free id, never overwriting a
-        concurrent one; returns it and where it went. protocol.control.ControlError when no
+    def submit(self, action: str, count: int, role: str = "rollout") -> tuple[Command, str]:
+        """launch.control: record a new command for the `role`'s pool under the next free id,
+        never overwriting a concurrent one; returns it and where it went. protocol.control.ControlError when no
         id is free."""
 
     @abc.abstractmethod

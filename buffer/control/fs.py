@@ -273,11 +273,11 @@ class FsControl(FsStore, ControlStore):
         atomic_write_json(self.fs, self.layout.control, {"commands": []})
         log.warning("%s; moved it to %s and started an empty one (its commands are not applied)", e, aside)
 
-    def submit(self, action: str, count: int) -> tuple[control.Command, str]:
+    def submit(self, action: str, count: int, role: str = "rollout") -> tuple[control.Command, str]:
         # The id is allocated by creating the file under the next free name without overwriting
         # (create_new): concurrent commands never share an id and none is lost.
         for _ in range(MAX_SUBMIT_ATTEMPTS):
-            text, cmd = control.new_command(control.next_id(self._taken_ids()), action, count)
+            text, cmd = control.new_command(control.next_id(self._taken_ids()), action, count, role)
             path = self.layout.control_command(cmd.id)
             if create_new(self.fs, path, text.encode()):
                 return cmd, path

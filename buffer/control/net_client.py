@@ -17,7 +17,7 @@ import json
 from buffer.channel import RunClient
 from buffer.control.base import ControlStore, HeartbeatStore, ProgressStore, RunState, SyncClaims, ValidationStore
 from protocol import run_service as rs
-from protocol.control import Command
+from protocol.control import Command, ControlError
 from protocol.validation import ValidationRequest, ValidationResult
 
 
@@ -98,11 +98,14 @@ class NetControl(ControlStore):
 
     def commands(self) -> tuple[list[Command], list[str]]:
         reply = self.client.call("ControlCommands")
-        return [Command(**c) for c in reply.commands], list(reply.errors)
+        known = {f.name for f in dataclasses.fields(Command)}  # a newer trainer may send more
+        return [Command(**{k: v for k, v in c.items() if k in known}) for c in reply.commands], list(reply.errors)
 
-    def submit(self, action: str, count: int) -> tuple[Command, str]:
-        reply = self.client.call("AddCommand", rs.NewCommand(action, count, rs.new_request_id()))
-        return Command(reply.id, reply.action, reply.count), f"{reply.where} at {self.client.address}"
+    def submit(self, action: str, count: int, role: str = "rollout") -> tuple[Command, str]:
+        reply = self.client.call("AddCommand", rs.NewCommand(action, count, rs.new_request_id(), role))
+        if reply.role != role:  # a trainer from before roles ignores the field: say so, not a wrong pool
+            raise ControlError(f"the trainer at {self.client.address} does not know pool roles; upgrade it")
+        return Command(reply.id, reply.action, reply.count, reply.role), f"{reply.where} at {self.client.address}"
 
     def pool_state(self, supervisor_id: str) -> dict | None:
         return self.client.call("ReadPoolState", rs.WorkerRef(supervisor_id)).doc

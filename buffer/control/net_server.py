@@ -328,8 +328,8 @@ class RunService:
         return rs.CommandsReply([dataclasses.asdict(c) for c in cmds], errors)
 
     def _do_AddCommand(self, request, context) -> rs.CommandReply:
-        cmd, where = self.run.control.submit(request.action, request.count)
-        return rs.CommandReply(cmd.id, cmd.action, cmd.count, where)
+        cmd, where = self.run.control.submit(request.action, request.count, request.role)
+        return rs.CommandReply(cmd.id, cmd.action, cmd.count, where, cmd.role)
 
     def _do_ReadPoolState(self, request, context) -> rs.DocReply:
         return rs.DocReply(self.run.control.pool_state(check_worker_id(request.worker_id)))

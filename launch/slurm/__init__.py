@@ -145,17 +145,12 @@ def render_rollout(spec: JobSpec, worker_args: list[str]) -> str:
 def render_reward(spec: JobSpec, server_args: list[str]) -> str:
     """Reward servers (rollout/reward_server.py), one per GPU (or per task on CPU); `server_args`
     are key=value settings (each passed as --set) and optionally --config FILE."""
+    from rollout import reward_server
+
     spec.check("reward")
     if spec.array:
         raise ValueError("reward job: --array is for rollout jobs only (give --nodes)")
-    flags, i = ["--run", spec.root], 0
-    while i < len(server_args):
-        if server_args[i] == "--config":
-            flags += server_args[i : i + 2]
-            i += 2
-            continue
-        flags += ["--set", server_args[i]]
-        i += 1
+    flags = reward_server.argv(spec.root, server_args)
     values = _common(spec, "reward")
     values.update(
         tasks_per_node=spec.gpus_per_node or spec.tasks_per_node,
