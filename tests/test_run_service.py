@@ -99,6 +99,8 @@ def test_worker_side_stores_over_the_service(tmp_path, served):
     cmd, where = run.control.submit("add", 2)
     assert (cmd.action, cmd.count) == ("add", 2) and cmd.id in where
     assert [c.id for c in run.control.commands()[0]] == [cmd.id]
+    rm, _ = run.control.submit("remove", 1, "reward")  # a reward pool's command keeps its role
+    assert [(c.id, c.role) for c in run.control.commands()[0]] == [(cmd.id, "rollout"), (rm.id, "reward")]
     run.control.save_pool_state("node1", {"target": 3})
     assert trainer.control.pool_state("node1") == {"target": 3} == run.control.pool_state("node1")
     assert run.control.pool_states() == {"node1": {"target": 3}}
