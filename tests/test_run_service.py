@@ -122,6 +122,7 @@ def test_worker_side_stores_over_the_service(tmp_path, served):
         "validation/v000000.json",
         "validation/validator.json",
         f"control.d/{cmd.id}.json",
+        f"control.d/{rm.id}.json",
         "pool/node1.json",
         "DONE",
     }, after
