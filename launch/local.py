@@ -169,9 +169,10 @@ def parse_args(argv):
     )
     p.add_argument(
         "--reward-model",
-        help="score the workers' responses with this reward model (an HF sequence classifier, one "
-        "output) on --reward-servers reward servers (python -m rollout.reward_server) in place of "
-        "the rule reward, which the experience keeps beside it (reward_model.enable)",
+        help="score the workers' and the validator's responses with this reward model (an HF sequence "
+        "classifier, one output) on --reward-servers reward servers (python -m rollout.reward_server) in "
+        "place of the rule reward, which the experience keeps beside it (reward_model.enable) and "
+        "validation reports as val-aux/<data_source>/rule_reward",
     )
     p.add_argument("--reward-servers", type=int, default=1, help="reward server processes (default 1)")
     p.add_argument("--reward-gpus", help="GPUs for the reward servers, one each in turn, e.g. 3")
@@ -440,19 +441,22 @@ def role_args(
         *args.trainer,
     ]
     data_arg = [f"{TRAIN_FILES}=[{data}]"] if data else []
+    model_rm = getattr(args, "reward_model", None)  # tests build their own namespaces
+    # --reward-model: the workers and the validator score on the reward servers (as verl's
+    # validation uses rm_scores when reward_model.enable is set)
+    rm = ["reward_model.enable=true", f"reward_model.model.path={model_rm}"] if model_rm else []
     validator = (
         [
             *common,
             f"{VAL_FILES}=[{','.join(val)}]",
             *[a for a in worker_recipe if a.startswith("data.max_response_length=")],
             "validator.poll_interval_s=0.5",
+            *rm,
             *args.validator,
         ]
         if val
         else None
     )
-    model_rm = getattr(args, "reward_model", None)  # tests build their own namespaces
-    rm = ["reward_model.enable=true", f"reward_model.model.path={model_rm}"] if model_rm else []
     return trainer, [*common, *data_arg, *worker_recipe, *rm, *args.worker], validator
 
 
@@ -594,7 +598,9 @@ def start_children(
     grpc: list[str] = []
     servers = reward_children(run, args, list(reward))
     if args.remote_workers and reward:
-        worker_args = [*worker_args, f"reward_model.addresses=[{','.join(f'127.0.0.1:{p}' for _, p in reward)}]"]
+        addresses = f"reward_model.addresses=[{','.join(f'127.0.0.1:{p}' for _, p in reward)}]"
+        worker_args = [*worker_args, addresses]
+        validator_args = [*validator_args, addresses] if validator_args is not None else None
     if args.remote_workers:
         trainer_extra, grpc = remote_settings(args)
         trainer_args = [*trainer_args, *trainer_extra]

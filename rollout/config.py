@@ -213,6 +213,7 @@ class ValidatorConfig:
     data: DataConfig = F(factory=DataConfig)
     actor_rollout_ref: ActorRolloutRefConfig = F(factory=ActorRolloutRefConfig)
     custom_reward_function: RewardFunctionConfig = F(factory=RewardFunctionConfig)
+    reward_model: RewardModelConfig = F(factory=RewardModelConfig)
     validator: ValidatorSection = F(factory=ValidatorSection)
     buffer: BufferConfig = F(factory=BufferConfig)
 

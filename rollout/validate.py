@@ -14,6 +14,10 @@ trainer has finished (DONE) and no request is open; SIGTERM finishes the current
 (and ends the wait for the first weights at once). A data_source without a reward function is
 refused at start; a reward that is not a finite float32 drops its sample (counted as
 `val-aux/rewards_dropped`), as in the workers.
+
+With `reward_model.enable=true` the held-out responses are scored on the run's reward servers,
+as the workers' are, and as verl validates: the model's score is `reward` (val-core/.../reward),
+the rule reward and what it reports go beside it as `rule_reward` and `rule_<key>` (val-aux/...).
 """
 
 from __future__ import annotations
@@ -65,8 +69,17 @@ class Validator:
         self.store = self.stores.weights
         self.queue = self.stores.validation
         self.score = reward.resolve_details(cfg.custom_reward_function.path, cfg.custom_reward_function.name)
-        # Before waiting for weights or loading an engine: every row can be scored.
-        reward.check_data_sources(data_sources(cfg.data.val_files, "data.val_files"), cfg.custom_reward_function.path)
+        rm = cfg.reward_model
+        self.reward_client = (
+            self.stores.reward_client(rm.addresses, rm.wait_s, rm.call_timeout_s, rm.max_inflight)
+            if rm.enable
+            else None
+        )
+        # Before waiting for weights or loading an engine: every row can be scored (with a reward
+        # model the rule reward is only reported: a row without one reports 0, as in the workers).
+        if self.reward_client is None:
+            sources = data_sources(cfg.data.val_files, "data.val_files")
+            reward.check_data_sources(sources, cfg.custom_reward_function.path)
         self.stopping = False
         self.version: int | None = None  # the weights in the engine
         self.gate = VersionGate(cfg.actor_rollout_ref.model.path)  # full or adapter-only versions (issue 27)
@@ -131,7 +144,54 @@ class Validator:
         self.version = version
         return ""
 
-    def evaluate(self, req: ValidationRequest) -> ValidationResult:
+    def _rule_rows(self, version: int, p: Prompt, texts: list[str]) -> tuple[list[dict], int]:
+        """The rule reward's rows ({"reward": value, **what it reports}) and how many were dropped
+        (a value that is not a finite float32). With a reward model the rule is only reported:
+        a sample it cannot score reports 0 and is kept, as in the workers."""
+        rows, dropped = [], 0
+        for text in texts:
+            try:
+                value, extra = self.score(p.data_source, text, p.ground_truth, p.extra_info)
+            except reward.RewardError as e:  # one bad value costs one sample, not the run
+                if self.reward_client is not None:
+                    rows.append({"reward": 0.0})
+                    continue
+                dropped += 1
+                log.warning("weights v%d: dropped a sample of prompt %s: %s", version, p.prompt_id, e)
+                continue
+            rows.append({"reward": value, **extra})
+        return rows, dropped
+
+    def _model_rows(
+        self, version: int, chunk: list[Prompt], texts: list[list[str]], rules: list[list[dict]]
+    ) -> tuple[list[list[dict]], int] | None:
+        """The reward model's score as `reward`, the rule's row beside it as rule_* (verl: the
+        model's rm_scores are the reward when present), and the samples dropped (a model score
+        that is not a finite float32); None when a stop cut the scoring short."""
+        assert self.reward_client is not None
+        todo = [(f"validate/v{version}/{p.prompt_id}", p.messages, t) for p, t in zip(chunk, texts)]
+        replies = self.reward_client.score_groups(todo, should_stop=lambda: self.stopping)
+        out: list[list[dict]] = []
+        dropped = 0
+        for p, reply, group in zip(chunk, replies, rules):
+            if reply is None:
+                return None
+            out.append([])
+            for value, rule in zip(reply.scores, group):
+                try:
+                    value = reward.check_value(value, p.data_source)
+                except reward.RewardError as e:
+                    dropped += 1
+                    log.warning(
+                        "weights v%d: dropped a sample of prompt %s: the reward model's %s", version, p.prompt_id, e
+                    )
+                    continue
+                out[-1].append({"reward": value, **{f"rule_{k}": v for k, v in rule.items()}})
+        return out, dropped
+
+    def evaluate(self, req: ValidationRequest) -> ValidationResult | None:
+        """verl's metrics of one version on every held-out prompt; None when a stop cut the
+        reward model's scoring short (the request stays open for the next validator)."""
         why = self.load(req.version)
         if why:
             return ValidationResult(req.version, req.step, {}, skipped=why, finished_at=time.time())
@@ -141,20 +201,25 @@ class Validator:
         sources, uids, rows, dropped = [], [], [], 0
         for start in range(0, len(self.prompts), size):
             chunk = self.prompts[start : start + size]
-            for i, (p, group) in enumerate(
-                zip(chunk, self.engine.generate([p.token_ids for p in chunk], params)), start
-            ):
-                for c in group:
-                    text = self.engine.tokenizer.decode(c.token_ids, skip_special_tokens=True)
-                    try:
-                        value, extra = self.score(p.data_source, text, p.ground_truth, p.extra_info)
-                    except reward.RewardError as e:  # one bad value costs one sample, not the run
-                        dropped += 1
-                        log.warning("weights v%d: dropped a sample of prompt %s: %s", req.version, p.prompt_id, e)
-                        continue
-                    sources.append(p.data_source)
-                    uids.append(str(i))  # a prompt's n responses share its uid
-                    rows.append({"reward": value, **extra})
+            texts = [
+                [self.engine.tokenizer.decode(c.token_ids, skip_special_tokens=True) for c in group]
+                for group in self.engine.generate([p.token_ids for p in chunk], params)
+            ]
+            groups = []
+            for p, group_texts in zip(chunk, texts):
+                group_rows, lost = self._rule_rows(req.version, p, group_texts)
+                groups.append(group_rows)
+                dropped += lost
+            if self.reward_client is not None:
+                model = self._model_rows(req.version, chunk, texts, groups)
+                if model is None:
+                    return None
+                groups, lost = model
+                dropped += lost
+            for i, (p, group_rows) in enumerate(zip(chunk, groups), start):
+                sources += [p.data_source] * len(group_rows)
+                uids += [str(i)] * len(group_rows)  # a prompt's n responses share its uid
+                rows += group_rows
         infos = {k: [r.get(k) for r in rows] for k in dict.fromkeys(k for r in rows for k in r)}
         metrics = val_metrics(sources, uids, infos) | {"val-aux/rewards_dropped": float(dropped)}
         return ValidationResult(
@@ -191,6 +256,8 @@ class Validator:
         if not requests:
             return False
         result = self.evaluate(requests[0])
+        if result is None:  # a stop while the reward servers scored: not answered, left open
+            return False
         self.queue.answer(result)
         self.answered.append(result.version)
         self.heartbeat("running")
@@ -237,6 +304,8 @@ class Validator:
             self.heartbeat("stopped")  # the trainer stops waiting for results
         log.info("validator stopped: answered versions %s", self.answered)
         self.engine.close()
+        if self.reward_client is not None:
+            self.reward_client.close()
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -15,7 +15,8 @@ import pytest
 from conftest import subprocess_env
 
 from buffer.run import setup_trainer_run
-from launch.local import rl_metrics
+from launch.local import read_metrics
+from launch.status import split_metrics
 from trainer import rm_train
 
 
@@ -94,7 +95,7 @@ def test_rl_against_the_reward_model_raises_the_rule_reward(reward_model, tmp_pa
             "--steps",
             "60",
             "--test-freq",
-            "10",  # the validator scores held-out questions greedily with the rule reward
+            "10",  # the validator scores held-out questions greedily, the rule reward beside the model's
             "--timeout",
             "800",
             "--reward-model",
@@ -108,9 +109,14 @@ def test_rl_against_the_reward_model_raises_the_rule_reward(reward_model, tmp_pa
         timeout=900,
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    _, vals = rl_metrics(setup_trainer_run(str(root)))
-    points = vals["val-core/tandem/copy/reward/mean@1"]
-    first, last = points[0][2], points[-1][2]
+    _, val_rows = split_metrics(read_metrics(setup_trainer_run(str(root)).files.metrics))
+    # The validator scores with the reward model too (verl: rm_scores are the reward when the
+    # model is on), the rule reward beside it, in every held-out measurement.
+    model_key, rule_key = "val-core/tandem/copy/reward/mean@1", "val-aux/tandem/copy/rule_reward/mean@1"
+    measured = [r for r in val_rows if model_key in r]
+    assert measured and all(rule_key in r for r in measured), measured
+    points = [r[rule_key] for r in measured]
+    first, last = points[0], points[-1]
     # The rule reward on held-out questions, never trained on: 0.0 at step 0 (greedy, random
     # weights), 0.45 at step 60 on this box. 0.3 fails a model that scores a response by itself
     # (trained without answer-shaped wrong responses, the policy learned to say "222" to every

@@ -623,6 +623,59 @@ def test_pool_adopts_its_jobs_after_a_restart_and_cancels_pending_ones(slurm, tm
             _run(["scancel", job_id])
 
 
+def test_a_pool_of_reward_servers_as_slurm_jobs_grows_and_drains(slurm, tmp_path):
+    """pool.role=reward with the SLURM backend: one single-server reward job per server, named
+    <pool.id>-r<k>; `launch.control --role reward add 1` submits one more, `remove 1` drains the
+    newest (its endpoint withdrawn, the job COMPLETED 0:0), SIGTERM drains the rest."""
+    from buffer.run import setup_trainer_run
+    from rollout.reward_model import build_tiny_reward_model
+
+    root = str(tmp_path / "run")
+    os.makedirs(root)
+    rm = build_tiny_reward_model(tmp_path / "rm", seed=3)
+    state_path = Path(RunLayout(root).pool_state("rm"))
+    endpoints = setup_trainer_run(root).reward
+    cmd = [sys.executable, "-m", "launch.pool", f"root={root}", "pool.id=rm", "pool.role=reward"]
+    cmd += ["pool.backend=slurm", "pool.slurm.partition=rollout", "pool.initial_workers=1", "pool.poll_interval=0.3"]
+    cmd += [f"reward_model.model.path={rm}", "server.device=cpu", "server.host=127.0.0.1", "server.beat_s=0.5"]
+    env = _env(TANDEM_GRPC_TOKEN="slurm-reward-token", OMP_NUM_THREADS="1")
+
+    def live() -> set[str]:
+        return {e.server_id for e in endpoints.live()}
+
+    def job_of(server_id: str) -> str:
+        state = json.loads(state_path.read_text())
+        return next(j["job_id"] for j in state["jobs"] + state["finished"] if j["worker_id"] == server_id)
+
+    log_path = tmp_path / "pool.log"
+    with open(log_path, "wb") as log:
+        pool = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT)
+    try:
+        _wait(lambda: live() == {"rm-r0"}, 180, "the first reward job's endpoint", dump=log_path.read_text)
+        _run([sys.executable, "-m", "launch.control", "--root", root, "--role", "reward", "add", "1"], check=True)
+        _wait(lambda: live() == {"rm-r0", "rm-r1"}, 180, "a second reward job", dump=log_path.read_text)
+        _run([sys.executable, "-m", "launch.control", "--root", root, "--role", "reward", "remove", "1"], check=True)
+        _wait(lambda: live() == {"rm-r0"}, 90, "the newest server withdrawn")
+        drained = job_of("rm-r1")
+        _wait(lambda: _squeue(drained) is None, 90, f"the drained job {drained} to end")
+        assert (_job(drained)["JobState"], _job(drained)["ExitCode"]) == ("COMPLETED", "0:0")
+        pool.send_signal(signal.SIGTERM)
+        assert pool.wait(timeout=180) == 0
+    finally:
+        if pool.poll() is None:
+            pool.kill()
+            pool.wait(timeout=30)
+        for job in json.loads(state_path.read_text())["jobs"] if state_path.exists() else []:
+            if _squeue(job["job_id"]) is not None:
+                _run(["scancel", job["job_id"]])
+    finished = json.loads(state_path.read_text())["finished"]
+    assert sorted((f["worker_id"], f["state"], f["drained"]) for f in finished) == [
+        ("rm-r0", "COMPLETED", True),
+        ("rm-r1", "COMPLETED", True),
+    ], finished
+    assert live() == set() and "crashed" not in log_path.read_text()
+
+
 @pytest.mark.slow
 def test_trainer_job_checkpoints_on_the_time_limit_signal_and_is_requeued(slurm, experience):
     """SLURM sends the trainer job's batch script USR1 before the time limit (#SBATCH
