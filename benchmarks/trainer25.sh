@@ -2,6 +2,8 @@
 # Issue 25's acceptance table on one H200 in one device call (<= 8.5 minutes):
 #   bash benchmarks/trainer25.sh OUT          # OUT/table.md, OUT/trainer25.json, OUT/stage-*.json
 #   bash benchmarks/trainer25.sh OUT --cpu    # wiring check on this machine's CPU, tiny shape
+#   bash benchmarks/trainer25.sh OUT compile  # a second call: trainer.compile_layers (fused element-
+#                                             # wise work) against eager, 1.5B and 4B, side by side
 # First the logprob path alone at the 0.5B head (benchmarks/logprob_bench.py, OUT/logprob.json).
 # Stages (benchmarks/trainer_mix.py), each under its own time limit so that a slow or failing one
 # leaves the others' rows: 0.5B packed vs today's padded path (same process, same samples),
@@ -12,8 +14,9 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
-OUT=${1:?usage: trainer25.sh OUT [--cpu]}
-CPU=${2:-}
+OUT=${1:?usage: trainer25.sh OUT [--cpu] [compile]}
+CPU="" SET=acceptance
+for a in "${@:2}"; do case $a in --cpu) CPU=--cpu ;; compile) SET=compile ;; *) echo "unknown: $a" >&2; exit 2 ;; esac; done
 PY=${PYTHON:-python3}
 mkdir -p "$OUT"
 WORK=${TANDEM_BENCH_WORK:-/tmp/trainer25}
@@ -26,6 +29,13 @@ stage() {  # name, seconds, arguments...
   echo "   exit $? $(date -u +%T); last lines:"
   grep -v -i warn "$OUT/stage-$name.log" | tail -n 3
 }
+if [ "$SET" = compile ]; then  # limits: the compile (~1 min per shape on H200, a guess) + the steps
+  stage c1-1.5b 90 --shape 1.5b --paths packed
+  stage c2-1.5b-compile 150 --shape 1.5b --paths packed --compile
+  stage c3-4b-compile 200 --shape 4b --paths packed --grad-ckpt --token-budget 32768 --compile
+  "$PY" -m benchmarks.trainer_mix --table "$OUT"
+  exit 0
+fi
 echo "== 0-logprob (limit 40 s)"
 timeout -k 5 40 "$PY" -m benchmarks.logprob_bench $CPU --out "$OUT/logprob.json" >"$OUT/logprob.log" 2>&1
 echo "   exit $?"; tail -n 2 "$OUT/logprob.log"

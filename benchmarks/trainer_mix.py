@@ -230,7 +230,7 @@ def write_table(folder: str) -> str:
     rows.append("| --- | --- | --- | --- | --- | --- | --- | --- |")
     for r in results:
         for path, p in r["paths"].items():
-            label = f"{r['shape']}{' +ckpt' if r['grad_ckpt'] else ''}"
+            label = f"{r['shape']}{' +ckpt' if r['grad_ckpt'] else ''}{' +compile' if r.get('compile_layers') else ''}"
             if "error" in p:
                 rows.append(f"| {label} | {path} | {p['error'][:60]} | | | | | |")
                 continue
@@ -268,6 +268,9 @@ def main(argv=None) -> int:
     ap.add_argument("--token-budget", type=int, default=32768, help="packed: real tokens per micro-batch")
     ap.add_argument("--padded-micro", type=int, default=8, help="padded: rows per micro-batch")
     ap.add_argument("--grad-ckpt", action="store_true", help="activation checkpointing")
+    ap.add_argument(
+        "--compile", action="store_true", help="trainer.compile_layers=true (the warm-up step pays the compile)"
+    )
     ap.add_argument(
         "--pi-old-pass",
         action="store_true",
@@ -309,6 +312,7 @@ def main(argv=None) -> int:
             "root": f"{args.work}/run-{time.time_ns()}",
             "actor_rollout_ref.model.path": model_dir,
             "actor_rollout_ref.model.enable_gradient_checkpointing": str(args.grad_ckpt).lower(),
+            "trainer.compile_layers": str(args.compile).lower(),
             "trainer.resume_mode": "disable",
             "data.train_batch_size": str(args.samples // GROUP),
             "actor_rollout_ref.actor.optim.lr": "1e-6",
@@ -335,6 +339,7 @@ def main(argv=None) -> int:
         "shape": args.shape,
         "params": n_params,
         "grad_ckpt": args.grad_ckpt,
+        "compile_layers": args.compile,
         "packed_attention": packed_attn,
         "samples_per_step": args.samples,
         "token_budget": args.token_budget,

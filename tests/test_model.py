@@ -44,3 +44,36 @@ def test_gradient_checkpointing_recomputes_each_layer_in_backward(tmp_path, one_
     assert calls["n"] - forward_calls == (layers if ckpt else 0)
     ref = build_actor(str(tmp_path / "m"), torch.device("cpu"), trainable=False)
     assert not ref.training and not any(p.requires_grad for p in ref.parameters())
+
+
+def test_compile_layers_compiles_each_decoder_layer_before_sharding(tmp_path, one_rank):
+    """trainer.compile_layers=true reaches build_actor for the actor, the reference and the critic:
+    each decoder layer is compiled in place (lazily: nothing runs here, so no compile is paid on
+    CPU; tests/gpu/test_compiled_layers_cuda.py checks the compiled maths on CUDA), the rest not.
+    On CPU the optimizer stays torch's default (fused only on CUDA, trainer.model.adamw)."""
+    from protocol.config import build
+    from trainer.config import TrainerConfig
+    from trainer.main import Trainer
+
+    builtin_task.write_model(tmp_path / "m", seed=0)
+    for flag in (True, False):
+        model = build_actor(str(tmp_path / "m"), torch.device("cpu"), compile_layers=flag)
+        assert [layer._compiled_call_impl is not None for layer in decoder_layers(model)] == [flag] * 2
+        assert model._compiled_call_impl is None  # the head and the embeddings stay eager
+    cfg = build(
+        TrainerConfig,
+        {
+            "root": str(tmp_path / "run"),
+            "actor_rollout_ref.model.path": str(tmp_path / "m"),
+            "trainer.compile_layers": "true",
+            "actor_rollout_ref.actor.use_kl_loss": "true",
+            "algorithm.adv_estimator": "gae",
+        },
+    )
+    trainer = Trainer(cfg, torch.device("cpu"))
+    try:
+        for m in (trainer.model, trainer.ref_model, trainer.critic.model):
+            assert all(layer._compiled_call_impl is not None for layer in decoder_layers(m)), m
+        assert not trainer.optimizer.defaults.get("fused")
+    finally:
+        trainer.close()

@@ -17,12 +17,13 @@ import torch
 from trainer import algo, lora, update
 from trainer.batch import Batch
 from trainer.lora import LoraSpec
-from trainer.model import build_actor, packed_attention
+from trainer.model import adamw, build_actor, packed_attention
 
 
 class Critic:
-    def __init__(self, cfg, device: torch.device):
-        """cfg: trainer.config.CriticConfig (None fields already taken from the actor)."""
+    def __init__(self, cfg, device: torch.device, compile_layers: bool = False):
+        """cfg: trainer.config.CriticConfig (None fields already taken from the actor);
+        `compile_layers`: trainer.compile_layers."""
         self.cfg = cfg
         self.packed = bool(cfg.model.use_remove_padding)
         # critic.model.lora_rank > 0: adapters on the frozen backbone; the value head trains in full
@@ -34,13 +35,9 @@ class Critic:
             value_head=True,
             attn_implementation=packed_attention(device) if self.packed else None,
             lora=self.lora,
+            compile_layers=compile_layers,
         )
-        self.optimizer = torch.optim.AdamW(
-            lora.trainable(self.model),
-            lr=cfg.optim.lr,
-            weight_decay=cfg.optim.weight_decay,
-            betas=tuple(cfg.optim.betas),
-        )
+        self.optimizer = adamw(lora.trainable(self.model), cfg.optim.lr, cfg.optim.weight_decay, cfg.optim.betas)
 
     def values(self, batch: Batch) -> torch.Tensor:
         """V_old, (B, R), at the weights before this step's update. Collective."""

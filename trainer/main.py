@@ -41,7 +41,7 @@ from trainer.critic import Critic
 from trainer.lifeline import die_with_agent
 from trainer.lora import LoraSpec
 from trainer.metrics import MetricsLog, generation_seconds, length_metrics, memory_metrics, mfu, timed
-from trainer.model import build_actor, packed_attention
+from trainer.model import adamw, build_actor, packed_attention
 from trainer.publish import publish_adapter, publish_version
 from trainer.run_lock import RunLock, RunLocked
 from trainer.validation import ValidationLog, validation_due
@@ -124,13 +124,19 @@ class Trainer:
         # the adapter alone, naming the base by its checksum (rank 0 publishes; computed once).
         self.lora = LoraSpec.of(cfg.actor_rollout_ref.model)
         self.base_checksum = base_checksum(self.model_path) if self.lora else None
+        compiled = cfg.trainer.compile_layers
         self.model = build_actor(
-            self.model_path, device, gradient_checkpointing=grad_ckpt, attn_implementation=attn, lora=self.lora
+            self.model_path,
+            device,
+            gradient_checkpointing=grad_ckpt,
+            attn_implementation=attn,
+            lora=self.lora,
+            compile_layers=compiled,
         )
         self.use_ref = cfg.actor_rollout_ref.actor.use_kl_loss or cfg.algorithm.use_kl_in_reward
         # With LoRA the reference is the same model with its adapter disabled: no second copy.
         self.ref_model = (
-            build_actor(self.model_path, device, trainable=False, attn_implementation=attn)
+            build_actor(self.model_path, device, trainable=False, attn_implementation=attn, compile_layers=compiled)
             if self.use_ref and self.lora is None
             else None
         )
@@ -145,10 +151,8 @@ class Trainer:
                 "; the reference is the base (adapter disabled)" if self.use_ref else "",
             )
         optim = cfg.actor_rollout_ref.actor.optim
-        self.optimizer = torch.optim.AdamW(
-            lora.trainable(self.model), lr=optim.lr, weight_decay=optim.weight_decay, betas=tuple(optim.betas)
-        )
-        self.critic = Critic(cfg.critic, device) if cfg.use_critic else None
+        self.optimizer = adamw(lora.trainable(self.model), optim.lr, optim.weight_decay, optim.betas)
+        self.critic = Critic(cfg.critic, device, compiled) if cfg.use_critic else None
         from verl.trainer.ppo.core_algos import get_kl_controller
 
         self.kl_ctrl = get_kl_controller(cfg.algorithm.kl_ctrl)  # used with use_kl_in_reward

@@ -29,8 +29,12 @@ def build_actor(
     trust_remote_code: bool = False,
     attn_implementation: str | None = None,
     lora=None,
+    compile_layers: bool = False,
 ):
-    """`value_head`: the critic as verl builds it, AutoModelForTokenClassification with one label
+    """`compile_layers`: torch.compile each decoder layer in place before it is sharded (as
+    torchtitan compiles each block before FSDP2), with dynamic shapes: packed micro-batches vary
+    in length every step and must not recompile for each.
+    `value_head`: the critic as verl builds it, AutoModelForTokenClassification with one label
     (the backbone's weights, a new linear `score` head, no dropout); its logits are (B, T, 1).
     `attn_implementation` None: transformers' default for the model (sdpa for Qwen2).
     `lora` (trainer.lora.LoraSpec): PEFT adapters on the frozen base, added before sharding so
@@ -69,9 +73,21 @@ def build_actor(
     from trainer.lora import hf_model
 
     for layer in decoder_layers(hf_model(model)):
+        if compile_layers:
+            layer.compile(dynamic=True)  # lazy: compiled at its first call
         fully_shard(layer, mesh=mesh, mp_policy=mp)
     fully_shard(hf_model(model), mesh=mesh, mp_policy=mp)  # a PeftModel wrapper owns no parameters
     return model
+
+
+def adamw(params, lr: float, weight_decay: float, betas) -> torch.optim.AdamW:
+    """AdamW over `params`; on CUDA the fused kernel (one launch for every tensor instead of
+    torch's default foreach steps: the optimizer's element-wise work was part of the ~45% of a
+    step's GPU time spent outside matrix multiplies, benchmarks/README.md). CPU keeps the
+    default, so CPU results do not change."""
+    params = list(params)
+    fused = bool(params) and all(p.device.type == "cuda" for p in params)
+    return torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay, betas=tuple(betas), fused=fused or None)
 
 
 def packed_attention(device: torch.device) -> str:

@@ -33,7 +33,7 @@ from trainer.attention import attn_implementation
 from trainer.lora import LoraSpec
 from trainer.main import init_distributed, say_restart
 from trainer.metrics import MetricsLog
-from trainer.model import build_actor
+from trainer.model import adamw, build_actor
 from trainer.publish import publish_version
 from trainer.sft_config import SFTConfig
 from trainer.sft_data import Packed, Sequences, SFTDataError, load_sequences, micro_batches, pack, split_by_tokens
@@ -89,12 +89,7 @@ class SFTTrainer:
             lora=self.lora,
         )
         self.base_checksum = base_checksum(self.model_path) if self.lora else None
-        self.optimizer = torch.optim.AdamW(
-            lora.trainable(self.model),
-            lr=cfg.optim.lr,
-            betas=tuple(cfg.optim.betas),
-            weight_decay=cfg.optim.weight_decay,
-        )
+        self.optimizer = adamw(lora.trainable(self.model), cfg.optim.lr, cfg.optim.weight_decay, cfg.optim.betas)
         first = torch.from_numpy(train.ids[0][:2])  # a zero-weight pass: two tokens, one target
         self.dummy = Packed(first.unsqueeze(0), torch.arange(2).unsqueeze(0), torch.tensor([0]), first[1:])
         self.step = 0
