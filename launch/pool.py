@@ -24,7 +24,7 @@ restarted supervisor adopts the jobs it finds there.
 
 With `pool.role=reward` the members are reward servers (rollout/reward_server.py) instead of
 rollout workers, `<pool.id>-r<k>`, one per GPU of `pool.gpus` (local) or one single-server
-reward job each (slurm); every other key is a reward-server key. It follows the commands given
+reward job each (slurm, ray); every other key is a reward-server key. It follows the commands given
 with `python -m launch.control --role reward`; `remove N` drains the newest servers (SIGTERM:
 withdraw the endpoint, finish the queued groups, exit 0); the workers move to the others.
 
@@ -115,8 +115,6 @@ class PoolSection:
             raise ConfigError(f"pool.id: {e}") from None
         if self.backend == "ray" and not self.ray.address:
             raise ConfigError("pool.ray.address: give the Ray dashboard, e.g. http://HEAD:8265")
-        if self.backend == "ray" and self.role == "reward":
-            raise ConfigError("pool.role=reward: reward servers run as local processes or SLURM jobs, not Ray jobs yet")
 
 
 @dataclasses.dataclass
@@ -539,7 +537,7 @@ class RayPool(JobPool):
         )
 
     def submit_worker(self, worker_id: str) -> str:
-        job = self.ray_jobs.render("rollout", self.spec(worker_id), self.worker_args)
+        job = self.ray_jobs.render(self.cfg.role, self.spec(worker_id), self.worker_args)
         return self.ray_jobs.submit(self.cfg.ray.address, job, self.client)
 
     def queue_states(self, job_ids: list[str]) -> dict[str, str]:

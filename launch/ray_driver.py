@@ -32,7 +32,13 @@ import sys
 import time
 
 log = logging.getLogger("launch.ray_driver")
-MODULES = {"rollout": "rollout.worker", "validate": "rollout.validate", "trainer": "trainer.main", "sft": "trainer.sft"}
+MODULES = {
+    "rollout": "rollout.worker",
+    "reward": "rollout.reward_server",
+    "validate": "rollout.validate",
+    "trainer": "trainer.main",
+    "sft": "trainer.sft",
+}
 
 
 @dataclasses.dataclass
@@ -57,8 +63,8 @@ def parse_args(argv):
     p.add_argument("--nodes", type=int, default=1)
     p.add_argument("--gpus-per-node", type=int, default=0)
     p.add_argument("--cpus-per-node", type=int, default=1)
-    p.add_argument("--tasks-per-node", type=int, default=1, help="rollout: workers per node")
-    p.add_argument("--worker-prefix", default="w", help="rollout: worker ids <prefix>[-t<k>]")
+    p.add_argument("--tasks-per-node", type=int, default=1, help="rollout/reward: workers (servers) per node")
+    p.add_argument("--worker-prefix", default="w", help="rollout/reward: worker (server) ids <prefix>[-t<k>]")
     p.add_argument("--nproc-per-node", type=int, default=1, help="trainer/sft: ranks per node")
     p.add_argument(
         "--max-restarts", type=int, default=2, help="trainer/sft: torchrun's restarts of every rank after one dies"
@@ -115,9 +121,16 @@ def node_procs(plan, node_rank: int, rendezvous: str | None) -> list[Proc]:
     for k in range(plan.tasks_per_node):
         index = node_rank * plan.tasks_per_node + k
         worker_id = plan.worker_prefix + (f"-t{index}" if total > 1 else "")
-        procs.append(
-            Proc([py, "-m", module, *plan.args, f"worker.id={worker_id}"], gpu=k if plan.gpus_per_node else None)
-        )
+        gpu = k if plan.gpus_per_node else None
+        if plan.role == "reward":  # rollout.reward_server's flags: --run ROOT --set k=v ...
+            from rollout import reward_server
+
+            root = next(a.split("=", 1)[1] for a in plan.args if a.startswith("root="))
+            settings = [a for a in plan.args if not a.startswith("root=")]
+            argv = [*reward_server.argv(root, settings), "--set", f"server.id={worker_id}"]
+            procs.append(Proc([py, "-m", module, *argv], gpu=gpu))
+        else:
+            procs.append(Proc([py, "-m", module, *plan.args, f"worker.id={worker_id}"], gpu=gpu))
     return procs
 
 

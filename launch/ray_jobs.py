@@ -104,7 +104,7 @@ class RaySpec:
 def _node_cpus(role: str, spec: RaySpec) -> int:
     if role in TORCHRUN_ROLES:
         return spec.cpus_per_task
-    return spec.cpus_per_task * ((spec.gpus_per_node or spec.tasks_per_node) if role == "rollout" else 1)
+    return spec.cpus_per_task * ((spec.gpus_per_node or spec.tasks_per_node) if role in ("rollout", "reward") else 1)
 
 
 def new_submission_id(role: str, spec: RaySpec) -> str:
@@ -132,12 +132,12 @@ def driver_argv(role: str, spec: RaySpec, role_args: list[str], submission_id: s
         ]
         if spec.nodes > 1:
             plan += ["--port", spec.port, "--placement-strategy", spec.strategy]
-    elif role == "rollout":
+    elif role in ("rollout", "reward"):  # one process per GPU (or per task on CPU), named apart
         plan += [
             "--tasks-per-node",
             spec.gpus_per_node or spec.tasks_per_node,
             "--worker-prefix",
-            spec.worker_prefix or f"w-{submission_id}",
+            spec.worker_prefix or f"{role[0]}-{submission_id}",
         ]
     return [spec.python, "-m", "launch.ray_driver", role, *map(str, plan), "--", *args]
 

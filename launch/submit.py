@@ -297,8 +297,6 @@ def ray_spec_from(args) -> ray_jobs.RaySpec:
 
 def main_ray(args, rest: list[str]) -> int:
     try:
-        if args.role == "reward":
-            raise ValueError("reward: a Ray job of reward servers is not supported yet; submit it to SLURM")
         spec = ray_spec_from(args)
         job = ray_jobs.render(args.role, spec, role_args(args.role, spec.root, rest))
     except (ConfigError, ValueError, OSError) as e:

@@ -415,6 +415,77 @@ def test_ray_pool_adopts_its_job_after_a_restart(ray_head, tmp_path):
     _wait(lambda: not _processes_with(root), 60, "the worker's processes to exit")
 
 
+def test_a_pool_of_reward_servers_as_ray_jobs_grows_and_drains(ray_head, tmp_path):
+    """pool.role=reward with the Ray backend: one single-server Ray job per reward server (the
+    entrypoint runs launch.ray_driver reward), announced in the run folder as <pool.id>-r<k>;
+    `launch.control --role reward remove 1` stops the newest (ray job stop: it withdraws its
+    endpoint and ends STOPPED), once."""
+    from buffer.run import setup_trainer_run
+    from rollout.reward_model import build_tiny_reward_model
+
+    root = str(tmp_path / "run")
+    os.makedirs(root)
+    token = tmp_path / "token"
+    token.write_text("ray-reward-token\n")
+    rm = build_tiny_reward_model(tmp_path / "rm", seed=3)
+    state_path = Path(RunLayout(root).pool_state("rm"))
+    endpoints = setup_trainer_run(root).reward
+    cmd = [sys.executable, "-m", "launch.pool", f"root={root}", "pool.id=rm", "pool.role=reward"]
+    cmd += ["pool.backend=ray", f"pool.ray.address={ray_head}", f"pool.ray.working_dir={REPO}"]
+    cmd += ["pool.initial_workers=2", "pool.poll_interval=0.3", f"reward_model.model.path={rm}"]
+    cmd += ["server.device=cpu", "server.host=127.0.0.1", "server.beat_s=0.5", f"buffer.grpc_token_file={token}"]
+    log_path = tmp_path / "pool.log"
+
+    def live() -> set[str]:
+        return {e.server_id for e in endpoints.live()}
+
+    with open(log_path, "wb") as log:
+        pool = subprocess.Popen(cmd, env=_env(), stdout=log, stderr=subprocess.STDOUT)
+    try:
+        _wait(lambda: live() == {"rm-r0", "rm-r1"}, 180, "two reward servers' endpoints", dump=log_path.read_text)
+        newest = next(j["job_id"] for j in _pool_jobs(state_path) if j["worker_id"] == "rm-r1")
+        subprocess.run(
+            [sys.executable, "-m", "launch.control", "--root", root, "--role", "reward", "remove", "1"],
+            env=_env(),
+            check=True,
+            timeout=60,
+        )
+        _wait(lambda: live() == {"rm-r0"}, 90, "the newest server withdrawn")
+        _wait(lambda: _status(ray_head, newest) == "STOPPED", 90, f"job {newest} to stop")
+        finished = _wait(lambda: json.loads(state_path.read_text()).get("finished"), 30, "the record")
+        assert [(f["job_id"], f["state"], f["drained"]) for f in finished] == [(newest, "STOPPED", True)]
+        pool.terminate()
+        assert pool.wait(timeout=120) == 0
+    finally:
+        if pool.poll() is None:
+            pool.kill()
+            pool.wait(timeout=30)
+        for job in _pool_jobs(state_path):
+            if _status(ray_head, job["job_id"]) in ("PENDING", "RUNNING"):
+                ray_jobs.stop(ray_head, job["job_id"])
+    assert live() == set() and "crashed" not in log_path.read_text()
+    _wait(lambda: not _processes_with(root), 60, "the servers' processes to exit")
+
+
+def test_rendered_reward_servers_one_per_gpu(tmp_path, capsys):
+    """launch.submit reward --backend ray: one Ray job, one reward server per GPU, each bound to
+    one of the job's GPUs with its own server id, the settings passed as the server's --set."""
+    root = str(tmp_path / "r")
+    job, _ = _dry_run(
+        capsys, "reward", "--root", root, "--gpus-per-node", "2", "--submission-id", "rm-1",
+        "reward_model.model.path=/m/rm", "reward_model.max_length=512",
+    )  # fmt: skip
+    assert (job["entrypoint_num_gpus"], job["entrypoint_num_cpus"]) == (2, 2)
+    procs = ray_driver.node_procs(_plan(job), 0, None)
+    assert [p.env("4,5") for p in procs] == [{"CUDA_VISIBLE_DEVICES": "4"}, {"CUDA_VISIBLE_DEVICES": "5"}]
+    for k, p in enumerate(procs):
+        assert p.argv == [
+            sys.executable, "-m", "rollout.reward_server", "--run", root,
+            "--set", "reward_model.model.path=/m/rm", "--set", "reward_model.max_length=512",
+            "--set", f"server.id=r-rm-1-t{k}",
+        ]  # fmt: skip
+
+
 def _dry_run(capsys, *args: str) -> tuple[dict, str]:
     """launch.submit --backend ray --dry-run: the submit_job arguments (JSON) and the CLI line."""
     assert submit.main([*args, "--backend", "ray", "--address", "http://head:8265", "--dry-run"]) == 0
