@@ -325,8 +325,11 @@ def test_lora_rl_learns_the_builtin_task_from_a_warmed_base(tmp_path):
     steps at full lr, and the first 10 steps' mean would measure the learning, not the start
     (0.26 without warmup). Measured over 60 steps, seeds 0/1/2 (trainer, SFT and worker):
     0.105/0.097/0.098 -> 0.753/0.742/0.843 (100 steps without warmup: 0.914); at lr 6e-3 it
-    rose, then collapsed. Synchronous rollouts make a run the same every time on one machine
-    (the worker samples exactly the trainer's groups, seeded)."""
+    rose, then collapsed. 50 steps (seed 0, warmup now 7.5 steps): 0.141 -> 0.648, the reward
+    past 0.5 from step 20 on and flat at ~0.6 from step 25, so the last 10 steps sit well inside
+    the plateau (0.648 vs the 0.5 bound; 4.6x the first 10 vs 3x). Synchronous rollouts make a
+    run the same every time on one machine (the worker samples exactly the trainer's groups,
+    seeded)."""
     from rollout import preprocess
 
     shifted = [(q, "".join(str((int(c) + 1) % 5) for c in q)) for q, _ in builtin_task_qa()]
@@ -337,7 +340,7 @@ def test_lora_rl_learns_the_builtin_task_from_a_warmed_base(tmp_path):
     root = tmp_path / "run"
     # fmt: off
     args = [
-        "--root", str(root), "--steps", "60", "--nproc", "1", "--workers", "1", "--test-freq", "0",
+        "--root", str(root), "--steps", "50", "--nproc", "1", "--workers", "1", "--test-freq", "0",
         "--sft-steps", "70",
         "--sft", f"data.train_files=[{paths[('sft', 'train')]}]",
         "--sft", f"data.val_files=[{paths[('sft', 'val')]}]",
@@ -361,9 +364,9 @@ def test_lora_rl_learns_the_builtin_task_from_a_warmed_base(tmp_path):
     )
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     rewards = [r["reward/mean"] for r in _rows(root) if "reward/mean" in r]
-    assert len(rewards) == 60, len(rewards)
+    assert len(rewards) == 50, len(rewards)
     first, last = sum(rewards[:10]) / 10, sum(rewards[-10:]) / 10
-    print(f"LoRA RL reward: first 10 steps {first:.3f} -> last 10 steps {last:.3f}")
+    print(f"LoRA RL reward: first 10 steps {first:.3f} -> last 10 steps {last:.3f}", [round(r, 2) for r in rewards])
     store = WeightStore(str(root))
     assert store.manifest(store.versions()[-1]).adapter is not None  # adapter versions all along
     assert last >= 0.5 and last >= 3 * first, (first, last)

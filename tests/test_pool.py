@@ -111,15 +111,19 @@ def _stop(proc, timeout=120):
 
 
 def test_control_file_grows_and_shrinks_the_pool_exactly_once(run, tmp_path):
+    """add/remove commands apply exactly once (a rewritten command file, a garbage file, a
+    seed-style command written twice, a restarted supervisor change nothing), and a removed
+    worker is drained (exits with state 'stopped'). Two workers at most: every check is on
+    counts moving by one, which a third process (CPU on a 2-core box) would not make stronger."""
     root, data = run
     log = open(tmp_path / "pool.log", "w")
     pool = _start_pool(root, data, log)
     try:
         _wait(lambda: len(_running(root)) == 1, 120, "the initial worker")
-        _control(root, "add", "2")
-        _wait(lambda: len(_running(root)) == 3, 180, "3 workers after 'add 2'")
+        _control(root, "add", "1")
+        _wait(lambda: len(_running(root)) == 2, 180, "2 workers after 'add 1'")
         _control(root, "remove", "1")
-        _wait(lambda: len(_pool_state(root)["workers"]) == 2, 120, "2 workers after 'remove 1'")
+        _wait(lambda: len(_pool_state(root)["workers"]) == 1, 120, "1 worker after 'remove 1'")
         drained = set(_beats(root)) - {w["worker_id"] for w in _pool_state(root)["workers"]}
         assert len(drained) == 1
         assert _beats(root)[drained.pop()]["state"] == "stopped"  # drained, not killed
@@ -132,23 +136,23 @@ def test_control_file_grows_and_shrinks_the_pool_exactly_once(run, tmp_path):
         _wait(lambda: "not JSON" in _pool_state(root).get("last_error", ""), 60, "the garbage read")
         _pool_rounds(root)
         assert pool.poll() is None
-        assert _pool_state(root)["target"] == 2 and len(_pool_state(root)["workers"]) == 2
+        assert _pool_state(root)["target"] == 1 and len(_pool_state(root)["workers"]) == 1
         # A seed-style command written twice with the same content is one command.
         (root / "control.json").write_text(json.dumps({"action": "add", "count": 1}))
-        _wait(lambda: _pool_state(root)["target"] == 3, 60, "the seed-style 'add 1' applied")
+        _wait(lambda: _pool_state(root)["target"] == 2, 60, "the seed-style 'add 1' applied")
         (root / "control.json").write_text(json.dumps({"action": "add", "count": 1}))
         _pool_rounds(root)
-        _wait(lambda: len(_running(root)) == 3, 180, "3 workers after the seed-style 'add 1'")
-        assert _pool_state(root)["target"] == 3
+        _wait(lambda: len(_running(root)) == 2, 180, "2 workers after the seed-style 'add 1'")
+        assert _pool_state(root)["target"] == 2
 
         assert _stop(pool) == 0
         assert all(b["state"] == "stopped" for b in _beats(root).values())
         # A restarted supervisor does not apply old commands again.
         pool = _start_pool(root, data, log)
-        _wait(lambda: len(_running(root)) == 3, 180, "3 workers after the supervisor restart")
+        _wait(lambda: len(_running(root)) == 2, 180, "2 workers after the supervisor restart")
         _pool_rounds(root)
-        assert _pool_state(root)["target"] == 3
-        assert len(_pool_state(root)["workers"]) == 3
+        assert _pool_state(root)["target"] == 2
+        assert len(_pool_state(root)["workers"]) == 2
     finally:
         if pool.poll() is None:
             assert _stop(pool) == 0
