@@ -137,7 +137,7 @@ def driver_argv(role: str, spec: RaySpec, role_args: list[str], submission_id: s
             "--tasks-per-node",
             spec.gpus_per_node or spec.tasks_per_node,
             "--worker-prefix",
-            spec.worker_prefix or f"{role[0]}-{submission_id}",
+            spec.worker_prefix or f"{'r' if role == 'reward' else 'w'}-{submission_id}",
         ]
     return [spec.python, "-m", "launch.ray_driver", role, *map(str, plan), "--", *args]
 
