@@ -122,3 +122,11 @@ def check_value(result, data_source: str) -> float:
             f"(|reward| must be at most {FLOAT32_MAX:g}, float32)"
         )
     return value
+
+
+def model_client(stores, rm):
+    """The client of the run's reward servers when `rm` (reward_model) is enabled, else None:
+    what a worker and the validator score with (stores: their WorkerRun)."""
+    if not rm.enable:
+        return None
+    return stores.reward_client(rm.addresses, rm.wait_s, rm.call_timeout_s, rm.max_inflight)

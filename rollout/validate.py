@@ -70,11 +70,7 @@ class Validator:
         self.queue = self.stores.validation
         self.score = reward.resolve_details(cfg.custom_reward_function.path, cfg.custom_reward_function.name)
         rm = cfg.reward_model
-        self.reward_client = (
-            self.stores.reward_client(rm.addresses, rm.wait_s, rm.call_timeout_s, rm.max_inflight)
-            if rm.enable
-            else None
-        )
+        self.reward_client = reward.model_client(self.stores, rm)
         # Before waiting for weights or loading an engine: every row can be scored (with a reward
         # model the rule reward is only reported: a row without one reports 0, as in the workers).
         if self.reward_client is None:

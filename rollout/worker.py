@@ -159,11 +159,7 @@ class RolloutWorker:
         self.score = reward.resolve(cfg.custom_reward_function.path, cfg.custom_reward_function.name)
         rm = cfg.reward_model
         # The run's reward servers (buffer/reward/): each finished group is scored there.
-        self.reward_client = (
-            self.stores.reward_client(rm.addresses, rm.wait_s, rm.call_timeout_s, rm.max_inflight)
-            if rm.enable
-            else None
-        )
+        self.reward_client = reward.model_client(self.stores, rm)
         self.scorer = ""  # the checksum of the reward model that scored the newest group
         self.groups_unscored = 0  # groups a stop cut off while waiting for their scores: not written
         # Before writing anything, waiting for weights or loading an engine: every row can be
