@@ -5,7 +5,8 @@
     python -m launch.local --root runs/grpo --config my_verl_grpo.yaml
     python -m launch.local --root runs/arith --task arith --sft-steps 200   # GSM8K-format task
 
-Without inputs given, it builds the built-in tiny model and task (--task) into the run folder,
+Without inputs given, it builds the built-in tiny model and task (--task) into the run folder
+(the model is copied from a per-machine cache, $TANDEM_CACHE_DIR or ~/.cache/tandem, built there once),
 with some of the task's distinct questions held out (copy: a fifth; arith: 100 of 2000): a
 validator (`rollout.validate`) measures them every --test-freq steps. A --config file (verl's
 shape) goes to every role; its model path, train files, step count and validation
@@ -246,6 +247,54 @@ def _as_int(value, what: str) -> int:
         raise SystemExit(f"launch.local: {what}: expected an integer, got {value!r}") from None
 
 
+CACHE_ENV = "TANDEM_CACHE_DIR"  # where launch.local keeps the built-in initial models
+
+
+def initial_model(dest: str, task: str) -> None:
+    """The built-in task's random-init model folder at `dest`, copied from this machine's cache
+    ($TANDEM_CACHE_DIR, else ~/.cache/tandem) and built there on first use: building imports
+    torch and transformers (~5 s of a CPU's time), which would otherwise delay every run's
+    start. The cache key covers what decides the bytes (the task, the versions of torch,
+    transformers and tokenizers, the code that builds it); the folder is made atomically, so a
+    crash leaves no half a model there. An unwritable cache only means building in place."""
+    key = _model_key(task)
+    cache = Path(os.environ.get(CACHE_ENV) or Path.home() / ".cache" / "tandem") / "init-models" / key
+    if not cache.is_dir():
+        tmp = Path(f"{cache}.tmp-{os.getpid()}")
+        try:
+            tmp.parent.mkdir(parents=True, exist_ok=True)
+            _write_model(str(tmp), task)
+            tmp.rename(cache)  # another run may have won the race: its copy is the same
+        except OSError as e:
+            shutil.rmtree(tmp, ignore_errors=True)
+            if not cache.is_dir():
+                print(f"launch.local: no model cache ({e}); building the initial model in place", file=sys.stderr)
+                _write_model(dest, task)
+                return
+    tmp_dest = f"{dest}.tmp"
+    shutil.copytree(cache, tmp_dest)
+    os.replace(tmp_dest, dest)
+
+
+def _write_model(out_dir: str, task: str) -> None:
+    if task == "arith":
+        arith.write_model(out_dir, "tiny")
+    else:
+        builtin_task.write_model(out_dir)
+
+
+def _model_key(task: str) -> str:
+    import hashlib
+    from importlib import metadata
+
+    h = hashlib.sha256(task.encode())
+    for dist in ("torch", "transformers", "tokenizers", "safetensors"):
+        h.update(f"{dist}={metadata.version(dist)};".encode())
+    for module in (builtin_task, arith):  # the tokenizer, the shape, the seed
+        h.update(Path(module.__file__ or "").read_bytes())
+    return f"{task}-{h.hexdigest()[:16]}"
+
+
 def prepare(run: TrainerRun, args, config: dict) -> tuple[str, str | None, list[str] | None]:
     """Model folder, dataset and validation datasets for the run (flags, else the config, else the
     built-in ones, built when missing). The dataset is None when the config names the train
@@ -254,10 +303,7 @@ def prepare(run: TrainerRun, args, config: dict) -> tuple[str, str | None, list[
         raise SystemExit(f"launch.local: {run.files.root} already holds a run; choose a new --root")
     model = os.path.expanduser(args.model or config.get(MODEL) or run.files.init_model)
     if model == run.files.init_model and not os.path.exists(model):
-        if args.task == "arith":
-            arith.write_model(model, "tiny")
-        else:
-            builtin_task.write_model(model)
+        initial_model(model, args.task)
     elif problem := hf_folder_problem(model):  # before starting anything
         where = "--model" if args.model else f"{MODEL} in --config {args.config}"
         raise SystemExit(f"launch.local: {where}: {problem}")
@@ -487,7 +533,7 @@ def check_config(
     cannot start stops the run before any process starts; print each line about verl keys that
     do not apply once (the roles' logs have them too)."""
     from rollout.config import RewardServerConfig, ValidatorConfig, WorkerConfig
-    from rollout.engine import engine_problem
+    from rollout.engine_types import engine_problem  # no torch: the supervisor never imports it
     from trainer.config import TrainerConfig, device_problem
     from trainer.sft_config import SFTConfig
 

@@ -139,20 +139,6 @@ class HFEngine:
         self.model = None
 
 
-def engine_problem(name: str) -> str | None:
-    """Why the engine `name` (actor_rollout_ref.rollout.name) cannot start here, if it cannot:
-    said at start, not after the trainer's first weight version has been waited for."""
-    import importlib.util
-
-    if name == "vllm" and importlib.util.find_spec("vllm") is None:
-        return (
-            "actor_rollout_ref.rollout.name=vllm: vLLM is not installed in this Python "
-            "environment (pip install -e '.[gpu]' on a GPU node), or use "
-            "actor_rollout_ref.rollout.name=hf"
-        )
-    return None
-
-
 def build_engine(model_dir: str, cfg, device: str, adapter: dict | None = None) -> Engine:
     """`cfg` is the worker's actor_rollout_ref.rollout section; `adapter`: the first version's
     WeightManifest.adapter when the run's versions are adapter-only (`model_dir` is then the

@@ -1,5 +1,6 @@
 """What every generation engine takes and returns (rollout/engine.py's HFEngine,
-rollout/vllm_engine.py's VLLMEngine): imported by both, so neither imports the other."""
+rollout/vllm_engine.py's VLLMEngine): imported by both, so neither imports the other. Torch-free:
+launch.local checks the engine setting with it without importing torch (2 s of its start)."""
 
 from __future__ import annotations
 
@@ -38,3 +39,17 @@ class Engine(Protocol):
         previous adapter; returns how many adapter tensors were loaded."""
 
     def close(self) -> None: ...
+
+
+def engine_problem(name: str) -> str | None:
+    """Why the engine `name` (actor_rollout_ref.rollout.name) cannot start here, if it cannot:
+    said at start, not after the trainer's first weight version has been waited for."""
+    import importlib.util
+
+    if name == "vllm" and importlib.util.find_spec("vllm") is None:
+        return (
+            "actor_rollout_ref.rollout.name=vllm: vLLM is not installed in this Python "
+            "environment (pip install -e '.[gpu]' on a GPU node), or use "
+            "actor_rollout_ref.rollout.name=hf"
+        )
+    return None

@@ -40,7 +40,8 @@ from protocol.weights import ManifestError
 from rollout import reward
 from rollout.config import WorkerConfig
 from rollout.dataset import DatasetError, Prompt, PromptStream, data_sources, load_prompts
-from rollout.engine import Completion, SamplingSettings, build_engine, engine_problem
+from rollout.engine import Completion, SamplingSettings, build_engine
+from rollout.engine_types import engine_problem
 from rollout.versions import ADAPTER, Refused, VersionGate, load_version
 
 log = logging.getLogger("rollout.worker")

@@ -73,6 +73,21 @@ def subprocess_env() -> dict[str, str]:
     return env
 
 
+@pytest.fixture(scope="session", autouse=True)
+def model_cache(tmp_path_factory):
+    """launch.local's cache of built-in initial models, one per test session: shared by every
+    run the tests start (each builds nothing after the first), never the user's ~/.cache."""
+    from launch.local import CACHE_ENV
+
+    old = os.environ.get(CACHE_ENV)
+    os.environ[CACHE_ENV] = str(tmp_path_factory.mktemp("tandem-cache"))
+    yield os.environ[CACHE_ENV]
+    if old is None:
+        os.environ.pop(CACHE_ENV, None)
+    else:
+        os.environ[CACHE_ENV] = old
+
+
 # --- fixed experience for trainer tests: identical data for every run ------------------------
 STEPS, GROUPS, N = 8, 4, 4
 

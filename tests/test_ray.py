@@ -54,7 +54,7 @@ def _processes_with(text: str) -> list[str]:
     return found
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")  # not session: its ~20 idle processes take ~8% of a core
 def ray_head(tmp_path_factory):
     """A one-node Ray cluster with 8 logical CPUs (several small jobs share the 2 real cores) and
     no GPUs; its dashboard (the Jobs API) on a free port. Yields the dashboard's address."""
