@@ -162,6 +162,11 @@ def parse_args(argv):
     )
     p.add_argument("--timeout", type=float, default=3600, help="seconds before giving up (default 3600)")
     p.add_argument(
+        "--no-report",
+        action="store_true",
+        help="no HTML report at the end (~2 s of plotting; `python -m launch.report RUN` writes it later)",
+    )
+    p.add_argument(
         "--max-restarts",
         type=int,
         default=3,
@@ -882,9 +887,10 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     if code == 0:
         summarize(run)
-        from launch.report import write_report
+        if not args.no_report:
+            from launch.report import write_report
 
-        print(f"report: {write_report(run.files.root)} (live view of a run: python -m launch.status RUN)")
+            print(f"report: {write_report(run.files.root)} (live view of a run: python -m launch.status RUN)")
     return code
 
 

@@ -708,6 +708,7 @@ def test_launch_local_with_a_verl_config_runs_end_to_end(tmp_path):
             sys.executable,
             "-m",
             "launch.local",
+            "--no-report",  # the report is tests/test_status_report.py's
             "--config",
             str(VERL_YAML),
             "--root",

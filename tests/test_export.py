@@ -90,6 +90,7 @@ def test_tandem_checkpoint_exports_the_trainers_weights(tmp_path):
             sys.executable,
             "-m",
             "launch.local",
+            "--no-report",  # the report is tests/test_status_report.py's
             "--root",
             str(root),
             "--steps",

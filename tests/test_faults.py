@@ -694,6 +694,7 @@ def test_a_step_larger_than_the_backlog_cap_completes(tmp_path):
             sys.executable,
             "-m",
             "launch.local",
+            "--no-report",  # the report is tests/test_status_report.py's
             "--root",
             str(root),
             "--steps",
@@ -862,7 +863,7 @@ os.makedirs(os.path.join(root, "logs"))
 os.makedirs(os.path.join(out, "logs"))
 subprocess.run(["mount", "--bind", os.path.join(out, "logs"), os.path.join(root, "logs")], check=True)
 log = open(os.path.join(out, "launch.log"), "w")
-run = subprocess.Popen([sys.executable, "-m", "launch.local", "--root", root, "--steps", str(steps),
+run = subprocess.Popen([sys.executable, "-m", "launch.local", "--no-report", "--root", root, "--steps", str(steps),
                         "--timeout", "1500", "--trainer", "trainer.save_freq=2",
                         "--trainer", "trainer.log_sample_ids=true"], stdout=log, stderr=subprocess.STDOUT)
 

@@ -239,6 +239,7 @@ def test_pipeline_over_grpc(tmp_path):
             sys.executable,
             "-m",
             "launch.local",
+            "--no-report",  # the report is tests/test_status_report.py's
             "--root",
             str(root),
             "--steps",

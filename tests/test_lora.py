@@ -355,7 +355,13 @@ def test_lora_rl_learns_the_builtin_task_from_a_warmed_base(tmp_path):
     from conftest import REPO_ROOT
 
     out = subprocess.run(
-        [sys.executable, "-m", "launch.local", *args],
+        [
+            sys.executable,
+            "-m",
+            "launch.local",
+            "--no-report",  # the report is tests/test_status_report.py's
+            *args,
+        ],
         capture_output=True,
         text=True,
         timeout=900,

@@ -42,6 +42,7 @@ def test_remote_workers_learn_the_builtin_task_like_a_shared_folder(tmp_path):
             sys.executable,
             "-m",
             "launch.local",
+            "--no-report",  # the report is tests/test_status_report.py's
             "--root",
             str(root),
             "--steps",

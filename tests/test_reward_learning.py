@@ -90,6 +90,7 @@ def test_rl_against_the_reward_model_raises_the_rule_reward(reward_model, tmp_pa
             sys.executable,
             "-m",
             "launch.local",
+            "--no-report",  # the report is tests/test_status_report.py's
             "--root",
             str(root),
             "--steps",

@@ -290,6 +290,7 @@ def _local(root, *args):
             sys.executable,
             "-m",
             "launch.local",
+            "--no-report",  # the report is tests/test_status_report.py's
             "--root",
             str(root),
             "--steps",

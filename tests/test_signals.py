@@ -83,7 +83,18 @@ def test_waiting_for_first_weights_stops_on_sigterm(tmp_path, role):
 def test_launch_local_cleanup_survives_a_second_signal(tmp_path):
     root = tmp_path / "run"
     proc = subprocess.Popen(
-        [sys.executable, "-m", "launch.local", "--root", str(root), "--steps", "500", "--timeout", "400"],
+        [
+            sys.executable,
+            "-m",
+            "launch.local",
+            "--no-report",  # the report is tests/test_status_report.py's
+            "--root",
+            str(root),
+            "--steps",
+            "500",
+            "--timeout",
+            "400",
+        ],
         stdout=subprocess.DEVNULL,
         stderr=subprocess.PIPE,
         text=True,

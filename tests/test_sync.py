@@ -150,6 +150,7 @@ def test_synchronous_pipeline_trains_every_sample_at_staleness_0(tmp_path, worke
             sys.executable,
             "-m",
             "launch.local",
+            "--no-report",  # the report is tests/test_status_report.py's
             "--root",
             str(root),
             "--steps",
@@ -270,7 +271,15 @@ def test_a_synchronous_group_whose_rewards_are_all_dropped_is_drawn_again(tmp_pa
     ]:
         args += [f"--{role}", opt]
     proc = subprocess.run(
-        [sys.executable, "-m", "launch.local", "--root", str(root), *args],
+        [
+            sys.executable,
+            "-m",
+            "launch.local",
+            "--no-report",  # the report is tests/test_status_report.py's
+            "--root",
+            str(root),
+            *args,
+        ],
         capture_output=True,
         text=True,
         timeout=400,

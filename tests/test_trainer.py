@@ -240,6 +240,7 @@ def test_gae_with_a_critic_learns_the_builtin_task(tmp_path):
             sys.executable,
             "-m",
             "launch.local",
+            "--no-report",  # the report is tests/test_status_report.py's
             "--root",
             str(root),
             "--steps",

@@ -415,6 +415,7 @@ def test_release_configs_run_through_launch_local(tmp_path, tiny, release, adv, 
             sys.executable,
             "-m",
             "launch.local",
+            "--no-report",  # the report is tests/test_status_report.py's
             "--root",
             str(root),
             "--config",
