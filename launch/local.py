@@ -34,6 +34,7 @@ from pathlib import Path
 
 from buffer.channel import TOKEN_ENV
 from buffer.run import TrainerRun, setup_trainer_run
+from buffer.storage import respect_umask
 from buffer.weights.fs import hf_folder_problem
 from launch import status
 from protocol.config import ConfigError, file_values, load, split_argv
@@ -278,6 +279,7 @@ def initial_model(dest: str, task: str) -> None:
                 return
     tmp_dest = f"{dest}.tmp"
     shutil.copytree(cache, tmp_dest)
+    respect_umask(tmp_dest)  # this run's umask, not the one the cache was built under
     os.replace(tmp_dest, dest)
 
 

@@ -27,8 +27,13 @@ def test_the_cached_initial_model_is_the_built_one_and_is_built_once(tmp_path, m
         raise AssertionError(f"built again into {out_dir}")
 
     monkeypatch.setattr(local, "_write_model", no_build)  # a second run copies the cache
-    local.initial_model(str(tmp_path / "b"), "copy")
+    old = os.umask(0o002)  # ... with its own umask's modes (a shared cluster's group reads it)
+    try:
+        local.initial_model(str(tmp_path / "b"), "copy")
+    finally:
+        os.umask(old)
     assert _digests(tmp_path / "b") == _digests(tmp_path / "fresh")
+    assert {p.stat().st_mode & 0o777 for p in (tmp_path / "b").iterdir()} == {0o664}
     assert not [p for p in (tmp_path / "cache" / "init-models").iterdir() if ".tmp" in p.name]
     with pytest.raises(AssertionError, match="built again"):  # another task is another key
         local.initial_model(str(tmp_path / "c"), "arith")
