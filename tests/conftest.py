@@ -88,6 +88,12 @@ def model_cache(tmp_path_factory):
         os.environ[CACHE_ENV] = old
 
 
+def launch_local(*args: str) -> list[str]:
+    """argv of `python -m launch.local ARGS` as the tests run it: without the HTML report at the
+    end (~2 s of plotting a run; tests/test_status_report.py checks the report of its run)."""
+    return [sys.executable, "-m", "launch.local", "--no-report", *args]
+
+
 # --- fixed experience for trainer tests: identical data for every run ------------------------
 STEPS, GROUPS, N = 8, 4, 4
 

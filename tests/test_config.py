@@ -10,7 +10,7 @@ import subprocess
 import sys
 
 import pytest
-from conftest import REPO_ROOT, subprocess_env
+from conftest import REPO_ROOT, launch_local, subprocess_env
 
 from buffer.config import BufferConfig
 from protocol import verl_keys
@@ -704,11 +704,7 @@ def test_launch_local_with_a_verl_config_runs_end_to_end(tmp_path):
     builtin_task.write_parquet(tmp_path / "train.parquet", builtin_task.make_rows(200, 3))
     root = tmp_path / "run"
     proc = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "launch.local",
-            "--no-report",  # the report is tests/test_status_report.py's
+        launch_local(
             "--config",
             str(VERL_YAML),
             "--root",
@@ -719,7 +715,7 @@ def test_launch_local_with_a_verl_config_runs_end_to_end(tmp_path):
             str(tmp_path / "train.parquet"),
             "--timeout",
             "500",
-        ],
+        ),
         cwd=REPO_ROOT,
         env=subprocess_env(),
         capture_output=True,

@@ -6,6 +6,7 @@ import subprocess
 import sys
 
 import torch
+from conftest import launch_local
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
@@ -86,11 +87,7 @@ def test_tandem_checkpoint_exports_the_trainers_weights(tmp_path):
     compare with the weights the trainer published at that step."""
     root = tmp_path / "run"
     proc = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "launch.local",
-            "--no-report",  # the report is tests/test_status_report.py's
+        launch_local(
             "--root",
             str(root),
             "--steps",
@@ -101,7 +98,7 @@ def test_tandem_checkpoint_exports_the_trainers_weights(tmp_path):
             "0",  # no validator: only the checkpoint and the published weights are compared
             "--trainer",
             "trainer.save_freq=4",
-        ],
+        ),
         capture_output=True,
         text=True,
         timeout=500,

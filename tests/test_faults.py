@@ -8,7 +8,7 @@ import os
 import time
 
 import pytest
-from conftest import descendants, free_port, make_group, small_filesystem
+from conftest import descendants, free_port, launch_local, make_group, small_filesystem
 
 from buffer.config import BufferConfig
 from buffer.experience.reader import ExperienceReader
@@ -686,15 +686,10 @@ def test_a_step_larger_than_the_backlog_cap_completes(tmp_path):
     """64 groups x 16 samples per step, with workers capped at 256 unretired samples."""
     import json
     import subprocess
-    import sys
 
     root = tmp_path / "run"
     p = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "launch.local",
-            "--no-report",  # the report is tests/test_status_report.py's
+        launch_local(
             "--root",
             str(root),
             "--steps",
@@ -709,7 +704,7 @@ def test_a_step_larger_than_the_backlog_cap_completes(tmp_path):
             "0",
             "--trainer",
             "data.train_batch_size=64",
-        ],
+        ),
         capture_output=True,
         text=True,
         timeout=1200,

@@ -9,7 +9,7 @@ import time
 
 import grpc
 import pytest
-from conftest import TESTS_DIR, free_port, make_group, subprocess_env
+from conftest import TESTS_DIR, free_port, launch_local, make_group, subprocess_env
 
 from buffer.config import BufferConfig
 from buffer.experience.net_client import DAMAGED_RESENDS
@@ -235,11 +235,7 @@ def test_pipeline_over_grpc(tmp_path):
     env = dict(os.environ, TANDEM_GRPC_TOKEN=TOKEN)
     root = tmp_path / "run"
     proc = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "launch.local",
-            "--no-report",  # the report is tests/test_status_report.py's
+        launch_local(
             "--root",
             str(root),
             "--steps",
@@ -254,7 +250,7 @@ def test_pipeline_over_grpc(tmp_path):
             "buffer.transport=grpc",
             "--worker",
             f"buffer.grpc_address=127.0.0.1:{port}",
-        ],
+        ),
         capture_output=True,
         text=True,
         timeout=500,

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import REORDER_REL_BOUND, run_folder, trainer_proc
+from conftest import REORDER_REL_BOUND, launch_local, run_folder, trainer_proc
 from safetensors.torch import load_file
 
 from buffer.layout import RunLayout
@@ -355,13 +355,7 @@ def test_lora_rl_learns_the_builtin_task_from_a_warmed_base(tmp_path):
     from conftest import REPO_ROOT
 
     out = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "launch.local",
-            "--no-report",  # the report is tests/test_status_report.py's
-            *args,
-        ],
+        launch_local(*args),
         capture_output=True,
         text=True,
         timeout=900,

@@ -5,8 +5,9 @@ import json
 import os
 import signal
 import subprocess
-import sys
 import time
+
+from conftest import launch_local
 
 from buffer.run import setup_trainer_run
 from launch.local import rl_metrics
@@ -19,18 +20,7 @@ def test_local_pipeline_runs_steps_and_reloads_weights(tmp_path):
     root = tmp_path / "run"
     steps = 6
     proc = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "launch.local",
-            "--no-report",  # the report is tests/test_status_report.py's
-            "--root",
-            str(root),
-            "--steps",
-            str(steps),
-            "--timeout",
-            "400",
-        ],
+        launch_local("--root", str(root), "--steps", str(steps), "--timeout", "400"),
         capture_output=True,
         text=True,
         timeout=500,
@@ -75,18 +65,7 @@ def test_ctrl_c_stops_every_process(tmp_path):
     # suite run as `... &` would then send a Ctrl-C the launcher never sees. A terminal's Ctrl-C
     # reaches a process whose SIGINT is at its default, so start it that way.
     proc = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "launch.local",
-            "--no-report",  # the report is tests/test_status_report.py's
-            "--root",
-            str(root),
-            "--steps",
-            "500",
-            "--timeout",
-            "300",
-        ],
+        launch_local("--root", str(root), "--steps", "500", "--timeout", "300"),
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
@@ -115,11 +94,7 @@ def test_ctrl_c_stops_every_process(tmp_path):
 
 def test_a_failing_worker_stops_the_run_and_is_named(tmp_path):
     proc = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "launch.local",
-            "--no-report",  # the report is tests/test_status_report.py's
+        launch_local(
             "--root",
             str(tmp_path / "run"),
             "--steps",
@@ -128,7 +103,7 @@ def test_a_failing_worker_stops_the_run_and_is_named(tmp_path):
             "300",
             "--worker",
             "custom_reward_function.path=/nonexistent/reward.py",
-        ],
+        ),
         capture_output=True,
         text=True,
         timeout=400,

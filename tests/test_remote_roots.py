@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pyarrow.parquet as pq
 import pytest
-from conftest import free_port, kill_tree
+from conftest import free_port, kill_tree, launch_local
 
 from buffer.run import setup_trainer_run
 from launch.local import BUILTIN_TRAINER, BUILTIN_WORKER, rl_metrics
@@ -38,21 +38,9 @@ def test_remote_workers_learn_the_builtin_task_like_a_shared_folder(tmp_path):
     steps, freq = 60, 20
     env = dict(os.environ, TANDEM_GRPC_TOKEN=TOKEN)
     proc = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "launch.local",
-            "--no-report",  # the report is tests/test_status_report.py's
-            "--root",
-            str(root),
-            "--steps",
-            str(steps),
-            "--test-freq",
-            str(freq),
-            "--timeout",
-            "900",
-            "--remote-workers",
-        ],
+        launch_local(
+            "--root", str(root), "--steps", str(steps), "--test-freq", str(freq), "--timeout", "900", "--remote-workers"
+        ),
         capture_output=True,
         text=True,
         timeout=1000,

@@ -12,7 +12,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import subprocess_env
+from conftest import launch_local, subprocess_env
 
 from buffer.run import setup_trainer_run
 from launch.local import read_metrics
@@ -86,11 +86,7 @@ def test_rl_against_the_reward_model_raises_the_rule_reward(reward_model, tmp_pa
     path, _ = reward_model
     root = tmp_path / "run"
     proc = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "launch.local",
-            "--no-report",  # the report is tests/test_status_report.py's
+        launch_local(
             "--root",
             str(root),
             "--steps",
@@ -103,7 +99,7 @@ def test_rl_against_the_reward_model_raises_the_rule_reward(reward_model, tmp_pa
             path,  # the model's score is the workers' whole reward
             "--trainer",
             "buffer.retention=keep",  # the shards stay: which scorer scored each sample
-        ],
+        ),
         capture_output=True,
         text=True,
         env=subprocess_env(),

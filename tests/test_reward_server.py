@@ -18,7 +18,7 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import subprocess_env
+from conftest import launch_local, subprocess_env
 
 from buffer.reward.base import RewardServiceError
 from buffer.reward.net_client import GrpcRewardClient, StaticEndpoints
@@ -235,18 +235,7 @@ def worker_lines(root: Path, text: str) -> list[str]:
 @pytest.mark.slow
 def test_a_killed_reward_server_is_waited_for_and_no_group_is_lost_or_scored_twice(tmp_path, rm_dir):
     root = tmp_path / "run"
-    cmd = [
-        sys.executable,
-        "-m",
-        "launch.local",
-        "--no-report",  # the report is tests/test_status_report.py's
-        "--root",
-        str(root),
-        "--steps",
-        "4",
-        "--test-freq",
-        "0",
-    ]
+    cmd = launch_local("--root", str(root), "--steps", "4", "--test-freq", "0")
     cmd += ["--timeout", "500", "--trainer", "buffer.retention=keep"]  # every shard stays to be counted
     for kv in ("reward_model.enable=true", f"reward_model.model.path={rm_dir}", "reward_model.wait_s=300"):
         cmd += ["--worker", kv]

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import REPO_ROOT, free_port, kill_tree
+from conftest import REPO_ROOT, free_port, kill_tree, launch_local
 from safetensors.torch import load_file
 
 from buffer.checkpoints import FsCheckpoints
@@ -286,11 +286,7 @@ def greedy_accuracy(model_dir, sft_parquet) -> float:
 
 def _local(root, *args):
     out = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "launch.local",
-            "--no-report",  # the report is tests/test_status_report.py's
+        launch_local(
             "--root",
             str(root),
             "--steps",
@@ -304,7 +300,7 @@ def _local(root, *args):
             "--test-freq",
             "0",  # no validator: the test compares the trainer's first rewards only
             *args,
-        ],
+        ),
         capture_output=True,
         text=True,
         timeout=700,

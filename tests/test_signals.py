@@ -10,7 +10,7 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import subprocess_env
+from conftest import launch_local, subprocess_env
 
 from rollout import builtin_task
 
@@ -83,18 +83,7 @@ def test_waiting_for_first_weights_stops_on_sigterm(tmp_path, role):
 def test_launch_local_cleanup_survives_a_second_signal(tmp_path):
     root = tmp_path / "run"
     proc = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "launch.local",
-            "--no-report",  # the report is tests/test_status_report.py's
-            "--root",
-            str(root),
-            "--steps",
-            "500",
-            "--timeout",
-            "400",
-        ],
+        launch_local("--root", str(root), "--steps", "500", "--timeout", "400"),
         stdout=subprocess.DEVNULL,
         stderr=subprocess.PIPE,
         text=True,

@@ -7,11 +7,10 @@ import json
 import math
 import os
 import subprocess
-import sys
 
 import pytest
 import torch
-from conftest import free_port
+from conftest import free_port, launch_local
 
 from buffer.layout import RunLayout
 from buffer.run import setup_trainer_run
@@ -146,11 +145,7 @@ def test_synchronous_pipeline_trains_every_sample_at_staleness_0(tmp_path, worke
         ],
     }[transport]
     proc = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "launch.local",
-            "--no-report",  # the report is tests/test_status_report.py's
+        launch_local(
             "--root",
             str(root),
             "--steps",
@@ -173,7 +168,7 @@ def test_synchronous_pipeline_trains_every_sample_at_staleness_0(tmp_path, worke
             "--worker",
             "actor_rollout_ref.rollout.prompts_per_batch=2",
             *grpc,
-        ],
+        ),
         capture_output=True,
         text=True,
         timeout=500,
@@ -271,15 +266,7 @@ def test_a_synchronous_group_whose_rewards_are_all_dropped_is_drawn_again(tmp_pa
     ]:
         args += [f"--{role}", opt]
     proc = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "launch.local",
-            "--no-report",  # the report is tests/test_status_report.py's
-            "--root",
-            str(root),
-            *args,
-        ],
+        launch_local("--root", str(root), *args),
         capture_output=True,
         text=True,
         timeout=400,

@@ -3,11 +3,10 @@ advantage estimator, the GAE critic, KL in the reward, uneven shares, KL/entropy
 
 import json
 import subprocess
-import sys
 
 import pytest
 import torch
-from conftest import REORDER_REL_BOUND, final_weights, run_folder, trainer_proc, weight_distances
+from conftest import REORDER_REL_BOUND, final_weights, launch_local, run_folder, trainer_proc, weight_distances
 from safetensors.torch import load_file
 from test_sync import FP32_MISMATCH_BOUND
 
@@ -236,11 +235,7 @@ def test_gae_with_a_critic_learns_the_builtin_task(tmp_path):
     # box), past 0.5 near step 60; 100 steps leave margin for the last-10 mean to pass 0.5.
     root = tmp_path / "run"
     proc = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "launch.local",
-            "--no-report",  # the report is tests/test_status_report.py's
+        launch_local(
             "--root",
             str(root),
             "--steps",
@@ -251,7 +246,7 @@ def test_gae_with_a_critic_learns_the_builtin_task(tmp_path):
             "0",  # no validator: this test reads the trainer's rewards only
             "--trainer",
             "algorithm.adv_estimator=gae",
-        ],
+        ),
         capture_output=True,
         text=True,
         timeout=1500,

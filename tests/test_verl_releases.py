@@ -6,11 +6,10 @@ from __future__ import annotations
 
 import json
 import subprocess
-import sys
 
 import pytest
 import yaml
-from conftest import REPO_ROOT, subprocess_env
+from conftest import REPO_ROOT, launch_local, subprocess_env
 
 from buffer.run import setup_trainer_run
 from protocol import verl_keys
@@ -411,11 +410,7 @@ def test_release_configs_run_through_launch_local(tmp_path, tiny, release, adv, 
     sft = tiny_sft(tmp_path, tiny, sft_release, shape)
     root = tmp_path / "run"
     proc = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "launch.local",
-            "--no-report",  # the report is tests/test_status_report.py's
+        launch_local(
             "--root",
             str(root),
             "--config",
@@ -432,7 +427,7 @@ def test_release_configs_run_through_launch_local(tmp_path, tiny, release, adv, 
             "1",
             "--timeout",
             "400",
-        ],
+        ),
         cwd=REPO_ROOT,
         env=subprocess_env(),
         capture_output=True,
