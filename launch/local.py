@@ -260,9 +260,9 @@ def initial_model(dest: str, task: str) -> None:
     """The built-in task's random-init model folder at `dest`, copied from this machine's cache
     ($TANDEM_CACHE_DIR, else ~/.cache/tandem) and built there on first use: building imports
     torch and transformers (~5 s of a CPU's time), which would otherwise delay every run's
-    start. The cache key covers what decides the bytes (the task, the versions of torch,
-    transformers and tokenizers, the code that builds it); the folder is made atomically, so a
-    crash leaves no half a model there. An unwritable cache only means building in place."""
+    start. The cache key covers what decides the bytes (the task, the versions of the libraries
+    that build and write it, the code that builds it); both folders are made atomically, so a
+    crash leaves no half a model. An unwritable cache only means building in place."""
     key = _model_key(task)
     cache = Path(os.environ.get(CACHE_ENV) or Path.home() / ".cache" / "tandem") / "init-models" / key
     if not cache.is_dir():
@@ -278,6 +278,7 @@ def initial_model(dest: str, task: str) -> None:
                 _write_model(dest, task)
                 return
     tmp_dest = f"{dest}.tmp"
+    shutil.rmtree(tmp_dest, ignore_errors=True)  # a crashed launch's copy
     shutil.copytree(cache, tmp_dest)
     respect_umask(tmp_dest)  # this run's umask, not the one the cache was built under
     os.replace(tmp_dest, dest)
