@@ -25,6 +25,7 @@ import subprocess
 import sys
 import time
 
+GENERATE_TIMEOUT_S = 300  # a fresh machine's first engine start took 113-166 s (../shared/device/README.md)
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 
@@ -111,37 +112,73 @@ def _sync(device: str) -> None:
 
 
 def generate_part(args) -> dict:
-    """One worker batch through vLLM (own process: vLLM holds the GPU's memory)."""
+    """One worker batch through the worker's own engine (`rollout.vllm_engine.VLLMEngine`: vLLM's
+    default multiprocess mode, CUDA graphs, logprobs), in its own process: vLLM holds the GPU's memory."""
     import tempfile
 
     import torch
     from transformers import Qwen2Config, Qwen2ForCausalLM
-    from vllm import LLM, SamplingParams
-    from vllm.inputs import TokensPrompt
 
     from rollout import builtin_task
+    from rollout.config import RolloutSamplingConfig
+    from rollout.engine_types import SamplingSettings
+    from rollout.vllm_engine import VLLMEngine
 
     path = tempfile.mkdtemp(prefix="rm-bench-policy-")
-    torch.manual_seed(0)
+    torch.manual_seed(0)  # built on the CPU before vLLM starts (see ../shared/device/README.md)
     cfg = Qwen2Config(**QWEN25_05B, eos_token_id=1, pad_token_id=0, bos_token_id=None)
     Qwen2ForCausalLM(cfg).to(torch.bfloat16).save_pretrained(path)
     builtin_task.build_tokenizer().save_pretrained(path)
-    llm = LLM(model=path, gpu_memory_utilization=0.6, seed=0, skip_tokenizer_init=True)
+    print(f"starting the worker's vLLM engine on {path}", flush=True)
+    engine = VLLMEngine(path, RolloutSamplingConfig(name="vllm", dtype="bfloat16", gpu_memory_utilization=0.6))
     plen = args.seq_len - args.response_len
     gen = torch.Generator().manual_seed(1)
-    prompts = [
-        TokensPrompt(prompt_token_ids=torch.randint(2, 151936, (plen,), generator=gen).tolist())
-        for _ in range(args.prompts)
-    ]
-    sp = SamplingParams(n=args.n, temperature=1.0, max_tokens=args.response_len, ignore_eos=True, detokenize=False)
-    llm.generate(prompts[:2], sp, use_tqdm=False)  # warm-up (compile, graphs)
-    times = []
-    for _ in range(args.gen_rounds):
+    # Random ids of Qwen's vocabulary; a random-init model draws eos (id 1) with p ~ 1/151936 per token.
+    prompts = [torch.randint(2, 151936, (plen,), generator=gen).tolist() for _ in range(args.prompts)]
+    sp = SamplingSettings(n=args.n, temperature=1.0, top_p=1.0, max_tokens=args.response_len, seed=0)
+    engine.generate(prompts[:2], sp)  # warm-up (compile, graphs)
+    times, tokens = [], 0
+    for r in range(args.gen_rounds):
         t0 = time.perf_counter()
-        outs = llm.generate(prompts, sp, use_tqdm=False)
+        groups = engine.generate(prompts, sp)
         times.append(time.perf_counter() - t0)
-    samples = sum(len(o.outputs) for o in outs)
-    return {"samples": samples, "generate_s": round(min(times), 3), "generate_s_all": [round(t, 3) for t in times]}
+        tokens = sum(len(c.token_ids) for g in groups for c in g)
+        print(f"round {r}: {times[-1]:.2f} s, {tokens} response tokens", flush=True)
+    engine.close()
+    samples = sum(len(g) for g in groups)
+    return {
+        "samples": samples,
+        "response_tokens": tokens,
+        "generate_s": round(min(times), 3),
+        "generate_s_all": [round(t, 3) for t in times],
+    }
+
+
+def run_generate_child(args) -> dict:
+    """`generate_part` in a fresh process, its output streamed to a log beside --out, a line every 30 s."""
+    log_path = os.path.splitext(args.out)[0] + "_generate.log"
+    cmd = [sys.executable, __file__, "--out", "-", "--part", "generate", "--seq-len", str(args.seq_len)]
+    cmd += ["--prompts", str(args.prompts), "--n", str(args.n), "--response-len", str(args.response_len)]
+    t0 = time.monotonic()
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, text=True)
+        while proc.poll() is None:
+            waited = time.monotonic() - t0
+            if waited > GENERATE_TIMEOUT_S:
+                proc.kill()
+                proc.wait()
+                break
+            print(f"waiting for the vLLM batch process ({waited:.0f} s of {GENERATE_TIMEOUT_S} s; log {log_path})")
+            try:
+                proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                pass
+    with open(log_path) as f:
+        text = f.read()
+    line = next((x for x in text.splitlines() if x.startswith("GENERATE ")), None)
+    if line is None:
+        return {"error": f"rc {proc.returncode} after {time.monotonic() - t0:.0f} s: " + text[-2000:]}
+    return json.loads(line[len("GENERATE ") :])
 
 
 def parse_args(argv):
@@ -183,17 +220,11 @@ def main(argv=None) -> int:
     best = max((r for r in result["score"] if "samples_s" in r), key=lambda r: r["samples_s"], default=None)
     if args.part == "all" and not args.cpu and best:
         torch.cuda.empty_cache()
-        cmd = [sys.executable, __file__, "--out", "-", "--part", "generate", "--seq-len", str(args.seq_len)]
-        cmd += ["--prompts", str(args.prompts), "--n", str(args.n), "--response-len", str(args.response_len)]
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=420)
-        line = next((x for x in proc.stdout.splitlines() if x.startswith("GENERATE ")), None)
-        if line is None:
-            result["generate"] = {"error": (proc.stderr or proc.stdout)[-2000:]}
-        else:
-            g = json.loads(line[len("GENERATE ") :])
+        g = run_generate_child(args)
+        if "error" not in g:
             g["score_s"] = round(g["samples"] / best["samples_s"], 3)
             g["score_share"] = round(g["score_s"] / (g["generate_s"] + g["score_s"]), 3)
-            result["generate"] = g
+        result["generate"] = g
     with open(args.out, "w") as f:
         json.dump(result, f, indent=1)
     print(json.dumps(result, indent=1))
