@@ -7,16 +7,17 @@ seconds of an adapter reload (issue 27).
     python -m benchmarks.lora_worker_bench --table OUT                     # OUT/stage-*.json -> table
     bash benchmarks/lora_worker_bench.sh OUT [--cpu]                       # all of it
 
-The model is Qwen2.5-0.5B-shaped, random init, bf16 (benchmarks/rollout_bench.py's, built on the
-CPU). A stage is one process running a `RolloutWorker` with the product's defaults on vLLM's
-default engine (multiprocess, CUDA graphs, torch.compile): `full` on full-weight versions (no
-LoRA in the engine), `r16`/`r64` on adapter-only versions of rank 16/64 (all linear layers, as
-trainer/lora.py's 'all-linear'; vLLM's max_lora_rank derived from the rank). Each stage starts
-the worker on v0 (timed), runs one warm-up batch, then `--batches` timed ones (generate + score +
-shard: tokens / generating seconds, as the heartbeat's tokens_per_s), then publishes
-`--reloads` new versions one at a time and times each in-place load (`maybe_reload`: checksums,
-then the engine's load; for an adapter: add under a new id, remove the old). `--cpu` runs the
-same on the CPU's hf engine with a tiny model: the wiring check, not a measurement.
+The model is Qwen2.5-0.5B- or 1.5B-shaped (`--prep --shape`), random init, bf16
+(benchmarks/rollout_bench.py's, built on the CPU). A stage is one process running a
+`RolloutWorker` with the product's defaults on vLLM's default engine (multiprocess, CUDA graphs,
+torch.compile): `full` on full-weight versions (no LoRA in the engine), `r16`/`r64` on adapter-
+only versions of rank 16/64 (all linear layers, as trainer/lora.py's 'all-linear'; vLLM's
+max_lora_rank derived from the rank). Each stage starts the worker on v0 (timed), runs one warm-
+up batch, then `--batches` timed ones (generate + score + shard: tokens / generating seconds, as
+the heartbeat's tokens_per_s), then publishes `--reloads` new versions one at a time and times
+each in-place load (`maybe_reload`: checksums, then the engine's load; for an adapter: add under
+a new id, remove the old). `--cpu` runs the same on the CPU's hf engine with a tiny model: the
+wiring check, not a measurement.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ import glob
 import json
 import os
 import platform
+import shutil
 import statistics
 import sys
 import time
@@ -44,12 +46,14 @@ def prep(args) -> None:
     PEFT's layout): CPU only, before any engine starts."""
     import torch
 
-    from benchmarks.rollout_bench import QWEN25_05B, build_model
+    from benchmarks.rollout_bench import QWEN25_05B, QWEN25_15B, build_model
     from rollout import builtin_task
 
     t0 = time.monotonic()
-    shape = dict(QWEN25_05B, **TINY) if args.cpu else QWEN25_05B
-    build_model(f"{args.work}/base", shape)
+    dims = {"0.5b": QWEN25_05B, "1.5b": QWEN25_15B}[args.shape]
+    build_model(f"{args.work}/base", dict(dims, **TINY) if args.cpu else dims)
+    with open(f"{args.work}/shape", "w") as f:  # the stages' rows name it
+        f.write("tiny" if args.cpu else args.shape)
     builtin_task.write_parquet(f"{args.work}/train.parquet", builtin_task.make_rows(args.prompts, 24))
     torch.set_num_threads(os.cpu_count() or 1)
     for rank in (16, 64):
@@ -91,6 +95,7 @@ def stage(args) -> dict:
 
     rank = STAGES[args.stage]
     base, root = f"{args.work}/base", f"{args.work}/run-{args.stage}"
+    shutil.rmtree(root, ignore_errors=True)  # a stage killed at its limit left its versions: start afresh
     store = WeightStore(root)
 
     def publish(v: int) -> None:
@@ -140,8 +145,11 @@ def stage(args) -> dict:
     rates.append(_after_reload_rate(worker))
     worker.writer.close()
     worker.engine.close()
+    with open(f"{args.work}/shape") as f:
+        shape = f.read()
     return {
         "stage": args.stage,
+        "shape": shape,
         "lora_rank": rank,
         "startup_s": started_s,
         "tok_s": spread(rates[:-1]),
@@ -176,7 +184,10 @@ def table(out: str) -> str:
             row = json.load(f)
         rows[row["stage"]] = row
     full = (rows.get("full") or {}).get("tok_s") or {}
+    shapes = sorted({r.get("shape", "0.5b") for r in rows.values()})
     lines = [
+        f"shape: {', '.join(shapes) or '-'}",
+        "",
         "| stage | start s | tok/s (median) | vs full | tok/s after reloads | reload s (median, max) | MB/reload |",
         "| --- | ---: | ---: | ---: | ---: | ---: | ---: |",
     ]
@@ -209,6 +220,7 @@ def main() -> int:
     ap.add_argument("--table", metavar="OUT", help="summarise OUT/stage-*.json")
     ap.add_argument("--out", help="the stage's JSON")
     ap.add_argument("--cpu", action="store_true", help="tiny model, hf engine: the wiring check")
+    ap.add_argument("--shape", choices=("0.5b", "1.5b"), default="0.5b", help="--prep: the base's Qwen2.5 shape")
     ap.add_argument("--prompts", type=int, default=64)
     ap.add_argument("--n", type=int, default=8)
     ap.add_argument("--max-tokens", type=int, default=128)
@@ -221,8 +233,6 @@ def main() -> int:
         print(table(args.table), end="")
         return 0
     if args.prep:
-        import shutil
-
         shutil.rmtree(args.work, ignore_errors=True)
         os.makedirs(args.work)
         prep(args)
