@@ -65,6 +65,30 @@ def make_group(
     return out
 
 
+# --- two test processes (README command 2: pytest -n 2 --dist loadgroup) --------------------
+# The suite is CPU-bound on 2 cores, yet serially it kept them 54% busy (per-test CPU from
+# getrusage, 2026-12-03): most tests run one single-threaded process at a time (in-process, or
+# one trainer importing torch), so one core idles. Two xdist processes fill it. The heaviest
+# tests stay one at a time, in file order, on one of them (group "heavy"): those marked slow or
+# chaos (multi-process learning runs, the soak), those sharing a session run (each xdist
+# process would make it again), and the SLURM and Ray modules (one cluster, one Ray head, fixed
+# paths and ports). So at most one heavy run is beside any other test: the load of the "beside a
+# busy loop" runs every test must pass anyway.
+HEAVY_FIXTURES = {"status_run", "critic_reference", "slurm", "ray_head"}
+HEAVY_MODULES = {"test_slurm.py", "test_ray.py"}
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        if (
+            item.get_closest_marker("slow")
+            or item.get_closest_marker("chaos")
+            or HEAVY_FIXTURES & set(item.fixturenames)
+            or item.path.name in HEAVY_MODULES
+        ):
+            item.add_marker(pytest.mark.xdist_group("heavy"))
+
+
 def subprocess_env() -> dict[str, str]:
     """Environment for helper subprocesses: the repo importable, no stray output buffering."""
     env = dict(os.environ)
