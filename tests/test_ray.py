@@ -7,9 +7,11 @@ from __future__ import annotations
 import json
 import os
 import shlex
+import shutil
 import socket
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -59,7 +61,10 @@ def ray_head(tmp_path_factory):
     """A one-node Ray cluster with 8 logical CPUs (several small jobs share the 2 real cores) and
     no GPUs; its dashboard (the Jobs API) on a free port. Yields the dashboard's address."""
     pytest.importorskip("ray", reason="ray is not installed: pip install -e '.[ray]'")
-    temp = tmp_path_factory.mktemp("ray")  # Ray's session folder: sockets, logs
+    # Ray's session folder (sockets, logs) under a short path of its own: its sockets live there,
+    # and an AF_UNIX path may not exceed 107 bytes, which pytest's tmp folders pass under xdist
+    # (`.../pytest-0/popen-gw1/ray0/session_<date>_<pid>/sockets/dash_MetricsHead`)
+    temp = Path(tempfile.mkdtemp(prefix="tandem-ray-", dir="/tmp"))
     names = [
         "--dashboard-port",
         "--port",
@@ -136,6 +141,7 @@ def ray_head(tmp_path_factory):
             "the Ray head's processes to exit",
             dump=lambda: "\n".join(_processes_with(str(temp))),
         )
+        shutil.move(temp, tmp_path_factory.mktemp("ray"))  # its logs kept with pytest's tmp folders
 
 
 def _submit(address: str, role: str, *args: str) -> str:
