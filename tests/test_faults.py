@@ -523,7 +523,9 @@ def test_leftover_experience_of_another_run_is_not_trained_on(experience, tmp_pa
             f"trainer.total_training_steps={STEPS}",
             "data.train_batch_size=4",
             "trainer.max_staleness=1000",
-            "trainer.data_timeout_s=15",
+            # the reader's first pass ingests (and here quarantines) every shard on disk before
+            # it looks at the clock, so a short wait is enough to see all of them refused
+            "trainer.data_timeout_s=3",
             "buffer.poll_interval=0.1",
         ],
         capture_output=True,
