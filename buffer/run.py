@@ -206,16 +206,18 @@ def _network_run(root: str, buffer: BufferConfig) -> WorkerRun:
     os.makedirs(own.files.weights_dir, exist_ok=True)
     client = RunClient(buffer)
     state = NetRunState(client)
+    heartbeats, progress = NetHeartbeats(client), NetProgress(client)
+    room = functools.partial(backpressure.wait_for_room, heartbeats, progress)
 
     def make_sink(worker_id: str) -> GrpcSink:  # shards pushed; the claim file in `root`
-        return GrpcSink(_folder_sink(own, buffer, worker_id), buffer, state)
+        return GrpcSink(_folder_sink(own, buffer, worker_id), buffer, state, room)
 
     return WorkerRun(
         root=root,
         transport="grpc",
         weights=NetWeightSource(client, own.files, buffer.grpc_cache_versions),
-        heartbeats=NetHeartbeats(client),
-        progress=NetProgress(client),
+        heartbeats=heartbeats,
+        progress=progress,
         state=state,
         sync=NetSyncClaims(client),
         control=NetControl(client),

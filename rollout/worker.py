@@ -257,7 +257,13 @@ class RolloutWorker:
             return False
         latest = pointer["version"]
         if not self.rounds.on and not self.store.ready(latest):
-            return False  # still arriving (network source): generate on, reload when it is here
+            # Still arriving (network source): generate on. A version fetched in the background
+            # while the trainer published newer ones is still newer than ours: load it, or a
+            # trainer that publishes faster than a version arrives is never caught up with.
+            ready = self.store.newest_ready(self.version)
+            if ready is None or ready in self.skipped:
+                return False
+            latest = ready
         t0 = time.monotonic()
         try:
             count = load_version(self.engine, self.store, self.gate, latest)  # Refused: not caught

@@ -283,3 +283,103 @@ def test_message_codec_refuses_wrong_types():
         rs.decode(rs.Empty, msgpack.packb([1, 2]))
     with pytest.raises(rs.MessageError, match="not msgpack"):
         rs.decode(rs.Empty, b"\xc1")
+
+
+def _network_worker(tmp_path, cfg):
+    """A RolloutWorker (the tiny model's hf engine) on the trainer's services only."""
+    from protocol.config import build
+    from rollout.worker import RolloutWorker
+
+    builtin_task.write_parquet(tmp_path / "t.parquet", builtin_task.make_rows(8, 3))
+    fields = {f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg)}
+    settings = {f"buffer.{k}": str(v) for k, v in fields.items() if v != getattr(BufferConfig(), k)}
+    settings.update(
+        {
+            "root": str(tmp_path / "worker"),
+            "train_files": f"[{tmp_path / 't.parquet'}]",
+            "worker.id": "w0",
+            "max_response_length": "3",
+            "actor_rollout_ref.rollout.n": "2",
+            "prompts_per_batch": "2",
+        }
+    )
+    return RolloutWorker(build(WorkerConfig, settings))
+
+
+def test_a_network_worker_loads_a_version_fetched_while_newer_ones_were_published(tmp_path):
+    """A trainer that publishes faster than a version arrives: the worker loads the version its
+    background fetch completed even though the pointer names a newer one by then, instead of
+    chasing the newest and loading none (on one H200, 4 of 20 versions loaded, issue 17's table)."""
+    port = free_port()
+    # the trainer's uplink at 0.25 MB/s: 2 s per copy of the 0.5 MB model, so a version published
+    # just now cannot have arrived when the worker next looks
+    cfg = _cfg(tmp_path, port, grpc_call_timeout_s=10, grpc_linger_s=0, weights_upload_mb_s=0.25)
+    trainer = setup_trainer_run(str(tmp_path / "trainer"))
+    trainer.state.ensure_run_id()
+    builtin_task.write_model(tmp_path / "model")
+    publish = trainer.publisher.publish_hf_folder
+    publish(tmp_path / "model", 0, 0, keep=5)
+    server = trainer.serve(cfg)
+    worker = _network_worker(tmp_path, cfg)
+    try:
+        assert worker.start() and worker.version == 0
+        publish(tmp_path / "model", 1, 1, keep=5)
+        assert worker.store.pointer()["version"] == 1  # starts fetching v1 in the background
+        deadline = time.monotonic() + 60  # 2 s at the capped rate; a loaded box: a few times that
+        while not worker.store.ready(1):
+            assert time.monotonic() < deadline, "v1 did not arrive within 60 s"
+            time.sleep(0.05)
+        publish(tmp_path / "model", 2, 2, keep=5)  # the trainer moved on: v2 is 2 s away
+        assert worker.maybe_reload(), "the worker waited for v2 instead of loading v1"
+        assert worker.version == 1 and worker.versions_loaded == [0, 1]
+        while not worker.maybe_reload():  # and v2 once it is here
+            assert time.monotonic() < deadline + 60, "v2 did not arrive within 60 s"
+            time.sleep(0.05)
+        assert worker.versions_loaded == [0, 1, 2]
+    finally:
+        worker.store.close()
+        server.stop(grace_s=1)
+
+
+def test_a_network_worker_waits_for_room_like_a_shared_folder_worker(tmp_path):
+    """Over gRPC the worker holds back as on a shared folder: while the run's backlog (all
+    workers' samples written, from the heartbeats, less the trainer's retired ones) is over the
+    cap, and while the trainer refuses its shards (RESOURCE_EXHAUSTED). Without it, a network
+    worker generated on and the refused shards aged into stale samples."""
+    port = free_port()
+    cfg = _cfg(tmp_path, port, grpc_call_timeout_s=10, grpc_linger_s=0, max_backlog_samples=4, flush_samples=4)
+    trainer = setup_trainer_run(str(tmp_path / "trainer"))
+    trainer.state.ensure_run_id()
+    retired = [0]
+    server = trainer.serve(cfg, retired=lambda: retired[0])
+    run = _worker_run(tmp_path, cfg)
+    sink = run.sink("w0")
+
+    def room(timeout_s=1.0):
+        return sink.wait_for_room(cfg.max_backlog_samples, timeout_s, lambda: False)
+
+    try:
+        run.heartbeats.write("w0", {"worker_id": "w0", "samples_written": 12})
+        trainer.progress.write({"samples_retired": 0, "batch_groups": 1})
+        with pytest.raises(TimeoutError, match="backlog 12 samples > 4"):
+            room()  # 12 written, none retired: the shared-folder rule
+        trainer.progress.write({"samples_retired": 8, "batch_groups": 1})
+        assert room() < 1.0  # 4 left: room
+        from conftest import make_group
+
+        from buffer.writer import ShardWriter
+
+        writer = ShardWriter(sink, "w0", cfg, run_id=trainer.state.run_id())
+        for g in range(3):  # 4 samples a shard; the trainer takes one past its cap of 4, then refuses
+            writer.add_group(make_group("w0", 0, g, 0, 4))
+        deadline = time.monotonic() + 30
+        while sink.held_since is None:
+            assert time.monotonic() < deadline, "the trainer never refused a shard"
+            time.sleep(0.05)
+        with pytest.raises(TimeoutError, match="has refused our shards"):
+            room()
+        retired[0] = 12  # the trainer trained: the next retry is taken
+        assert room(timeout_s=30) < 30 and not sink.unacked
+        writer.close()
+    finally:
+        server.stop(grace_s=1)

@@ -87,8 +87,8 @@ class ExperienceSink(abc.ABC):
     ) -> float:
         """Block while the worker may not produce more (backpressure): on a filesystem while
         the run's backlog (samples written by all workers - samples the trainer retired) is
-        above max(`limit`, one trainer step of `group_size`-sample groups); over gRPC at once
-        (unacknowledged pushes bound the worker instead). Calls `on_wait()` every poll;
+        above max(`limit`, one trainer step of `group_size`-sample groups); over gRPC while
+        the trainer refuses our shards for that same cap (RESOURCE_EXHAUSTED). Calls `on_wait()` every poll;
         returns seconds waited; raises TimeoutError after `timeout_s`."""
 
     @abc.abstractmethod

@@ -16,6 +16,7 @@ import os
 import threading
 import time
 import uuid
+from collections.abc import Callable
 from concurrent import futures
 
 import grpc
@@ -23,6 +24,7 @@ import pyarrow as pa
 
 from buffer.channel import MAX_MESSAGE_BYTES, WRITER_KEY, open_channel, token
 from buffer.config import BufferConfig
+from buffer.control.backpressure import NOTE_EVERY_S
 from buffer.control.base import RunState
 from buffer.experience.base import ExperienceSink
 from buffer.experience.fs import FsExperienceSink
@@ -49,8 +51,13 @@ class GrpcSink(ExperienceSink):
     pushed concurrently by an owned pool of `grpc_max_inflight` sender threads; the claim, the
     resume listing and `has` are the worker's own folder's (`local`)."""
 
-    def __init__(self, local: FsExperienceSink, cfg: BufferConfig, run: RunState):
+    def __init__(
+        self, local: FsExperienceSink, cfg: BufferConfig, run: RunState, room: Callable[..., float] | None = None
+    ):
         self.local, self.cfg, self.run = local, cfg, run
+        # the run's backpressure on the run service's heartbeats and progress (buffer/run.py
+        # binds buffer/control/backpressure.py's wait_for_room), as a shared-folder worker's
+        self.room = room
         self.worker_id = local.worker_id
         self.secret = token(cfg)
         self.writer_key = uuid.uuid4().hex  # this writer's claim on its worker id
@@ -60,6 +67,9 @@ class GrpcSink(ExperienceSink):
         self.stopping = False
         self.last_error: str | None = None
         self._noted_full = -math.inf  # when the trainer's backpressure was last logged
+        # when the trainer began refusing shards with RESOURCE_EXHAUSTED (its backlog cap, a full
+        # disk, too many pushes at once); None again at the next acknowledgement (wait_for_room)
+        self.held_since: float | None = None
         self.push = self._connect()
         self.senders = futures.ThreadPoolExecutor(cfg.grpc_max_inflight, thread_name_prefix="grpc-push")
 
@@ -151,8 +161,37 @@ class GrpcSink(ExperienceSink):
     def wait_for_room(
         self, limit: int, timeout_s: float, should_stop, on_wait=lambda: None, group_size: int = 1
     ) -> float:
-        return 0.0  # unacknowledged pushes bound the worker (publish blocks), and the trainer
-        # refuses shards (RESOURCE_EXHAUSTED) while its own backlog is full
+        """Block while the run's backlog is over the cap, as a shared-folder worker does (`room`:
+        every worker's samples written, from the heartbeats, less the trainer's retired ones),
+        then while the trainer still refuses a shard of ours with RESOURCE_EXHAUSTED (its own
+        copy of the cap, a full disk: net_server's `_backpressure`). Relying on the refusals
+        alone let a worker run ahead by all `grpc_max_inflight` shards and the batches in hand,
+        which aged while refused and were dropped as stale (CPU, 8 steps, `benchmarks/net26.py
+        --cpu`: 3,072 samples dropped against 0 on the shared folder)."""
+        start = time.monotonic()
+        if self.room is not None:
+            self.room(limit, timeout_s, should_stop, on_wait=on_wait, group_size=group_size)
+        last_note, first = time.monotonic(), True
+        while not should_stop():
+            with self.cond:
+                held = self.held_since is not None and bool(self.unacked) and not self.fatal
+                if not held:
+                    break
+                refused_s = time.monotonic() - self.held_since
+            now = time.monotonic()
+            why = (
+                f"the trainer at {self.cfg.grpc_address} has refused our shards for {refused_s:.0f} s "
+                f"({len(self.unacked)} waiting; {self.last_error})"
+            )
+            if now - start > timeout_s:
+                raise TimeoutError(f"{why}; waited {timeout_s:.0f} s (buffer.backlog_timeout_s): is it consuming?")
+            if first or now - last_note >= NOTE_EVERY_S:
+                log.info("%s: waiting for the trainer to train or drop samples", why)
+                first, last_note = False, now
+            on_wait()
+            with self.cond:  # an acknowledgement notifies
+                self.cond.wait(timeout=0.5)
+        return time.monotonic() - start
 
     def where(self) -> str:
         return f"grpc://{self.cfg.grpc_address}"
@@ -190,12 +229,16 @@ class GrpcSink(ExperienceSink):
                     return
                 if code != grpc.StatusCode.RESOURCE_EXHAUSTED:
                     log.warning("push of shard %d failed (%s); retrying in %.1f s", seq, self.last_error, backoff)
-                elif time.monotonic() - self._noted_full > 30:  # backpressure: normal, say so
-                    log.info("the trainer is not taking shards yet (%s); retrying", self.last_error)
-                    self._noted_full = time.monotonic()
+                else:
+                    with self.cond:
+                        self.held_since = self.held_since or time.monotonic()
+                    if time.monotonic() - self._noted_full > 30:  # backpressure: normal, say so
+                        log.info("the trainer is not taking shards yet (%s); retrying", self.last_error)
+                        self._noted_full = time.monotonic()
                 time.sleep(backoff)
-                # the trainer's backpressure lifts as soon as it trains: look again soon
-                backoff = min(backoff * 2, 2.0 if code == grpc.StatusCode.RESOURCE_EXHAUSTED else 10.0)
+                # the trainer's backpressure lifts as soon as it trains, and the worker waits for
+                # it meanwhile (wait_for_room): look again within half a second
+                backoff = min(backoff * 2, 0.5 if code == grpc.StatusCode.RESOURCE_EXHAUSTED else 10.0)
                 continue
             try:
                 self.local.fs.rm(self._outbox(seq))
@@ -203,6 +246,7 @@ class GrpcSink(ExperienceSink):
                 pass
             with self.cond:
                 self.unacked.pop(seq, None)
+                self.held_since = None
                 self.cond.notify_all()
             return
 

@@ -80,6 +80,12 @@ class WeightSource(abc.ABC):
         `pointer()` in the background, so a worker keeps generating while the bytes arrive."""
         return True
 
+    def newest_ready(self, above: int) -> int | None:
+        """The newest version above `above` that `fetch` would return at once, or None. The
+        network source names one it fetched in the background while the trainer published newer
+        ones; the filesystem source never needs it (every version is ready)."""
+        return None
+
     def version_bytes(self, version: int) -> int:
         """Bytes of the published folder of `version` (a delta's, or a snapshot's): what a
         reader moves to load it (the worker's heartbeat reports them per reload)."""

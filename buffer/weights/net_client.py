@@ -1026,6 +1026,10 @@ class NetWeightSource(WeightSource):
         bg = self._background
         return version in self._ready or (bg is not None and bg[0] == version and not bg[1].is_alive())
 
+    def newest_ready(self, above: int) -> int | None:
+        ready = list(self._ready)  # one C-level copy: the background fetch adds to it meanwhile
+        return max((v for v in ready if v > above), default=None)  # _prune drops pruned ones
+
     def exists(self, version: int) -> bool:
         return self.client.call("VersionExists", rs.VersionRef(version)).value
 
