@@ -85,11 +85,11 @@ class ExperienceSink(abc.ABC):
         on_wait: Callable[[], object] = lambda: None,
         group_size: int = 1,
     ) -> float:
-        """Block while the worker may not produce more (backpressure): on a filesystem while
-        the run's backlog (samples written by all workers - samples the trainer retired) is
-        above max(`limit`, one trainer step of `group_size`-sample groups); over gRPC while
-        the trainer refuses our shards for that same cap (RESOURCE_EXHAUSTED). Calls `on_wait()` every poll;
-        returns seconds waited; raises TimeoutError after `timeout_s`."""
+        """Block while the worker may not produce more (backpressure): while the run's backlog
+        (samples written by all workers - samples the trainer retired) is above max(`limit`,
+        one trainer step of `group_size`-sample groups), from the run folder or the run
+        service; over gRPC also while the trainer refuses our shards (RESOURCE_EXHAUSTED).
+        Calls `on_wait()` every poll; returns seconds waited; raises TimeoutError after `timeout_s`."""
 
     @abc.abstractmethod
     def where(self) -> str:
