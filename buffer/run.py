@@ -272,6 +272,11 @@ class RunServer:
         self.servicer = self.shards.servicer  # the experience stream's (its stats)
         log.info("run service and weight service on port %d beside the experience stream", self.port)
 
+    def published(self, version: int) -> None:
+        """Rank 0 published `version`: its chunk list is hashed now, before a worker asks."""
+        if self.weights is not None:
+            self.weights.prepare(version)
+
     def stop(self, grace_s: float = 5.0) -> None:
         try:
             self.run_service.linger(self.linger_s)

@@ -383,3 +383,23 @@ def test_a_network_worker_waits_for_room_like_a_shared_folder_worker(tmp_path):
         writer.close()
     finally:
         server.stop(grace_s=1)
+
+
+def test_a_published_version_is_hashed_for_the_network_before_a_worker_asks(tmp_path, served, caplog):
+    """The trainer's rank 0 tells its server of each version it publishes: the weight service
+    hashes the chunk list then, off the path of the first network worker's fetch."""
+    trainer, server, cfg = served
+    caplog.set_level("INFO", logger="buffer.weights.net_server")
+    trainer.publisher.publish_hf_folder(tmp_path / "model", 1, 1, keep=2)
+    server.published(1)
+    deadline = time.monotonic() + 60  # a 0.5 MB model: milliseconds, seconds on a loaded box
+
+    def hashed():
+        return [r for r in caplog.records if r.getMessage().startswith("weight version 1: ")]
+
+    while not hashed():
+        assert time.monotonic() < deadline, "v1's chunk list was not hashed within 60 s of its publication"
+        time.sleep(0.05)
+    run = _worker_run(tmp_path, cfg)
+    assert run.weights.fetch(1)  # served from the prepared list: hashed once in all
+    assert len(hashed()) == 1

@@ -720,6 +720,8 @@ class Trainer:
                 announce,
             )
         self.rounds.published(self.version, opener=self.rank == 0)
+        if self.server is not None:
+            self.server.published(self.version)
         self.at_published = True
         return out
 

@@ -291,6 +291,7 @@ class WeightService:
         self.answered: dict[str, float] = {}  # peer address -> when a probe of it succeeded
         self.probing: dict[str, float] = {}  # address -> when its probe started, or last failed
         self.prober = futures.ThreadPoolExecutor(PROBE_THREADS, thread_name_prefix="weights-probe")
+        self.preparer = futures.ThreadPoolExecutor(1, thread_name_prefix="weights-prepare")  # see prepare
 
     def register(self, server: grpc.Server) -> None:
         server.add_generic_rpc_handlers(
@@ -301,10 +302,28 @@ class WeightService:
             ]
         )
 
+    def prepare(self, version: int) -> None:
+        """Hash the chunk list of `version`, just published, in the background: not in the
+        first worker's ChunkList request, on the path of every network reload (sha256 of every
+        chunk, ~0.75 s a GB on one core of the H200 host). A request meanwhile waits for this
+        hash (`_holding`: one per version)."""
+
+        def run() -> None:
+            try:
+                self._holding(version)
+            except OSError as e:  # pruned meanwhile, say: a request hashes it again (or finds it gone)
+                log.warning("weight version %d: chunk list not prepared (%s)", version, e)
+
+        try:
+            self.preparer.submit(run)
+        except RuntimeError:  # closed: the run is over
+            pass
+
     def close(self) -> None:
         """After the server stopped: end the chunk-server processes, the probes and the threads."""
         if self.pool is not None:
             self.pool.stop()
+        self.preparer.shutdown(wait=True, cancel_futures=True)
         self.prober.shutdown(wait=True, cancel_futures=True)
         self.threads.shutdown(wait=False, cancel_futures=True)
 
