@@ -364,7 +364,7 @@ def test_a_network_worker_waits_for_room_like_a_shared_folder_worker(tmp_path):
         with pytest.raises(TimeoutError, match="backlog 12 samples > 4"):
             room()  # 12 written, none retired: the shared-folder rule
         trainer.progress.write({"samples_retired": 8, "batch_groups": 1})
-        assert room() < 1.0  # 4 left: room
+        room()  # 4 left: room (over the cap it would raise after its 1 s)
         from conftest import make_group
 
         from buffer.writer import ShardWriter
