@@ -183,22 +183,67 @@ def test_a_corrupted_delta_is_caught_by_the_rebuilt_checksum_and_fetched_again(r
     worker = r.worker()
     worker.weights.fetch(0)
     v = r.step()
-    folder = worker.weights._published(v)  # the delta in the worker's cache, not yet rebuilt
+    _damage(worker.weights._published(v))  # the delta in the worker's cache, not yet rebuilt
+    with caplog.at_level(logging.WARNING, logger="buffer.weights.delta"):
+        assert _exact(worker.weights.files(v), r.truth[v])
+    assert "does not match the trainer's sha256" in caplog.text
+
+
+def _damage(folder, later=None) -> None:
+    """Flip one bit of a changed value in a cached delta, its manifest entry rewritten to match
+    (so only the rebuilt file's checksum can tell). `later`: a later delta of the chain, which
+    must not set that position again (it would repair the damage)."""
+    from safetensors import safe_open
+
+    from buffer.weights.fs import describe_files
+
     name = next(n for n in os.listdir(folder) if n.startswith(delta.PREFIX))
     tensors = load_file(os.path.join(folder, name))
     key = next(k for k in tensors if k.endswith("::val"))
+    i = 0
+    if later is not None:
+        tensor = key.removesuffix("::val")
+        with (
+            safe_open(os.path.join(folder, name), framework="pt") as d,
+            safe_open(os.path.join(later, name), framework="pt") as e,
+        ):
+            mine = delta._positions_of(d, tensor, set(d.keys())).tolist()
+            again = delta._positions_of(e, tensor, set(e.keys()))
+        again = set() if again is None else set(again.tolist())
+        i = next(j for j, at in enumerate(mine) if at not in again)
     tensors[key] = tensors[key].clone()
-    tensors[key].view(torch.int16 if tensors[key].element_size() == 2 else torch.int32)[0] ^= 1
-    from buffer.weights.fs import describe_files
-
+    tensors[key].view(torch.int16 if tensors[key].element_size() == 2 else torch.int32)[i] ^= 1
     save_file(tensors, os.path.join(folder, name))
     manifest = delta.read_manifest(folder)
     manifest.files, _ = describe_files(folder, [f.name for f in manifest.files])
     with open(os.path.join(folder, "manifest.json"), "w") as f:
         f.write(manifest.to_json())
-    with caplog.at_level(logging.WARNING, logger="buffer.weights.delta"):
-        assert _exact(worker.weights.files(v), r.truth[v])
-    assert "does not match the trainer's sha256" in caplog.text
+
+
+def test_a_lagging_worker_rebuilds_only_the_version_it_asks_for(run, caplog):
+    """A worker holding v0 asks for v5 (v1..v5 each a delta on the one before): v5 is rebuilt on
+    v0 with the four deltas between applied in memory, one folder written and hashed instead of
+    five, bit for bit. Then, with a damaged delta in the middle of a chain, the rebuilt checksum
+    catches it and the version-by-version path fetches that copy again: exact all the same."""
+    r = run(full_freq=100)
+    worker = r.worker()
+    worker.weights.fetch(0)
+    for _ in range(5):
+        r.step()
+    rebuilt = os.path.join(worker.weights.layout.weights_dir, delta.FULL_DIR)
+    with caplog.at_level(logging.INFO, logger="buffer.weights.delta"):
+        assert _exact(worker.weights.files(5), r.truth[5])
+    assert os.listdir(rebuilt) == [os.path.basename(delta.full_dir(rebuilt, 5))], "one folder, not one per version"
+    assert "through 4 deltas in memory" in caplog.text
+    for _ in range(3):
+        r.step()
+    for v in (6, 7):
+        worker.weights._published(v)
+    _damage(worker.weights._published(7), later=worker.weights._published(8))  # v5 -> v6, v7 (damaged) -> v8
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="buffer.weights.delta"):
+        assert _exact(worker.weights.files(8), r.truth[8])
+    assert "rebuilding version by version" in caplog.text and "does not match the trainer's sha256" in caplog.text
 
 
 def test_a_worker_killed_mid_apply_resumes_with_nothing_lost(run, tmp_path):

@@ -90,9 +90,15 @@ def _logprob_entropy(h, weight, targets, temps) -> torch.Tensor:
 
 def _model_inputs(batch: Batch) -> dict:
     """Packed: position ids and no attention mask (transformers masks the rows apart by their
-    positions, as trainer/sft.py relies on); padded: the attention mask."""
+    positions, as trainer/sft.py relies on), and the rows' boundaries under transformers'
+    flash-attention keyword names, which reach every layer's attention (varlen kernels use
+    them; sdpa, eager and flex ignore them); padded: the attention mask."""
     if batch.is_packed:
-        return {"input_ids": batch.input_ids, "position_ids": batch.position_ids}
+        inputs = {"input_ids": batch.input_ids, "position_ids": batch.position_ids}
+        if batch.cu_seqlens is not None:
+            cu, longest = batch.cu_seqlens, batch.max_seqlen
+            inputs |= {"cu_seq_lens_q": cu, "cu_seq_lens_k": cu, "max_length_q": longest, "max_length_k": longest}
+        return inputs
     return {"input_ids": batch.input_ids, "attention_mask": batch.attention_mask}
 
 

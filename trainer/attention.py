@@ -38,6 +38,18 @@ def cu_seqlens(position_ids: torch.Tensor) -> tuple[torch.Tensor, int]:
     return cu, int((cu[1:] - cu[:-1]).max())
 
 
+def row_bounds(position_ids: torch.Tensor, kwargs: dict) -> tuple[torch.Tensor, int]:
+    """The rows' boundaries as the caller computed them once per micro-batch (transformers'
+    flash-attention names, `cu_seq_lens_q` and `max_length_q`: trainer/algo.py passes them), else
+    derived here from the position ids: a host sync (`.max()` to an int) in every layer, and in a
+    compiled layer a graph break whose resumed frame recompiled for each packed length until
+    dynamo gave up (H200, 2026-12-04: the compiled 1.5B step ran slower than eager)."""
+    cu = kwargs.get("cu_seq_lens_q")
+    if cu is None:
+        return cu_seqlens(position_ids)
+    return cu, kwargs["max_length_q"]  # the keys' are the same: no cache, queries = keys
+
+
 def varlen_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
     """transformers' attention signature: query (1, Hq, N, D), key/value (1, Hkv, N, D);
     returns (1, N, Hq, D) and no weights."""
@@ -48,10 +60,10 @@ def varlen_attention(module, query, key, value, attention_mask, scaling=None, dr
         raise ValueError(f"attn_implementation={NAME} runs packed rows only (position ids, no attention mask)")
     if dropout:
         raise ValueError(f"attn_implementation={NAME}: no attention dropout")
-    cu, longest = cu_seqlens(position_ids)
+    cu, longest = row_bounds(position_ids, kwargs)
     out_dtype, query, key, value = _half(query, key, value)
     q, k, v = (t[0].transpose(0, 1) for t in (query, key, value))  # (N, H, D)
-    options = _varlen_options(varlen_attn)
+    options = _OPTIONS or _varlen_options(varlen_attn)
     if "enable_gqa" not in options and k.shape[1] != q.shape[1]:
         # torch < 2.12 (2.11 on the GPU image): no grouped-query heads in the kernel, so each
         # key/value head is repeated for its query heads (what enable_gqa does without copying)
@@ -114,8 +126,14 @@ def attn_implementation(name: str, device: torch.device) -> str:
     return name
 
 
+_OPTIONS: frozenset[str] = frozenset()  # set by register(), outside any compiled frame
+
+
 def register() -> str:
+    global _OPTIONS
+    from torch.nn.attention.varlen import varlen_attn
     from transformers import AttentionInterface
 
+    _OPTIONS = _varlen_options(varlen_attn)
     AttentionInterface.register(NAME, varlen_attention)
     return NAME

@@ -13,10 +13,14 @@ Response-aligned tensors keep their (b, R) shape; `logit_index` then points into
 from __future__ import annotations
 
 import dataclasses
+import itertools
+from typing import Any
 
 import torch
 
 from protocol.experience import Sample
+
+PACKED_ONLY = frozenset({"position_ids", "cu_seqlens", "max_seqlen"})
 
 
 @dataclasses.dataclass
@@ -31,6 +35,12 @@ class Batch:
     temperature: torch.Tensor  # (B,) float
     group_ids: list[str]
     position_ids: torch.Tensor | None = None  # (1, N) long when packed, else None
+    # Packed only: the rows' boundaries in the N tokens, (b + 1,) int32 starting at 0, and the
+    # longest row. Computed once per micro-batch here (the lengths are on the host already) and
+    # handed to the attention kernel of every layer, which otherwise derives them from the
+    # position ids itself: a host sync per layer, and a graph break in a compiled layer.
+    cu_seqlens: torch.Tensor | None = None
+    max_seqlen: int = 0
 
     @property
     def is_packed(self) -> bool:
@@ -48,12 +58,16 @@ class Batch:
         lengths = self.attention_mask.sum(1)
         keep = self.attention_mask.bool()
         offsets = torch.cumsum(lengths, 0) - lengths
-        positions = torch.cat([torch.arange(int(n), device=lengths.device) for n in lengths])
+        host = lengths.tolist()
+        positions = torch.cat([torch.arange(n, device=lengths.device) for n in host])
+        cu = torch.tensor([0, *itertools.accumulate(host)], dtype=torch.int32, device=lengths.device)
         return dataclasses.replace(
             self,
             input_ids=self.input_ids[keep].unsqueeze(0),
-            attention_mask=torch.ones((1, int(lengths.sum())), dtype=torch.long, device=lengths.device),
+            attention_mask=torch.ones((1, sum(host)), dtype=torch.long, device=lengths.device),
             position_ids=positions.unsqueeze(0),
+            cu_seqlens=cu,
+            max_seqlen=max(host),
             logit_index=(self.logit_index + offsets.unsqueeze(1)) * self.response_mask.long(),
         )
 
@@ -71,14 +85,13 @@ class Batch:
         """The rows at indices `rows` (1-D long), of a padded batch."""
         assert not self.is_packed, "select rows before packing"
         picked = rows.tolist()
-        return Batch(
-            **{
-                f.name: (v[rows.to(v.device)] if isinstance(v, torch.Tensor) else [v[i] for i in picked])
-                for f in dataclasses.fields(self)
-                if f.name != "position_ids"
-                for v in [getattr(self, f.name)]
-            }
-        )
+        fields: dict[str, Any] = {
+            f.name: (v[rows.to(v.device)] if isinstance(v, torch.Tensor) else [v[i] for i in picked])
+            for f in dataclasses.fields(self)
+            if f.name not in PACKED_ONLY
+            for v in [getattr(self, f.name)]
+        }
+        return Batch(**fields)
 
     def trimmed(self) -> Batch:
         """The same rows without the columns that are padding for every row (after `select`)."""

@@ -35,7 +35,7 @@ import threading
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from buffer.layout import TMP_MARK
 from buffer.storage import fsync_tree
@@ -220,36 +220,57 @@ def _rebuilt_pieces(delta_file: str, base_tensor: Callable[[str], torch.Tensor])
         yield head
         header = json.loads(head[8:])
         for key in sorted((k for k in header if k != "__metadata__"), key=lambda k: header[k]["data_offsets"][0]):
-            if f"{key}::full" in names:
-                t = d.get_tensor(f"{key}::full")
-            else:
-                t = base_tensor(key).contiguous()
-                at = _positions_of(d, key, names)
-                if at is not None:
-                    _int_view(t)[at] = _int_view(d.get_tensor(f"{key}::val"))
+            t = d.get_tensor(f"{key}::full") if f"{key}::full" in names else _patched(d, names, key, base_tensor(key))
             yield memoryview(t.reshape(-1).view(torch.uint8).numpy())
 
 
-def _rebuild_file(delta_folder: str, name: str, base_folder: str, base: WeightManifest, target: str) -> str:
+def _patched(d, names: set[str], key: str, before: torch.Tensor) -> torch.Tensor:
+    """Tensor `key` of the delta file `d`'s version (`names`: its keys): its own copy if it
+    holds one, else the version before's with the changed positions set (in place)."""
+    if f"{key}::full" in names:
+        return d.get_tensor(f"{key}::full")
+    t = before.contiguous()
+    at = _positions_of(d, key, names)
+    if at is not None:
+        _int_view(t)[at] = _int_view(d.get_tensor(f"{key}::val"))
+    return t
+
+
+Step = tuple[str, "WeightManifest"]  # a delta version between a rebuild's base and its target
+
+
+def _rebuild_file(
+    delta_folder: str, name: str, base_folder: str, base: WeightManifest, target: str, via: list[Step]
+) -> str:
     """Write one file of the rebuilt version to `target`; its sha256. The hash of piece k runs
-    in a thread while piece k+1 is patched and written (both release the GIL)."""
+    in a thread while piece k+1 is patched and written (both release the GIL). `via`: the delta
+    versions between the base and this one, oldest first, applied to each base tensor in memory
+    (a lagging reader writes and hashes the newest version only, not every one on the way)."""
     from safetensors import safe_open
 
     if not os.path.exists(os.path.join(delta_folder, PREFIX + name)):  # a metadata file
         shutil.copyfile(os.path.join(delta_folder, name), target)
         return hashlib.sha256(Path(target).read_bytes()).hexdigest()
     with contextlib.ExitStack() as stack:
-        opened: dict[str, object] = {}
+        opened: dict[str, tuple[Any, set[str]]] = {}  # path -> (the open file, its keys)
+
+        def open_once(path: str) -> tuple[Any, set[str]]:
+            if path not in opened:
+                f = stack.enter_context(safe_open(path, framework="pt"))
+                opened[path] = (f, set(f.keys()))
+            return opened[path]
 
         def base_tensor(key: str):
             entry = base.tensors.get(key)
             if entry is None:
                 raise DeltaMismatch(f"{delta_folder}: tensor {key} is in neither the delta nor the base")
-            if entry.file not in opened:
-                opened[entry.file] = stack.enter_context(
-                    safe_open(os.path.join(base_folder, entry.file), framework="pt")
-                )
-            return opened[entry.file].get_tensor(key)  # type: ignore[attr-defined]
+            t = open_once(os.path.join(base_folder, entry.file))[0].get_tensor(key)
+            for folder, manifest in via:
+                step = manifest.tensors.get(key)
+                if step is None:
+                    raise DeltaMismatch(f"{folder}: version {manifest.version} has no tensor {key}")
+                t = _patched(*open_once(os.path.join(folder, PREFIX + step.file)), key, t)
+            return t
 
         sha, hashing = hashlib.sha256(), None
         with ThreadPoolExecutor(1, thread_name_prefix="rebuild-sha256") as pool, open(target, "wb") as f:
@@ -263,10 +284,18 @@ def _rebuild_file(delta_folder: str, name: str, base_folder: str, base: WeightMa
         return sha.hexdigest()
 
 
-def rebuild(delta_folder: str, manifest: WeightManifest, base_folder: str, out: str, threads: int = 4) -> str:
+def rebuild(
+    delta_folder: str,
+    manifest: WeightManifest,
+    base_folder: str,
+    out: str,
+    threads: int = 4,
+    via: list[Step] | None = None,
+) -> str:
     """Rebuild the delta version in `delta_folder` (its `manifest`) on the full folder
     `base_folder` into `out`: staged in a temp folder (its files `threads` at a time), every
-    file's sha256 checked against the manifest (DeltaMismatch), fsynced, renamed. Returns `out`."""
+    file's sha256 checked against the manifest (DeltaMismatch), fsynced, renamed. Returns `out`.
+    `via`: the deltas between the base and this version, oldest first (see `_rebuild_file`)."""
     tmp = f"{out}{TMP_MARK}{os.getpid()}-{threading.get_ident()}"
     shutil.rmtree(tmp, ignore_errors=True)
     os.makedirs(tmp)
@@ -276,7 +305,9 @@ def rebuild(delta_folder: str, manifest: WeightManifest, base_folder: str, out: 
         with ThreadPoolExecutor(max(1, min(threads, len(entries))), thread_name_prefix="rebuild") as pool:
             digests = list(
                 pool.map(
-                    lambda e: _rebuild_file(delta_folder, e.name, base_folder, base, os.path.join(tmp, e.name)),
+                    lambda e: _rebuild_file(
+                        delta_folder, e.name, base_folder, base, os.path.join(tmp, e.name), via or []
+                    ),
                     entries,
                 )
             )
@@ -334,13 +365,16 @@ def resolve(
     drop: Callable[[int], None] = lambda v: None,
     verified: set[int] | None = None,
     depth: int = 0,
+    in_memory: bool = True,
 ) -> str:
     """A full folder of `version`: the published folder (`published(v)`: verified, fetched if
     need be) when it is a snapshot, else the rebuilt one in weights_dir/.full/ (found and
     checked, or rebuilt on its base, itself resolved the same way). A rebuild that does not
     match is retried once after `drop`ping the delta's and the base's copies (a damaged copy is
     fetched again); a base gone raises BaseMissing. `verified`: versions whose rebuilt folder
-    this process checked already (not hashed again while it is there)."""
+    this process checked already (not hashed again while it is there). `in_memory`: a chain of
+    several deltas is applied in one pass (`_rebuilt_along_chain`; False: version by version,
+    for benchmarks/delta_chain.py's comparison)."""
     verified = set() if verified is None else verified
     out = full_dir(weights_dir, version)
     if version in verified and os.path.isdir(out):
@@ -357,6 +391,8 @@ def resolve(
     remove_debris(os.path.dirname(out))
     if depth > 1000:
         raise ManifestError(f"weight version {version}: a chain of more than 1000 deltas")
+    if in_memory and depth == 0 and _rebuilt_along_chain(version, folder, manifest, published, weights_dir, verified):
+        return out
     for attempt in (0, 1):
         try:
             base = resolve(manifest.base, published, weights_dir, drop, verified, depth + 1)
@@ -379,3 +415,43 @@ def resolve(
             folder = published(version)
             manifest = read_manifest(folder)
     raise AssertionError("unreachable")
+
+
+def _rebuilt_along_chain(
+    version: int, folder: str, manifest: WeightManifest, published, weights_dir: str, verified: set[int]
+) -> bool:
+    """A reader several deltas behind: rebuild `version` on the newest full folder it has (or a
+    snapshot), the deltas between applied in memory, so one folder is written and hashed instead
+    of one per version on the way. False when there is nothing to gain (the base is at hand) or
+    when the result does not match its checksums (the version-by-version path below then finds
+    the damaged copy and fetches it again); a base gone raises BaseMissing as there."""
+    via: list[Step] = []
+    base_version = manifest.base
+    while base_version is not None:
+        have = full_dir(weights_dir, base_version)
+        if (base_version in verified and os.path.isdir(have)) or held_full(have, base_version):
+            base_folder = have
+            break
+        try:
+            base_folder = published(base_version)
+            base_manifest = read_manifest(base_folder)
+        except (FileNotFoundError, ManifestError) as e:
+            if isinstance(e, BaseMissing):
+                raise
+            raise BaseMissing(version, base_version, str(e)) from None
+        if base_manifest.base is None:
+            break
+        via.insert(0, (base_folder, base_manifest))
+        base_version = base_manifest.base
+        if len(via) > 1000:
+            raise ManifestError(f"weight version {version}: a chain of more than 1000 deltas")
+    if not via:
+        return False
+    try:
+        rebuild(folder, manifest, base_folder, full_dir(weights_dir, version), via=via)
+    except DeltaMismatch as e:
+        log.warning("%s (along %d deltas in memory); rebuilding version by version", e, len(via))
+        return False
+    log.info("weight version %d rebuilt on %s through %d deltas in memory", version, base_folder, len(via))
+    verified.add(version)
+    return True
