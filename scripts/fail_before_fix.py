@@ -1,6 +1,6 @@
 """Issue 15's fixes and later issues' (30.<item>: issue 30; 26a-f: weight deltas; 26g-m: the
-trainer's chunk-server processes;
-27w-a..e: adapter-only versions on the workers), each
+trainer's chunk-server processes; 26n: a delta chain in memory; 25a: the row boundaries handed
+to the attention; 27w-a..e: adapter-only versions on the workers), each
 removed in turn: its tests must fail without it and pass with it.
 
     python scripts/fail_before_fix.py [--only 2,5b] [--no-pass-run] [--timeout 1800] [--check]
@@ -561,6 +561,21 @@ CASES = [
         "the chunk servers listen without TLS when the trainer has it",
         [(WP, "    creds = server_credentials(cfg)\n", "    creds = None\n")],
         [P + "test_chunk_servers_speak_tls_and_check_the_token"],
+    ),
+    Case(
+        "26n",
+        "a reader several deltas behind rebuilds every version on the way (no chain in memory)",
+        [("buffer/weights/delta.py", "if in_memory and depth == 0", "if False and depth == 0")],
+        [D + "test_a_lagging_worker_rebuilds_only_the_version_it_asks_for"],
+    ),
+    Case(
+        "25a",
+        "the trainer hands the attention no row boundaries (each layer derives them: a host sync, a graph break)",
+        [("trainer/algo.py", "        if batch.cu_seqlens is not None:\n", "        if False:\n")],
+        [
+            "tests/test_attention_bounds.py::test_every_layer_attends_with_the_micro_batch_own_row_bounds",
+            "tests/test_attention_bounds.py::test_a_compiled_layer_traces_three_packed_lengths_without_a_graph_break",
+        ],
     ),
     Case(
         "26l",
