@@ -4,7 +4,7 @@
 #   bash benchmarks/trainer25.sh OUT --cpu    # wiring check on this machine's CPU, tiny shape
 #   bash benchmarks/trainer25.sh OUT compile  # a second call: trainer.compile_layers (fused element-
 #                                             # wise work) against eager, 1.5B and 4B, side by side
-#                                             # (the 4B also without checkpointing)
+#                                             # (the 4B also without checkpointing, and every other layer)
 # First the logprob path alone at the 0.5B head (benchmarks/logprob_bench.py, OUT/logprob.json).
 # Stages (benchmarks/trainer_mix.py), each under its own time limit so that a slow or failing one
 # leaves the others' rows: 0.5B packed vs today's padded path (same process, same samples),
@@ -30,13 +30,15 @@ stage() {  # name, seconds, arguments...
   echo "   exit $? $(date -u +%T); last lines:"
   grep -v -i warn "$OUT/stage-$name.log" | tail -n 3
 }
-if [ "$SET" = compile ]; then  # seen on H200 (2026-12-04): 36, 97, 149 s; c4 is new (a guess)
-  stage c1-1.5b 90 --shape 1.5b --paths packed
-  stage c2-1.5b-compile 150 --shape 1.5b --paths packed --compile
-  stage c3-4b-compile 200 --shape 4b --paths packed --grad-ckpt --token-budget 32768 --compile
+if [ "$SET" = compile ]; then  # seen on H200 (2026-12-04): 36, 97, 149 s; c4, c5 are new (guesses)
+  stage c1-1.5b 60 --shape 1.5b --paths packed
+  stage c2-1.5b-compile 130 --shape 1.5b --paths packed --compile
+  stage c3-4b-compile 170 --shape 4b --paths packed --grad-ckpt --token-budget 32768 --compile
   # compiled layers keep fewer activations for backward (the partitioner recomputes cheap
-  # element-wise work), so the 4B may train without checkpointing's extra forward
-  stage c4-4b-compile-nockpt 140 --shape 4b --paths packed --token-budget 16384 --compile
+  # element-wise work), so the 4B may train without checkpointing's extra forward, or with
+  # every other layer checkpointed (trainer.checkpoint_every=2: half the recompute)
+  stage c4-4b-compile-nockpt 100 --shape 4b --paths packed --token-budget 16384 --compile
+  stage c5-4b-compile-ckpt2 110 --shape 4b --paths packed --grad-ckpt --ckpt-every 2 --token-budget 16384 --compile
   "$PY" -m benchmarks.trainer_mix --table "$OUT"
   exit 0
 fi

@@ -111,17 +111,18 @@ def make_samples(rng: random.Random, lengths: list[tuple[int, int]], vocab: int,
 
 
 def flops(
-    shape: dict, n_params: int, lengths: list[tuple[int, int]], grad_ckpt: bool, pi_old_pass: bool = True
+    shape: dict, n_params: int, lengths: list[tuple[int, int]], ckpt_share: float, pi_old_pass: bool = True
 ) -> tuple[float, float]:
     """(6·N per trained token; every pass counted: pi_old forward 2N (when a separate pass
-    runs), train 6N, recompute 2N with activation checkpointing, plus causal attention
-    2·L²·heads·head_dim per layer and forward, x3 for forward + backward)."""
+    runs), train 6N, recompute 2N x the share of layers checkpointed (`ckpt_share`: 0 without
+    activation checkpointing, 1 with every layer), plus causal attention 2·L²·heads·head_dim per
+    layer and forward, x3 for forward + backward)."""
     tokens = sum(p + r for p, r in lengths)
     six_n = 6.0 * n_params * tokens
     head_dim = shape.get("head_dim", shape["hidden_size"] // shape["num_attention_heads"])
     attn_fwd = sum(2.0 * (p + r) ** 2 * shape["num_attention_heads"] * head_dim for p, r in lengths)
     attn_fwd *= shape["num_hidden_layers"]
-    forwards = int(pi_old_pass) + int(grad_ckpt)  # pi_old, the recompute
+    forwards = int(pi_old_pass) + ckpt_share  # pi_old, the recompute
     every = six_n + forwards * 2.0 * n_params * tokens + (3 + forwards) * attn_fwd
     return six_n, every
 
@@ -230,7 +231,9 @@ def write_table(folder: str) -> str:
     rows.append("| --- | --- | --- | --- | --- | --- | --- | --- |")
     for r in results:
         for path, p in r["paths"].items():
-            label = f"{r['shape']}{' +ckpt' if r['grad_ckpt'] else ''}{' +compile' if r.get('compile_layers') else ''}"
+            every = r.get("checkpoint_every", 1)
+            ckpt = (" +ckpt" + (f"/{every}" if every > 1 else "")) if r["grad_ckpt"] else ""
+            label = f"{r['shape']}{ckpt}{' +compile' if r.get('compile_layers') else ''}"
             if "error" in p:
                 rows.append(f"| {label} | {path} | {p['error'][:60]} | | | | | |")
                 continue
@@ -268,6 +271,7 @@ def main(argv=None) -> int:
     ap.add_argument("--token-budget", type=int, default=32768, help="packed: real tokens per micro-batch")
     ap.add_argument("--padded-micro", type=int, default=8, help="padded: rows per micro-batch")
     ap.add_argument("--grad-ckpt", action="store_true", help="activation checkpointing")
+    ap.add_argument("--ckpt-every", type=int, default=1, help="with --grad-ckpt: trainer.checkpoint_every")
     ap.add_argument(
         "--compile", action="store_true", help="trainer.compile_layers=true (the warm-up step pays the compile)"
     )
@@ -313,6 +317,7 @@ def main(argv=None) -> int:
             "actor_rollout_ref.model.path": model_dir,
             "actor_rollout_ref.model.enable_gradient_checkpointing": str(args.grad_ckpt).lower(),
             "trainer.compile_layers": str(args.compile).lower(),
+            "trainer.checkpoint_every": str(args.ckpt_every),
             "trainer.resume_mode": "disable",
             "data.train_batch_size": str(args.samples // GROUP),
             "actor_rollout_ref.actor.optim.lr": "1e-6",
@@ -339,6 +344,7 @@ def main(argv=None) -> int:
         "shape": args.shape,
         "params": n_params,
         "grad_ckpt": args.grad_ckpt,
+        "checkpoint_every": args.ckpt_every,
         "compile_layers": args.compile,
         "packed_attention": packed_attn,
         "samples_per_step": args.samples,
@@ -361,7 +367,9 @@ def main(argv=None) -> int:
         if "error" not in r and timed:
             lengths = [x for b in batches[1 : len(timed) + 1] for x in b]
             separate = path == "padded" or args.pi_old_pass
-            six_n, every = flops(shape, n_params, lengths, args.grad_ckpt, separate)
+            layers = shape["num_hidden_layers"]
+            share = -(-layers // args.ckpt_every) / layers if args.grad_ckpt else 0.0
+            six_n, every = flops(shape, n_params, lengths, share, separate)
             r["pi_old_pass"] = separate
             seconds = sum(timed)
             r |= {

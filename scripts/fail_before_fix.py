@@ -1,6 +1,6 @@
 """Issue 15's fixes and later issues' (30.<item>: issue 30; 26a-f: weight deltas; 26g-m: the
 trainer's chunk-server processes; 26n: a delta chain in memory; 25a: the row boundaries handed
-to the attention; 27w-a..e: adapter-only versions on the workers), each
+to the attention; 25b: trainer.checkpoint_every; 27w-a..e: adapter-only versions on the workers), each
 removed in turn: its tests must fail without it and pass with it.
 
     python scripts/fail_before_fix.py [--only 2,5b] [--no-pass-run] [--timeout 1800] [--check]
@@ -575,6 +575,15 @@ CASES = [
         [
             "tests/test_attention_bounds.py::test_every_layer_attends_with_the_micro_batch_own_row_bounds",
             "tests/test_attention_bounds.py::test_a_compiled_layer_traces_three_packed_lengths_without_a_graph_break",
+        ],
+    ),
+    Case(
+        "25b",
+        "trainer.checkpoint_every ignored (every layer checkpointed)",
+        [("trainer/model.py", "layer.gradient_checkpointing = i % checkpoint_every == 0", "pass")],
+        [
+            "tests/test_model.py::test_gradient_checkpointing_recomputes_each_layer_in_backward",
+            "tests/test_model.py::test_compile_layers_compiles_each_decoder_layer_before_sharding",
         ],
     ),
     Case(

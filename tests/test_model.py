@@ -20,13 +20,14 @@ def one_rank():
     dist.destroy_process_group()
 
 
-@pytest.mark.parametrize("ckpt", [False, True])
-def test_gradient_checkpointing_recomputes_each_layer_in_backward(tmp_path, one_rank, ckpt):
+@pytest.mark.parametrize("ckpt,every", [(False, 1), (True, 1), (True, 2)])
+def test_gradient_checkpointing_recomputes_each_layer_in_backward(tmp_path, one_rank, ckpt, every):
     """enable_gradient_checkpointing=true must recompute every decoder layer's forward during
     backward (one more forward call per layer); before the fix the model stayed in eval mode and
-    transformers skipped checkpointing silently. The reference model is frozen and in eval mode."""
+    transformers skipped checkpointing silently. With trainer.checkpoint_every=2 only every other
+    layer recomputes (layer 0 of the two). The reference model is frozen and in eval mode."""
     builtin_task.write_model(tmp_path / "m", seed=0)
-    model = build_actor(str(tmp_path / "m"), torch.device("cpu"), gradient_checkpointing=ckpt)
+    model = build_actor(str(tmp_path / "m"), torch.device("cpu"), gradient_checkpointing=ckpt, checkpoint_every=every)
     calls = {"n": 0}
     for layer in decoder_layers(model):  # forward hooks do not fire in the recompute: count calls
 
@@ -41,7 +42,7 @@ def test_gradient_checkpointing_recomputes_each_layer_in_backward(tmp_path, one_
     logits.float().pow(2).mean().backward()
     layers = len(decoder_layers(model))
     assert forward_calls == layers
-    assert calls["n"] - forward_calls == (layers if ckpt else 0)
+    assert calls["n"] - forward_calls == (-(-layers // every) if ckpt else 0)
     ref = build_actor(str(tmp_path / "m"), torch.device("cpu"), trainable=False)
     assert not ref.training and not any(p.requires_grad for p in ref.parameters())
 
@@ -50,7 +51,8 @@ def test_compile_layers_compiles_each_decoder_layer_before_sharding(tmp_path, on
     """trainer.compile_layers=true reaches build_actor for the actor, the reference and the critic:
     each decoder layer is compiled in place (lazily: nothing runs here, so no compile is paid on
     CPU; tests/gpu/test_compiled_layers_cuda.py checks the compiled maths on CUDA), the rest not.
-    On CPU the optimizer stays torch's default (fused only on CUDA, trainer.model.adamw)."""
+    trainer.checkpoint_every reaches the actor and the critic. On CPU the optimizer stays
+    torch's default (fused only on CUDA, trainer.model.adamw)."""
     from protocol.config import build
     from trainer.config import TrainerConfig
     from trainer.main import Trainer
@@ -68,12 +70,17 @@ def test_compile_layers_compiles_each_decoder_layer_before_sharding(tmp_path, on
             "trainer.compile_layers": "true",
             "actor_rollout_ref.actor.use_kl_loss": "true",
             "algorithm.adv_estimator": "gae",
+            "actor_rollout_ref.model.enable_gradient_checkpointing": "true",
+            "critic.model.enable_gradient_checkpointing": "true",
+            "trainer.checkpoint_every": "2",
         },
     )
     trainer = Trainer(cfg, torch.device("cpu"))
     try:
         for m in (trainer.model, trainer.ref_model, trainer.critic.model):
             assert all(layer._compiled_call_impl is not None for layer in decoder_layers(m)), m
+        for m in (trainer.model, trainer.critic.model):  # trainer.checkpoint_every reaches both
+            assert [layer.gradient_checkpointing for layer in decoder_layers(m)] == [True, False], m
         assert not trainer.optimizer.defaults.get("fused")
     finally:
         trainer.close()

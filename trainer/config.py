@@ -147,6 +147,16 @@ class TrainerSection:
         "before sharding) to fuse the element-wise work (RMSNorm, rotary, SwiGLU, casts: ~45% of a "
         "1.5B step's GPU time, benchmarks/README.md); the first steps pay the compile",
     )
+    checkpoint_every: int = F(
+        1,
+        "tandem: with enable_gradient_checkpointing (actor, critic), only every k-th decoder layer "
+        "recomputes its forward in backward and the others keep their activations: k = 2 halves "
+        "the recomputed forward (a quarter of a checkpointed step's matrix work: 2N of 8N FLOPs "
+        "per token) for about half the activation memory back (torchtitan's per-layer selective "
+        "checkpointing). 1: every layer",
+        ge=1,
+        le=1000,
+    )
     keep_versions: int = F(3, "weight versions kept on disk (plus the versions a kept delta is built on)", ge=1)
     publish_full_freq: int = F(
         1,

@@ -21,9 +21,9 @@ from trainer.model import adamw, build_actor, packed_attention
 
 
 class Critic:
-    def __init__(self, cfg, device: torch.device, compile_layers: bool = False):
+    def __init__(self, cfg, device: torch.device, compile_layers: bool = False, checkpoint_every: int = 1):
         """cfg: trainer.config.CriticConfig (None fields already taken from the actor);
-        `compile_layers`: trainer.compile_layers."""
+        `compile_layers`: trainer.compile_layers; `checkpoint_every`: trainer.checkpoint_every."""
         self.cfg = cfg
         self.packed = bool(cfg.model.use_remove_padding)
         # critic.model.lora_rank > 0: adapters on the frozen backbone; the value head trains in full
@@ -36,6 +36,7 @@ class Critic:
             attn_implementation=packed_attention(device) if self.packed else None,
             lora=self.lora,
             compile_layers=compile_layers,
+            checkpoint_every=checkpoint_every,
         )
         self.optimizer = adamw(lora.trainable(self.model), cfg.optim.lr, cfg.optim.weight_decay, cfg.optim.betas)
 

@@ -132,6 +132,7 @@ class Trainer:
             attn_implementation=attn,
             lora=self.lora,
             compile_layers=compiled,
+            checkpoint_every=cfg.trainer.checkpoint_every,
         )
         self.use_ref = cfg.actor_rollout_ref.actor.use_kl_loss or cfg.algorithm.use_kl_in_reward
         # With LoRA the reference is the same model with its adapter disabled: no second copy.
@@ -152,7 +153,7 @@ class Trainer:
             )
         optim = cfg.actor_rollout_ref.actor.optim
         self.optimizer = adamw(lora.trainable(self.model), optim.lr, optim.weight_decay, optim.betas)
-        self.critic = Critic(cfg.critic, device, compiled) if cfg.use_critic else None
+        self.critic = Critic(cfg.critic, device, compiled, cfg.trainer.checkpoint_every) if cfg.use_critic else None
         from verl.trainer.ppo.core_algos import get_kl_controller
 
         self.kl_ctrl = get_kl_controller(cfg.algorithm.kl_ctrl)  # used with use_kl_in_reward

@@ -30,6 +30,7 @@ def build_actor(
     attn_implementation: str | None = None,
     lora=None,
     compile_layers: bool = False,
+    checkpoint_every: int = 1,
 ):
     """`compile_layers`: torch.compile each decoder layer in place before it is sharded (as
     torchtitan compiles each block before FSDP2), with dynamic shapes: packed micro-batches vary
@@ -38,7 +39,9 @@ def build_actor(
     (the backbone's weights, a new linear `score` head, no dropout); its logits are (B, T, 1).
     `attn_implementation` None: transformers' default for the model (sdpa for Qwen2).
     `lora` (trainer.lora.LoraSpec): PEFT adapters on the frozen base, added before sharding so
-    each decoder layer's FSDP unit holds its adapters beside its frozen weights."""
+    each decoder layer's FSDP unit holds its adapters beside its frozen weights.
+    `checkpoint_every` k (with `gradient_checkpointing`): only layers 0, k, 2k, ... recompute
+    their forward in backward; the others keep their activations (trainer.checkpoint_every)."""
     from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForTokenClassification
 
     extra = {"trust_remote_code": trust_remote_code, "attn_implementation": attn_implementation}
@@ -51,6 +54,8 @@ def build_actor(
     model.config.use_cache = False
     if gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        for i, layer in enumerate(decoder_layers(model)):
+            layer.gradient_checkpointing = i % checkpoint_every == 0  # read per call by the layer
     # from_pretrained returns the model in eval mode, and transformers' decoder layers checkpoint
     # only `if self.gradient_checkpointing and self.training`: without train() the flag above
     # did nothing (the same peak memory with and without it, trainer25 on H200, 2026-12-02).
