@@ -582,7 +582,7 @@ CASES = [
         "trainer.checkpoint_every ignored (every layer checkpointed)",
         [("trainer/model.py", "layer.gradient_checkpointing = i % checkpoint_every == 0", "pass")],
         [
-            "tests/test_model.py::test_gradient_checkpointing_recomputes_each_layer_in_backward",
+            "tests/test_model.py::test_gradient_checkpointing_recomputes_each_layer_in_backward[True-2]",
             "tests/test_model.py::test_compile_layers_compiles_each_decoder_layer_before_sharding",
         ],
     ),
