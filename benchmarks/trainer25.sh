@@ -30,15 +30,17 @@ stage() {  # name, seconds, arguments...
   echo "   exit $? $(date -u +%T); last lines:"
   grep -v -i warn "$OUT/stage-$name.log" | tail -n 3
 }
-if [ "$SET" = compile ]; then  # seen on H200 (2026-12-04): 36, 97, 149 s; c4, c5 are new (guesses)
+if [ "$SET" = compile ]; then  # seen on H200 (2026-12-04): 36, 97, 149 s (c2, c3 before 25a's fix)
   stage c1-1.5b 60 --shape 1.5b --paths packed
-  stage c2-1.5b-compile 130 --shape 1.5b --paths packed --compile
-  stage c3-4b-compile 170 --shape 4b --paths packed --grad-ckpt --token-budget 32768 --compile
+  # with the profile of one more step: where the compiled step's time goes (OUT/profile-1.5b-compile.txt)
+  stage c2-1.5b-compile 150 --shape 1.5b --paths packed --compile --profile "$OUT/profile-1.5b-compile.txt"
   # compiled layers keep fewer activations for backward (the partitioner recomputes cheap
   # element-wise work), so the 4B may train without checkpointing's extra forward, or with
   # every other layer checkpointed (trainer.checkpoint_every=2: half the recompute)
   stage c4-4b-compile-nockpt 100 --shape 4b --paths packed --token-budget 16384 --compile
   stage c5-4b-compile-ckpt2 110 --shape 4b --paths packed --grad-ckpt --ckpt-every 2 --token-budget 16384 --compile
+  # last: a call cut at its limit loses this row only (the table is rebuilt from the stage JSONs)
+  stage c3-4b-compile 160 --shape 4b --paths packed --grad-ckpt --token-budget 32768 --compile
   "$PY" -m benchmarks.trainer_mix --table "$OUT"
   exit 0
 fi
