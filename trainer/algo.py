@@ -33,8 +33,9 @@ def response_logprobs(
     metric only, not (`entropy_grad`: no graph kept for it). Padded or packed batches alike.
 
     `chunk` tokens at a time: the lm_head runs on the response positions' hidden states only,
-    block by block, each block's logits recomputed in backward instead of kept, so no
-    (tokens x vocab) tensor is ever whole. None: the full logits (the path before chunking)."""
+    block by block through `LinearLogSoftmax`, each block's logits recomputed in backward instead
+    of kept, so no (tokens x vocab) tensor is ever whole and autograd records no per-element op
+    over one. None: the full logits (the path before chunking)."""
     if chunk is None:
         return _full_logits_logprobs(model, batch, with_entropy, entropy_grad)
     head = model.get_output_embeddings()
@@ -47,11 +48,10 @@ def response_logprobs(
     def chunked_head(hidden: torch.Tensor) -> torch.Tensor:
         # Runs inside the model's forward, where FSDP holds the head's weight unsharded.
         h = hidden[rows, cols]  # (K, H): response positions only
-        # One block: its logits live from here to its own backward, nothing to gain by
-        # recomputing them; several: each block's are recomputed in backward, not all kept.
-        step = _checkpointed if len(h) > chunk else (lambda fn, *a: fn(*a))
         parts = [
-            step(_logprob_entropy, h[a : a + chunk], head.weight, targets[a : a + chunk], temps[a : a + chunk])
+            LinearLogSoftmax.apply(
+                h[a : a + chunk], head.weight, targets[a : a + chunk], temps[a : a + chunk], with_entropy, entropy_grad
+            )
             for a in range(0, len(h), chunk)
         ]
         out["lp_ent"] = torch.cat(parts) if parts else h.new_zeros((0, 2), dtype=torch.float32)
@@ -67,25 +67,79 @@ def response_logprobs(
     logprobs = batch.response_mask.new_zeros(batch.response_mask.shape).masked_scatter(mask, lp_ent[:, 0])
     entropy = None
     if with_entropy:
+        # detached for a metric: its column has no gradient (the backward ignores it), so no
+        # caller can mistake a silent zero for one
         ent = lp_ent[:, 1] if entropy_grad else lp_ent[:, 1].detach()
         entropy = batch.response_mask.new_zeros(batch.response_mask.shape).masked_scatter(mask, ent)
     return logprobs, entropy
 
 
-def _checkpointed(fn, *args):
-    if torch.is_grad_enabled() and any(a.requires_grad for a in args if isinstance(a, torch.Tensor)):
-        return torch.utils.checkpoint.checkpoint(fn, *args, use_reentrant=False)
-    return fn(*args)
+class LinearLogSoftmax(torch.autograd.Function):
+    """One block of the lm_head fused with the log-softmax: (k, 2) fp32 [log pi(target), entropy]
+    of k positions at their temperatures, as verl's entropy_from_logits (logsumexp - sum p * z).
+
+    forward(h (k, H), weight (V, H), targets (k,) int, temps (k,), with_entropy, entropy_grad);
+    z = (h @ weight.T) in fp32 / temps. No (k, V) tensor outlives a call: forward keeps h, weight,
+    targets, temps, lse (k,) and, for a differentiable entropy, E_p[z] (k,); backward recomputes
+    z (one matmul) and builds the logits' gradient in place. Without `with_entropy` the entropy
+    column is zeros, not computed; without `entropy_grad` its gradient is never formed (the
+    caller detaches it), so backward runs no entropy work at all.
+
+    Gradients, with p = softmax(z), lse = logsumexp(z), H = lse - E_p[z]:
+      d lse/dz = p, so d log pi(t)/dz = onehot(t) - p;
+      dH/dz_j = p_j - (p_j + p_j z_j - p_j E_p[z]) = p_j (E_p[z] - z_j);
+    then d/dlogits = d/dz / temps, d/dh = grad_logits @ weight, d/dweight = grad_logits.T @ h,
+    the matmuls in the forward's matmul dtype (bf16 under FSDP's policy or autocast)."""
+
+    @staticmethod
+    def forward(ctx, h, weight, targets, temps, with_entropy: bool, entropy_grad: bool):
+        entropy_grad = entropy_grad and with_entropy
+        mm = h @ weight.t()  # the dtype autocast or the parameters give: kept for the recompute
+        z = _scaled(mm, temps)
+        target = z.gather(1, targets.unsqueeze(1)).squeeze(1)
+        lse, entropy = _lse_entropy(z, with_entropy)  # consumes z
+        # autograd saves nothing when no input requires grad or under no_grad (ctx is dropped)
+        ctx.save_for_backward(h, weight, targets, temps, lse, *([lse - entropy] if entropy_grad else []))
+        ctx.mm_dtype, ctx.entropy_grad = mm.dtype, entropy_grad
+        return torch.stack([target - lse, entropy if entropy is not None else torch.zeros_like(lse)], dim=1)
+
+    @staticmethod
+    def backward(ctx, g):
+        h, weight, targets, temps, lse, *mean_z = ctx.saved_tensors
+        dt = ctx.mm_dtype
+        z = _scaled(h.to(dt) @ weight.to(dt).t(), temps)
+        g_lp, g_ent = g[:, :1], g[:, 1:]  # (k, 1) each
+        p = (z - lse.unsqueeze(1)).exp_()
+        if ctx.entropy_grad:  # p * (g_ent (E_p[z] - z) - g_lp), z's buffer reused for the factor
+            grad = p.mul_(z.neg_().add_(mean_z[0].unsqueeze(1)).mul_(g_ent).sub_(g_lp))
+        else:
+            grad = p.mul_(-g_lp)
+        grad.scatter_add_(1, targets.unsqueeze(1), g_lp)  # + g_lp onehot(target)
+        grad = grad.div_(temps.unsqueeze(1)).to(dt)
+        need_h, need_w = ctx.needs_input_grad[:2]
+        grad_h = (grad @ weight.to(dt)).to(h.dtype) if need_h else None
+        grad_w = (grad.t() @ h.to(dt)).to(weight.dtype) if need_w else None
+        return grad_h, grad_w, None, None, None, None
 
 
-def _logprob_entropy(h, weight, targets, temps) -> torch.Tensor:
-    """(k, 2): log pi(target) and the entropy of k positions, in fp32 (as verl's
-    entropy_from_logits: logsumexp - sum p * logits)."""
-    logits = (h @ weight.t()).float() / temps.unsqueeze(1)
-    lse = torch.logsumexp(logits, dim=-1)
-    target = logits.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
-    entropy = lse - (torch.softmax(logits, dim=-1) * logits).sum(-1)
-    return torch.stack([target - lse, entropy], dim=1)
+def _scaled(mm: torch.Tensor, temps: torch.Tensor) -> torch.Tensor:
+    """(k, V) logits z in at least fp32 (float64 stays: gradcheck) over the temperatures; in
+    place when mm is already fp32, as nothing reads mm after."""
+    return mm.to(torch.promote_types(mm.dtype, torch.float32)).div_(temps.unsqueeze(1))
+
+
+def _lse_entropy(z: torch.Tensor, with_entropy: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """logsumexp (k,) of z (k, V) and, when asked, the entropy (k,) (else None), from one exp of
+    z shifted by its row maximum in place (z is overwritten): no overflow, and the entropy
+    log s - E_p[z - max] without the cancellation of two large terms lse and E_p[z]."""
+    top = z.amax(1, keepdim=True)
+    z.sub_(top)
+    if not with_entropy:
+        return top.squeeze(1) + z.exp_().sum(1).log(), None
+    e = z.exp()
+    s = e.sum(1)
+    log_s = s.log()
+    return top.squeeze(1) + log_s, log_s - e.mul_(z).sum(1) / s
 
 
 def _model_inputs(batch: Batch) -> dict:
