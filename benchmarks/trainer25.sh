@@ -5,6 +5,8 @@
 #   bash benchmarks/trainer25.sh OUT compile  # a second call: trainer.compile_layers (fused element-
 #                                             # wise work) against eager, 1.5B and 4B, side by side
 #                                             # (the 4B also without checkpointing, and every other layer)
+#   bash benchmarks/trainer25.sh OUT mfu      # the two acceptance shapes at their best settings only:
+#                                             # 1.5B compiled, 4B compiled without checkpointing (16k)
 # First the logprob path alone at the 0.5B head (benchmarks/logprob_bench.py, OUT/logprob.json).
 # Stages (benchmarks/trainer_mix.py), each under its own time limit so that a slow or failing one
 # leaves the others' rows: 0.5B packed vs today's padded path (same process, same samples),
@@ -15,9 +17,9 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
-OUT=${1:?usage: trainer25.sh OUT [--cpu] [compile]}
+OUT=${1:?usage: trainer25.sh OUT [--cpu] [compile|mfu]}
 CPU="" SET=acceptance
-for a in "${@:2}"; do case $a in --cpu) CPU=--cpu ;; compile) SET=compile ;; *) echo "unknown: $a" >&2; exit 2 ;; esac; done
+for a in "${@:2}"; do case $a in --cpu) CPU=--cpu ;; compile) SET=compile ;; mfu) SET=mfu ;; *) echo "unknown: $a" >&2; exit 2 ;; esac; done
 PY=${PYTHON:-python3}
 mkdir -p "$OUT"
 WORK=${TANDEM_BENCH_WORK:-/tmp/trainer25}
@@ -30,6 +32,12 @@ stage() {  # name, seconds, arguments...
   echo "   exit $? $(date -u +%T); last lines:"
   grep -v -i warn "$OUT/stage-$name.log" | tail -n 3
 }
+if [ "$SET" = mfu ]; then  # 4B: its compile did not end within 100 s on 2026-12-04, hence 260 s
+  stage m1-1.5b-compile 150 --shape 1.5b --paths packed --compile --profile "$OUT/profile-1.5b-compile.txt"
+  stage m2-4b-compile-nockpt 260 --shape 4b --paths packed --token-budget 16384 --compile
+  "$PY" -m benchmarks.trainer_mix --table "$OUT"
+  exit 0
+fi
 if [ "$SET" = compile ]; then  # seen on H200 (2026-12-04): 36, 97, 149 s (c2, c3 before 25a's fix)
   stage c1-1.5b 60 --shape 1.5b --paths packed
   # with the profile of one more step: where the compiled step's time goes (OUT/profile-1.5b-compile.txt)

@@ -65,11 +65,16 @@ def write_sft_and_rl(
     return preprocess.write_splits(make_qa(num, digits, task, seed), paths, task, "digits", val_fraction, seed)
 
 
-def build_tokenizer():
+def build_tokenizer(vocab_size: int | None = None):
+    """The task's character-level tokenizer. With `vocab_size`, ids past the task's characters
+    decode as `<id>` (never produced by encoding: the pre-tokenizer splits every character):
+    a model of a real shape's vocabulary (151,936) then writes text a reward can read."""
     from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
-    vocab = {tok: i for i, tok in enumerate(SPECIALS + CHARS)}
+    names = SPECIALS + CHARS
+    names += [f"<{i}>" for i in range(len(names), vocab_size or 0)]
+    vocab = {tok: i for i, tok in enumerate(names)}
     core = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
     core.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
     core.decoder = decoders.Fuse()
