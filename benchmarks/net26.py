@@ -168,6 +168,9 @@ def summarize(out: str, mode: str) -> dict:
         "mb_per_delta": statistics.mean(r["weights/published_bytes"] for r in delta) / mb if delta else None,
         "delta_density": statistics.mean(r["weights/delta_density"] for r in delta) if delta else None,
         "publish_s": statistics.median(r["weights/publish_s"] for r in pubs) if pubs else None,
+        "delta_s": statistics.median(r["weights/delta_s"] for r in delta)
+        if delta and "weights/delta_s" in delta[0]
+        else None,
         "versions_loaded": len(beat.get("versions_loaded") or []),
         "mb_per_reload": (beat.get("reload_bytes") or 0) / reloads / mb if reloads else None,
         "s_per_reload": (beat.get("reload_s") or 0) / reloads if reloads else None,
@@ -188,7 +191,8 @@ def table(out: str) -> None:
     def f(v, spec):
         return "-" if v is None else format(v, spec)
 
-    head = "| mode | rc | steps | full / delta versions | MB per full | MB per delta | delta density | publish s "
+    head = "| mode | rc | steps | full / delta versions | MB per full | MB per delta | delta density "
+    head += "| publish s (of it delta s) "
     head += "| versions loaded | MB per reload | s per reload (full / delta, median) | stale dropped | step s "
     head += "| wait share | score mean |"
     lines = [head, "|" + " --- |" * 15]
@@ -196,7 +200,8 @@ def table(out: str) -> None:
         lines.append(
             f"| {r['mode']} | {r['rc']} | {r['steps']} | {r['full_versions']} / {r['delta_versions']} "
             f"| {f(r['mb_per_full'], '.1f')} | {f(r['mb_per_delta'], '.2f')} | {f(r['delta_density'], '.2%')} "
-            f"| {f(r['publish_s'], '.2f')} | {r['versions_loaded']} | {f(r['mb_per_reload'], '.1f')} "
+            f"| {f(r['publish_s'], '.2f')} ({f(r.get('delta_s'), '.2f')}) | {r['versions_loaded']} "
+            f"| {f(r['mb_per_reload'], '.1f')} "
             f"| {f(r['s_per_full_reload'], '.2f')} / {f(r['s_per_delta_reload'], '.2f')} "
             f"| {r['stale_dropped']} | {f(r['step_s'], '.2f')} | {f(r['wait_share'], '.3f')} "
             f"| {f(r.get('score_mean'), '.3f')} |"

@@ -304,3 +304,37 @@ def test_a_worker_killed_mid_apply_resumes_with_nothing_lost(run, tmp_path):
     stats = worker.weights._fetcher.stats if worker.weights._fetcher else {}
     assert all(s.from_trainer == 0 and s.from_peers == 0 for s in stats.values()), "fetched again"
     assert not any(TMP_MARK in n for n in os.listdir(rebuilt)), "the killed rebuild's temp folder stays"
+
+
+def test_a_version_of_several_files_makes_the_same_delta_on_one_thread_and_on_four(tmp_path, monkeypatch):
+    """make_delta compares a version's files on threads of their own (the trainer waits for
+    it): one thread and four write the same delta files, bit for bit, with the same counts; and
+    a version too dense to pay is refused (None) on four as on one."""
+    from benchmarks import delta_make
+
+    monkeypatch.setattr(delta_make, "FILE_MB", 1)  # 4 files of 1 MiB
+    g = torch.Generator().manual_seed(0)
+    tensors = {f"model.layers.{i}.w": torch.randn(256, 1024, generator=g).bfloat16() for i in range(8)}
+    store = setup_trainer_run(str(tmp_path / "run")).publisher
+    for v, density in ((0, 0.0), (1, 0.03), (2, 0.9)):
+        for t in tensors.values():
+            hit = torch.rand(t.shape, generator=g) < density
+            t[hit] = (t[hit].float() + 0.01).bfloat16()
+        delta_make._folder(str(tmp_path / f"m{v}"), tensors)
+        store.publish_hf_folder(str(tmp_path / f"m{v}"), v, v, 3)
+    folders = [store.layout.version_dir(v) for v in range(3)]
+    manifests = [delta.read_manifest(f) for f in folders]
+    assert len(manifests[1].files) >= 4 + 1  # the safetensors files, the config and index
+    made = {}
+    for threads in (1, 4):
+        out = tmp_path / f"delta{threads}"
+        out.mkdir()
+        result = delta.make_delta(folders[1], manifests[1], folders[0], manifests[0], str(out), threads=threads)
+        assert result is not None
+        made[threads] = (result[1], {p.name: p.read_bytes() for p in sorted(out.iterdir())})
+        dense = tmp_path / f"dense{threads}"
+        dense.mkdir()
+        assert delta.make_delta(folders[2], manifests[2], folders[1], manifests[1], str(dense), threads=threads) is None
+    assert made[1] == made[4]
+    stats = made[4][0]
+    assert stats.values == 8 * 256 * 1024 and 0.02 < stats.density < 0.04

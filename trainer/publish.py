@@ -148,6 +148,8 @@ def publish_version(
     return {
         "weights/delta": float(made is not None),
         **({"weights/delta_density": made.density} if made is not None else {}),
+        # rank 0's comparison with the base (delta.make_delta), inside publish_s
+        "weights/delta_s": store.last_delta_s if rank == 0 else 0.0,
         "weights/published_bytes": store.last_bytes if rank == 0 else 0,
         "weights/published": version,
         "weights/published_at": store.announced_at,

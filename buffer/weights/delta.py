@@ -147,65 +147,99 @@ def _positions_of(d, key: str, names: set[str]) -> torch.Tensor | None:
     return None
 
 
+MAKE_THREADS = 8  # files of one version compared at once (torch's compare and nonzero free the GIL)
+
+
 def make_delta(
-    staged: str, manifest: WeightManifest, base_folder: str, base: WeightManifest, out: str
+    staged: str,
+    manifest: WeightManifest,
+    base_folder: str,
+    base: WeightManifest,
+    out: str,
+    threads: int | None = None,
 ) -> tuple[WeightManifest, DeltaStats] | None:
     """Write into `out` the delta of the full version in `staged` (its `manifest`) against the
     full folder `base_folder` (version `base`), and return the delta's manifest; None when a
-    delta would not pay (or a file's layout cannot be rebuilt from tensors): publish full."""
-    from safetensors import safe_open
-    from safetensors.torch import save_file
+    delta would not pay (or a file's layout cannot be rebuilt from tensors): publish full.
+    The trainer calls it between two steps, so its files are compared on `threads` threads
+    (default: MAKE_THREADS, at most the usable CPUs); each file's delta is independent."""
+    names = sorted({t.file for t in manifest.tensors.values()})
+    limit = MAX_DENSITY * sum(f.bytes for f in manifest.files)
+    total = DeltaStats()
+    lock, too_dense = threading.Lock(), threading.Event()
 
-    stats = DeltaStats()
-    with contextlib.ExitStack() as stack:
-        opened: dict[str, object] = {}
+    def one(name: str) -> bool:
+        if too_dense.is_set():  # another file already made the delta not worth it
+            return False
+        stats = _delta_file(staged, name, manifest, base_folder, base, out)
+        if stats is None:
+            return False
+        with lock:
+            for field in dataclasses.fields(DeltaStats):
+                setattr(total, field.name, getattr(total, field.name) + getattr(stats, field.name))
+            if total.delta_bytes > limit:
+                too_dense.set()
+        return not too_dense.is_set()
 
-        def base_tensor(key: str, like: TensorEntry):
-            entry = base.tensors.get(key)
-            if entry is None or entry.dtype != like.dtype or entry.shape != like.shape:
-                return None
-            if entry.file not in opened:
-                opened[entry.file] = stack.enter_context(
-                    safe_open(os.path.join(base_folder, entry.file), framework="pt")
-                )
-            return opened[entry.file].get_tensor(key)  # type: ignore[attr-defined]
-
-        for name in sorted({t.file for t in manifest.tensors.values()}):
-            path = os.path.join(staged, name)
-            head, header = _header(path)
-            order = _data_order(header, os.path.getsize(path), len(head), path)
-            if order is None:
-                return None
-            import torch
-
-            pieces: dict[str, torch.Tensor] = {HEADER: torch.frombuffer(bytearray(head), dtype=torch.uint8)}
-            with safe_open(path, framework="pt") as f:
-                for key in order:
-                    new = f.get_tensor(key)
-                    old = base_tensor(key, manifest.tensors[key])
-                    stats.values += new.numel()
-                    stats.full_bytes += new.numel() * new.element_size()
-                    if old is None:
-                        pieces[f"{key}::full"] = new
-                        stats.changed += new.numel()
-                        continue
-                    idx = (_int_view(old) != _int_view(new)).nonzero().reshape(-1)
-                    if idx.numel():
-                        pieces.update(_positions(key, idx, new.numel()))
-                        pieces[f"{key}::val"] = new.reshape(-1)[idx]
-                        stats.changed += idx.numel()
-            save_file(pieces, os.path.join(out, PREFIX + name))  # fsynced with the folder
-            stats.delta_bytes += os.path.getsize(os.path.join(out, PREFIX + name))
-            if stats.delta_bytes > MAX_DENSITY * sum(f.bytes for f in manifest.files):
-                return None
-    small = [f.name for f in manifest.files if f.name not in {t.file for t in manifest.tensors.values()}]
+    workers = max(1, min(threads or MAKE_THREADS, len(names), len(os.sched_getaffinity(0))))
+    with ThreadPoolExecutor(workers, thread_name_prefix="delta") as pool:
+        if not all(list(pool.map(one, names))):
+            return None
+    small = [f.name for f in manifest.files if f.name not in set(names)]
     for name in small:
         shutil.copyfile(os.path.join(staged, name), os.path.join(out, name))
     paths = [os.path.join(out, n) for n in sorted(os.listdir(out))]
     files = [FileEntry(os.path.basename(p), os.path.getsize(p), sha256_file(p)) for p in paths]
     delta = {"base": base.version, "files": [dataclasses.asdict(f) for f in manifest.files]}
-    out_manifest = dataclasses.replace(manifest, files=files, delta=delta)
-    return out_manifest, stats
+    return dataclasses.replace(manifest, files=files, delta=delta), total
+
+
+def _delta_file(
+    staged: str, name: str, manifest: WeightManifest, base_folder: str, base: WeightManifest, out: str
+) -> DeltaStats | None:
+    """`delta.<name>` in `out`: the changed values of the staged file `name` against the base
+    version's tensors; its counts, or None when the file's layout cannot be rebuilt."""
+    import torch
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    path = os.path.join(staged, name)
+    head, header = _header(path)
+    order = _data_order(header, os.path.getsize(path), len(head), path)
+    if order is None:
+        return None
+    stats = DeltaStats()
+    pieces: dict[str, torch.Tensor] = {HEADER: torch.frombuffer(bytearray(head), dtype=torch.uint8)}
+    with contextlib.ExitStack() as stack:
+        opened: dict[str, Any] = {}
+
+        def base_tensor(key: str, like: TensorEntry) -> torch.Tensor | None:
+            entry = base.tensors.get(key)
+            if entry is None or entry.dtype != like.dtype or entry.shape != like.shape:
+                return None
+            if entry.file not in opened:
+                file = os.path.join(base_folder, entry.file)
+                opened[entry.file] = stack.enter_context(safe_open(file, framework="pt"))
+            return opened[entry.file].get_tensor(key)
+
+        f = stack.enter_context(safe_open(path, framework="pt"))
+        for key in order:
+            new = f.get_tensor(key)
+            old = base_tensor(key, manifest.tensors[key])
+            stats.values += new.numel()
+            stats.full_bytes += new.numel() * new.element_size()
+            if old is None:
+                pieces[f"{key}::full"] = new
+                stats.changed += new.numel()
+                continue
+            idx = (_int_view(old) != _int_view(new)).nonzero().reshape(-1)
+            if idx.numel():
+                pieces.update(_positions(key, idx, new.numel()))
+                pieces[f"{key}::val"] = new.reshape(-1)[idx]
+                stats.changed += idx.numel()
+    save_file(pieces, os.path.join(out, PREFIX + name))  # fsynced with the folder
+    stats.delta_bytes = os.path.getsize(os.path.join(out, PREFIX + name))
+    return stats
 
 
 def _rebuilt_pieces(delta_file: str, base_tensor: Callable[[str], torch.Tensor]) -> Iterator[bytes | memoryview]:

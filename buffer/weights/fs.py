@@ -231,6 +231,7 @@ class WeightStore(FsWeightSource, WeightPublisher):
         self.publish_full_freq = 1
         self.last_delta: delta.DeltaStats | None = None  # of the last publish (None: it was full)
         self.last_bytes = 0  # bytes of the last published folder's files (what a reader moves)
+        self.last_delta_s = 0.0  # seconds the last publish spent comparing with its base
 
     # --- trainer side -------------------------------------------------------------------
     @property
@@ -275,7 +276,9 @@ class WeightStore(FsWeightSource, WeightPublisher):
         final = self.layout.version_dir(version)
         if os.path.exists(final):
             raise FileExistsError(f"{final} already exists: weight versions are never rewritten")
+        t0 = time.monotonic()
         made = None if adapter is not None else self._delta_of(staged, manifest)
+        self.last_delta_s = time.monotonic() - t0
         self.last_delta = None
         if made is None:
             os.rename(staged, final)
