@@ -178,6 +178,7 @@ def summarize(out: str, mode: str) -> dict:
         "s_per_delta_reload": statistics.median(loads["delta"]) if loads["delta"] else None,
         "score_mean": statistics.mean(scores) if scores else None,  # the learning signal is there
         "stale_dropped": rows[-1].get("buffer/dropped_stale_samples", 0) if rows else None,
+        "arriving_wait_s": beat.get("arriving_wait_s"),  # the worker held for versions in flight
         "step_s": statistics.median(steps) if steps else None,
         "wait_share": sum(r["time/wait_s"] for r in rows) / max(1e-9, sum(r["time/step_s"] for r in rows)),
     }

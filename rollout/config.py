@@ -168,6 +168,15 @@ class EngineProcessSection:
 class WorkerSection(EngineProcessSection):
     id: str = F("", "worker id (letters, digits, _ . -); default: <hostname>-<pid>")
     max_batches: int = F(0, "stop after this many batches (0: run until stopped)", ge=0)
+    arriving_wait_s: float = F(
+        10.0,
+        "a network worker (buffer.transport=grpc) whose newest published weight version is "
+        "still arriving waits up to this long for it before generating a batch with older "
+        "weights (a shared-folder worker has every version at once): a batch sampled with older "
+        "weights is that much staler when trained on and may be dropped. 0: generate at once",
+        ge=0,
+        le=600,
+    )
 
     def check(self) -> None:
         super().check()

@@ -188,6 +188,7 @@ class RolloutWorker:
         # engine start is not a reload) and waiting for the trainer (backpressure, sync mode).
         self.gen_seconds = 0.0
         self.reload_seconds = 0.0
+        self.arriving_wait_seconds = 0.0  # held at batch starts for a version still arriving
         self.reloads = 0
         self.reload_bytes = 0  # bytes of the published versions loaded (deltas or snapshots)
         self.last_reload: dict = {}  # version, bytes, seconds of the newest reload
@@ -250,12 +251,16 @@ class RolloutWorker:
         )
         return True
 
-    def maybe_reload(self) -> bool:
-        """Load the newest published version in place, if it is newer; True when loaded."""
+    def maybe_reload(self, wait_s: float = 0.0) -> bool:
+        """Load the newest published version in place, if it is newer; True when loaded. A
+        version still arriving (network source) is waited for up to `wait_s` (worker.arriving_wait_s
+        at a batch's start; between segments never)."""
         pointer = self.store.pointer()
         if pointer is None or pointer["version"] == self.version or pointer["version"] in self.skipped:
             return False
         latest = pointer["version"]
+        if wait_s > 0 and not self.rounds.on and not self.store.ready(latest):
+            self._await_arrival(latest, wait_s)
         if not self.rounds.on and not self.store.ready(latest):
             # Still arriving (network source): generate on. A version fetched in the background
             # while the trainer published newer ones is still newer than ours: load it, or a
@@ -314,6 +319,26 @@ class RolloutWorker:
             "no version yet" if self.version is None else f"v{self.version}",
             self.versions_skipped,
         )
+
+    def _await_arrival(self, version: int, wait_s: float) -> None:
+        """Wait (at most `wait_s`) until `version` has arrived. One target, never a newer one
+        published meanwhile, so a worker on a slow link is held once per batch, not forever. The
+        pointer is read again every 0.25 s: the source fetches one version at a time and starts
+        the next one seen there once the one in flight is done."""
+        t0 = time.monotonic()
+        while not self.store.ready(version) and not self.should_stop():
+            if time.monotonic() - t0 >= wait_s:
+                log.info(
+                    "weight version %d still arriving after %.1f s (worker.arriving_wait_s); "
+                    "generating with v%d or the newest arrived",
+                    version,
+                    wait_s,
+                    self.version,
+                )
+                break
+            time.sleep(0.25)
+            self.store.pointer()
+        self.arriving_wait_seconds += time.monotonic() - t0
 
     def _rule(self, prompt: Prompt, text: str) -> float | None:
         """The rule reward of one response; None when its value cannot be recorded (dropped)."""
@@ -571,6 +596,7 @@ class RolloutWorker:
                 "reload_bytes": self.reload_bytes,
                 "last_reload": self.last_reload,
                 "wait_s": self.wait_seconds,
+                "arriving_wait_s": self.arriving_wait_seconds,
                 "reload_fraction": self.reload_seconds / self.gen_seconds if self.gen_seconds else 0.0,
                 "synchronous": self.rounds.on,
                 "resumed_on_new_weights": self.resumed_on_new_weights,
@@ -648,7 +674,7 @@ class RolloutWorker:
                     )
                 if self.should_stop():
                     break
-                self.maybe_reload()
+                self.maybe_reload(wait_s=self.cfg.worker.arriving_wait_s)
                 count = self.claim() if self.rounds.on else None
                 if count == 0:  # this version's groups are all claimed: publish ours, then wait
                     if pending is not None:

@@ -1,7 +1,8 @@
 """Issue 15's fixes and later issues' (30.<item>: issue 30; 26a-f: weight deltas; 26g-m: the
-trainer's chunk-server processes; 26n: a delta chain in memory; 25a: the row boundaries handed
-to the attention; 25b: trainer.checkpoint_every; 27w-a..e: adapter-only versions on the workers), each
-removed in turn: its tests must fail without it and pass with it.
+trainer's chunk-server processes; 26n: a delta chain in memory; 26o: a network worker waits for
+the version in flight; 25a: the row boundaries handed to the attention; 25b:
+trainer.checkpoint_every; 27w-a..e: adapter-only versions on the workers), each removed in turn:
+its tests must fail without it and pass with it.
 
     python scripts/fail_before_fix.py [--only 2,5b] [--no-pass-run] [--timeout 1800] [--check]
 
@@ -567,6 +568,12 @@ CASES = [
         "a reader several deltas behind rebuilds every version on the way (no chain in memory)",
         [("buffer/weights/delta.py", "if in_memory and depth == 0", "if False and depth == 0")],
         [D + "test_a_lagging_worker_rebuilds_only_the_version_it_asks_for"],
+    ),
+    Case(
+        "26o",
+        "a network worker samples a batch with older weights while the newest version is arriving",
+        [("rollout/worker.py", "            self._await_arrival(latest, wait_s)\n", "            pass\n")],
+        ["tests/test_run_service.py::test_a_network_worker_waits_at_a_batch_start_for_the_version_in_flight"],
     ),
     Case(
         "25a",

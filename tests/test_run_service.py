@@ -3,6 +3,7 @@ real gRPC server on loopback: a worker-side Run whose root shares nothing with t
 
 import dataclasses
 import fcntl
+import logging
 import os
 import threading
 import time
@@ -336,6 +337,40 @@ def test_a_network_worker_loads_a_version_fetched_while_newer_ones_were_publishe
             assert time.monotonic() < deadline + 60, "v2 did not arrive within 60 s"
             time.sleep(0.05)
         assert worker.versions_loaded == [0, 1, 2]
+    finally:
+        worker.store.close()
+        server.stop(grace_s=1)
+
+
+def test_a_network_worker_waits_at_a_batch_start_for_the_version_in_flight(tmp_path, caplog):
+    """At a batch's start a network worker waits (worker.arriving_wait_s) for the newest version
+    still arriving instead of sampling the batch with older weights, as a shared-folder worker
+    never has to (on one H200 the network worker's one batch sampled a version behind was
+    dropped as stale: 256 samples against 0); the wait is bounded and says what it waited for."""
+    port = free_port()
+    # the trainer's uplink at 0.25 MB/s: 2 s per copy of the 0.5 MB model
+    cfg = _cfg(tmp_path, port, grpc_call_timeout_s=10, grpc_linger_s=0, weights_upload_mb_s=0.25)
+    trainer = setup_trainer_run(str(tmp_path / "trainer"))
+    trainer.state.ensure_run_id()
+    builtin_task.write_model(tmp_path / "model")
+    publish = trainer.publisher.publish_hf_folder
+    publish(tmp_path / "model", 0, 0, keep=5)
+    server = trainer.serve(cfg)
+    worker = _network_worker(tmp_path, cfg)
+    try:
+        assert worker.start() and worker.version == 0
+        wait_s = worker.cfg.worker.arriving_wait_s
+        assert wait_s >= 5  # the default: a few copies at this rate
+        publish(tmp_path / "model", 1, 1, keep=5)
+        # 2 s at the capped rate; on a loaded box up to the default's 10 s. The batch's start:
+        assert worker.maybe_reload(wait_s=max(wait_s, 60)), "the worker sampled on with v0 while v1 was arriving"
+        assert worker.version == 1 and worker.arriving_wait_seconds > 0.5
+        publish(tmp_path / "model", 2, 2, keep=5)
+        t0 = time.monotonic()
+        with caplog.at_level(logging.INFO, logger="rollout.worker"):
+            assert not worker.maybe_reload(wait_s=0.3)  # bounded: v2 is 2 s away
+        assert time.monotonic() - t0 < 30 and "weight version 2 still arriving after 0.3 s" in caplog.text
+        assert worker.version == 1
     finally:
         worker.store.close()
         server.stop(grace_s=1)
