@@ -307,30 +307,36 @@ def _network_worker(tmp_path, cfg):
     return RolloutWorker(build(WorkerConfig, settings))
 
 
+def _slow_link(tmp_path):
+    """A trainer with v0 published and its weight service on loopback, its uplink at 0.25 MB/s
+    (2 s per copy of the 0.5 MB model: a version published just now cannot have arrived when
+    the worker next looks), and a network worker not yet started. publish(v) publishes v."""
+    cfg = _cfg(tmp_path, free_port(), grpc_call_timeout_s=10, grpc_linger_s=0, weights_upload_mb_s=0.25)
+    trainer = setup_trainer_run(str(tmp_path / "trainer"))
+    trainer.state.ensure_run_id()
+    builtin_task.write_model(tmp_path / "model")
+
+    def publish(v: int) -> None:
+        trainer.publisher.publish_hf_folder(tmp_path / "model", v, v, keep=5)
+
+    publish(0)
+    return publish, trainer.serve(cfg), _network_worker(tmp_path, cfg)
+
+
 def test_a_network_worker_loads_a_version_fetched_while_newer_ones_were_published(tmp_path):
     """A trainer that publishes faster than a version arrives: the worker loads the version its
     background fetch completed even though the pointer names a newer one by then, instead of
     chasing the newest and loading none (on one H200, 4 of 20 versions loaded, issue 17's table)."""
-    port = free_port()
-    # the trainer's uplink at 0.25 MB/s: 2 s per copy of the 0.5 MB model, so a version published
-    # just now cannot have arrived when the worker next looks
-    cfg = _cfg(tmp_path, port, grpc_call_timeout_s=10, grpc_linger_s=0, weights_upload_mb_s=0.25)
-    trainer = setup_trainer_run(str(tmp_path / "trainer"))
-    trainer.state.ensure_run_id()
-    builtin_task.write_model(tmp_path / "model")
-    publish = trainer.publisher.publish_hf_folder
-    publish(tmp_path / "model", 0, 0, keep=5)
-    server = trainer.serve(cfg)
-    worker = _network_worker(tmp_path, cfg)
+    publish, server, worker = _slow_link(tmp_path)
     try:
         assert worker.start() and worker.version == 0
-        publish(tmp_path / "model", 1, 1, keep=5)
+        publish(1)
         assert worker.store.pointer()["version"] == 1  # starts fetching v1 in the background
         deadline = time.monotonic() + 60  # 2 s at the capped rate; a loaded box: a few times that
         while not worker.store.ready(1):
             assert time.monotonic() < deadline, "v1 did not arrive within 60 s"
             time.sleep(0.05)
-        publish(tmp_path / "model", 2, 2, keep=5)  # the trainer moved on: v2 is 2 s away
+        publish(2)  # the trainer moved on: v2 is 2 s away
         assert worker.maybe_reload(), "the worker waited for v2 instead of loading v1"
         assert worker.version == 1 and worker.versions_loaded == [0, 1]
         while not worker.maybe_reload():  # and v2 once it is here
@@ -347,25 +353,16 @@ def test_a_network_worker_waits_at_a_batch_start_for_the_version_in_flight(tmp_p
     still arriving instead of sampling the batch with older weights, as a shared-folder worker
     never has to (on one H200 the network worker's one batch sampled a version behind was
     dropped as stale: 256 samples against 0); the wait is bounded and says what it waited for."""
-    port = free_port()
-    # the trainer's uplink at 0.25 MB/s: 2 s per copy of the 0.5 MB model
-    cfg = _cfg(tmp_path, port, grpc_call_timeout_s=10, grpc_linger_s=0, weights_upload_mb_s=0.25)
-    trainer = setup_trainer_run(str(tmp_path / "trainer"))
-    trainer.state.ensure_run_id()
-    builtin_task.write_model(tmp_path / "model")
-    publish = trainer.publisher.publish_hf_folder
-    publish(tmp_path / "model", 0, 0, keep=5)
-    server = trainer.serve(cfg)
-    worker = _network_worker(tmp_path, cfg)
+    publish, server, worker = _slow_link(tmp_path)
     try:
         assert worker.start() and worker.version == 0
         wait_s = worker.cfg.worker.arriving_wait_s
         assert wait_s >= 5  # the default: a few copies at this rate
-        publish(tmp_path / "model", 1, 1, keep=5)
+        publish(1)
         # 2 s at the capped rate; on a loaded box up to the default's 10 s. The batch's start:
         assert worker.maybe_reload(wait_s=max(wait_s, 60)), "the worker sampled on with v0 while v1 was arriving"
         assert worker.version == 1 and worker.arriving_wait_seconds > 0.5
-        publish(tmp_path / "model", 2, 2, keep=5)
+        publish(2)
         t0 = time.monotonic()
         with caplog.at_level(logging.INFO, logger="rollout.worker"):
             assert not worker.maybe_reload(wait_s=0.3)  # bounded: v2 is 2 s away

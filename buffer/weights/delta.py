@@ -181,7 +181,8 @@ def make_delta(
                 too_dense.set()
         return not too_dense.is_set()
 
-    workers = max(1, min(threads or MAKE_THREADS, len(names), len(os.sched_getaffinity(0))))
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    workers = max(1, min(threads or MAKE_THREADS, len(names), cpus))
     with ThreadPoolExecutor(workers, thread_name_prefix="delta") as pool:
         if not all(list(pool.map(one, names))):
             return None
