@@ -82,7 +82,7 @@ def run_mode(args) -> None:
     cmd += ["--workers", "1", "--timeout", str(args.timeout), "--no-report", "--test-freq", "0"]
     cmd += [*prof["flags"], *data, *flags]
     cmd += [x for s in COMMON_TRAINER + trainer + prof["trainer"] for x in ("--trainer", s)]
-    cmd += [x for s in prof["worker"] for x in ("--worker", s)]
+    cmd += [x for s in prof["worker"] + args.worker for x in ("--worker", s)]
     print("+", " ".join(cmd), flush=True)
     t0 = time.monotonic()
     with open(f"{out}/console.txt", "w") as console:
@@ -228,6 +228,7 @@ def main(argv=None) -> None:
     p.add_argument("--timeout", type=int, default=420, help="launch.local's --timeout in seconds (default 420)")
     p.add_argument("--work", default="/tmp/net26", help="scratch folder for models and runs (default /tmp/net26)")
     p.add_argument("--cpu", action="store_true", help="the built-in tiny model on the CPU (wiring check)")
+    p.add_argument("--worker", action="append", default=[], metavar="KEY=VALUE", help="an extra worker setting")
     args = p.parse_args(argv)
     if args.table:
         return table(args.table)
