@@ -38,10 +38,13 @@ def _folder(path: str, tensors: dict[str, torch.Tensor]) -> None:
     with open(os.path.join(path, "config.json"), "w") as f:
         json.dump({"model_type": "qwen2"}, f)
     files: list[dict[str, torch.Tensor]] = [{}]
+    size = 0  # bytes in the last file
     for key, t in tensors.items():
-        if sum(x.numel() * 2 for x in files[-1].values()) >= FILE_MB << 20:
+        if size >= FILE_MB << 20:
             files.append({})
+            size = 0
         files[-1][key] = t
+        size += t.numel() * t.element_size()
     weight_map = {}
     for i, part in enumerate(files):
         name = f"model-{i:05d}-of-{len(files):05d}.safetensors"

@@ -8,6 +8,11 @@ import os
 from protocol.config import ConfigError, F
 
 
+def usable_cpus() -> int:
+    """The CPUs this process may use (SLURM, taskset), not the node's."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
 @dataclasses.dataclass
 class BufferConfig:
     flush_interval: float = F(30.0, "seconds: publish buffered groups at least this often", gt=0)
@@ -262,8 +267,7 @@ class BufferConfig:
         """buffer.weights_serve_processes resolved: 0 (the trainer's own process) or N >= 2."""
         n = self.weights_serve_processes
         if n < 0:
-            cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-            n = min(4, cpus // 2)  # the CPUs this process may use (SLURM, taskset), not the node's
+            n = min(4, usable_cpus() // 2)
         return n if n >= 2 else 0
 
     def check(self) -> None:

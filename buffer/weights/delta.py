@@ -37,6 +37,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from buffer.config import usable_cpus
 from buffer.layout import TMP_MARK
 from buffer.storage import fsync_tree
 from protocol.weights import FileEntry, ManifestError, TensorEntry, WeightManifest, sha256_file, verify_files
@@ -181,8 +182,7 @@ def make_delta(
                 too_dense.set()
         return not too_dense.is_set()
 
-    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-    workers = max(1, min(threads or MAKE_THREADS, len(names), cpus))
+    workers = max(1, min(threads or MAKE_THREADS, len(names), usable_cpus()))
     with ThreadPoolExecutor(workers, thread_name_prefix="delta") as pool:
         if not all(list(pool.map(one, names))):
             return None
