@@ -402,8 +402,8 @@ CASES = [
         [
             (
                 "rollout/worker.py",
-                "            except Exception as e:  # noqa: BLE001 - a user's reward",
-                "            except KeyboardInterrupt as e:  #",
+                "        except Exception as e:  # noqa: BLE001 - a user's reward",
+                "        except KeyboardInterrupt as e:  #",
             )
         ],
         [C + "test_a_reward_function_that_raises_costs_that_samples_score_only"],
