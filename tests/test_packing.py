@@ -131,8 +131,42 @@ def test_packed_token_budget_counts_real_tokens():
     got = micro_batches(torch.arange(6), lengths, cfg, packed=True)
     assert all(sum(lengths[i] for i in b.tolist()) <= 12 for b in got)
     assert sorted(i for b in got for i in b.tolist()) == list(range(6))
-    assert len(got) == 4  # first fit, longest first: [12], [11, 1], [8, 4], [3]
+    assert sorted(sum(lengths[i] for i in b.tolist()) for b in got) == [8, 8, 11, 12]  # [12], [11], [8], [4, 3, 1]
     assert len(micro_batches(torch.arange(6), lengths, cfg, packed=False)) == 5  # padded: rows x longest, in order
+
+
+def test_packed_micro_batches_are_balanced_not_a_full_run_and_a_remainder():
+    """verl's dynamic batching: ceil(total / budget) micro-batches of about equal tokens. First
+    fit gave [30, 30, 10] here (and a 1,590-token micro-batch beside four of ~16,300 on H200)."""
+    from trainer.update import balanced
+
+    assert sorted(sum([10] * len(b)) for b in balanced([10] * 7, 30)) == [20, 20, 30]
+    # at_least: the busiest rank's count, so this rank splits finer instead of a padding pass
+    assert sorted(len(b) for b in balanced([10] * 7, 30, at_least=5)) == [1, 1, 1, 2, 2]
+    assert balanced([40, 5], 30) == [[0], [1]]  # a row over the budget goes alone
+    assert balanced([5, 5], 30, at_least=4) == [[0], [1]]  # never an empty micro-batch
+
+
+def test_balanced_micro_batches_keep_every_row_once_within_budget_and_no_more_than_first_fit():
+    """3,000 random cases (seeded): every row once, no micro-batch over the budget unless one
+    row alone, never more micro-batches than first fit (or `at_least`), the heaviest no heavier
+    than first fit's (LPT only moves tokens from full bins to light ones)."""
+    import random
+
+    from trainer.sft_data import micro_batches as first_fit
+    from trainer.update import balanced
+
+    rng = random.Random(7)
+    for _ in range(3000):
+        n, budget, at_least = rng.randint(0, 40), rng.randint(1, 70), rng.randint(1, 12)
+        lengths = [rng.randint(1, 60) for _ in range(n)]
+        got = balanced(lengths, budget, at_least)
+        fit = first_fit(lengths, list(range(n)), budget, None)
+        assert sorted(i for b in got for i in b) == list(range(n))
+        assert all(b and (len(b) == 1 or sum(lengths[i] for i in b) <= budget) for b in got)
+        assert len(got) <= max(len(fit), min(at_least, n))
+        if at_least == 1 and n:
+            assert max(sum(lengths[i] for i in b) for b in got) <= max(sum(lengths[i] for i in b) for b in fit)
 
 
 def test_varlen_attention_takes_half_precision_and_refuses_float32_outside_autocast():
