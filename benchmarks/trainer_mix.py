@@ -178,7 +178,7 @@ def run_path(
     if device.type == "cuda":
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(device)
-    times, phases = [], []
+    times, phases, compiled = [], [], []
     try:
         for step, samples in enumerate(steps_samples):
             trainer.step = step + 1
@@ -188,6 +188,7 @@ def run_path(
             sync()
             times.append(time.perf_counter() - t0)
             phases.append({k: round(v, 4) for k, v in metrics.items() if k.startswith("timing_s/")})
+            compiled.append(metrics.get("perf/compiled_graphs", 0))  # > 0 after step 1: a recompile
         peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None
         if profile:
             trainer.step += 1
@@ -196,7 +197,13 @@ def run_path(
                 sync()
     except torch.OutOfMemoryError as e:
         return {"path": path, "error": f"out of memory: {str(e)[:200]}", "step_times": times}
-    return {"path": path, "step_times": times, "phases": phases, "peak_memory_gib": peak / 2**30 if peak else None}
+    return {
+        "path": path,
+        "step_times": times,
+        "phases": phases,
+        "compiled_graphs": compiled,
+        "peak_memory_gib": peak / 2**30 if peak else None,
+    }
 
 
 @contextlib.contextmanager
@@ -227,23 +234,28 @@ def write_table(folder: str) -> str:
     for f in sorted(glob.glob(os.path.join(folder, "stage-*.json"))):
         with open(f) as fh:
             results.append(json.load(fh))
-    rows = ["| shape | path | tokens/s | peak GiB | MFU 6·N | MFU every pass | packed/padded | acceptance |"]
-    rows.append("| --- | --- | --- | --- | --- | --- | --- | --- |")
+    rows = [
+        "| shape | path | tokens/s | peak GiB | MFU 6·N | MFU every pass | packed/padded | acceptance "
+        "| recompiled (timed steps) | MFU 6·N without them |"
+    ]
+    rows.append("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     for r in results:
         for path, p in r["paths"].items():
             every = r.get("checkpoint_every", 1)
             ckpt = (" +ckpt" + (f"/{every}" if every > 1 else "")) if r["grad_ckpt"] else ""
             label = f"{r['shape']}{ckpt}{' +compile' if r.get('compile_layers') else ''}"
             if "error" in p:
-                rows.append(f"| {label} | {path} | {p['error'][:60]} | | | | | |")
+                rows.append(f"| {label} | {path} | {p['error'][:60]} | | | | | | | |")
                 continue
             peak = f"{p['peak_memory_gib']:.1f}" if p.get("peak_memory_gib") else "-"
             ratio = f"{r['packed_over_padded']:.2f}" if path == "packed" and "packed_over_padded" in r else ""
             accept = ACCEPT.get(r["shape"], "") if path == "packed" else ""
             name = f"{path} +pi_old pass" if path == "packed" and p.get("pi_old_pass") else path
+            again = ", ".join(map(str, p.get("recompiled_steps", []))) or ("none" if r.get("compile_layers") else "")
+            steady = f"{100 * p['mfu_6n_without_recompiles']:.1f} %" if "mfu_6n_without_recompiles" in p else ""
             rows.append(
                 f"| {label} | {name} | {p['tokens_per_s']:,.0f} | {peak} | {100 * p['mfu_6n']:.1f} % | "
-                f"{100 * p['mfu_every_pass']:.1f} % | {ratio} | {accept} |"
+                f"{100 * p['mfu_every_pass']:.1f} % | {ratio} | {accept} | {again} | {steady} |"
             )
     notes = [
         f"- {r['shape']}: {r['device']}, {r['params'] / 1e9:.2f} B params, attention {r['packed_attention']}, "
@@ -378,6 +390,14 @@ def main(argv=None) -> int:
                 "mfu_6n": six_n / seconds / peak,
                 "mfu_every_pass": every / seconds / peak,
             }
+            # the same over the timed steps that compiled nothing (a recompile is a compile, as
+            # the warm-up step's: both figures are reported, the table names the steps left out)
+            fresh = [i for i, n in enumerate(r["compiled_graphs"][1:]) if n]
+            if fresh and len(fresh) < len(timed):
+                kept = [b for i, b in enumerate(batches[1 : len(timed) + 1]) if i not in fresh]
+                six_k, _ = flops(shape, n_params, [x for b in kept for x in b], share, separate)
+                r["recompiled_steps"] = [i + 1 for i in fresh]
+                r["mfu_6n_without_recompiles"] = six_k / sum(t for i, t in enumerate(timed) if i not in fresh) / peak
         result["paths"][path] = r
         print(json.dumps({k: v for k, v in r.items() if k not in ("step_times", "phases")}), flush=True)
     p = result["paths"]

@@ -84,3 +84,23 @@ def test_compile_layers_compiles_each_decoder_layer_before_sharding(tmp_path, on
         assert not trainer.optimizer.defaults.get("fused")
     finally:
         trainer.close()
+
+
+def test_compiled_graphs_counts_each_compile_and_the_step_line_names_them():
+    """trainer.model.compiled_graphs reads dynamo's own counter: one graph for the first call,
+    none for another length (dynamic shapes), one more on a recompile (here a new dtype fails a
+    guard). The trainer's console line names a step's compiled graphs (a recompile after step 1)."""
+    from trainer.metrics import rl_line
+    from trainer.model import compiled_graphs
+
+    f = torch.compile(lambda x: x * 2 + 1, backend="eager", dynamic=True)  # eager: no codegen, ~1 s
+    start = compiled_graphs()
+    f(torch.ones(3))
+    f(torch.ones(7))
+    assert compiled_graphs() == start + 1
+    f(torch.ones(3, dtype=torch.float64))
+    assert compiled_graphs() == start + 2
+    m = {"step": 5, "total": 9, "weights/version": 4, "reward/mean": 0.5, "staleness/mean": 0.0, "samples/step": 8,
+         "tokens/step": 100, "time/step_s": 16.4, "time/wait_s": 0.0}  # fmt: skip
+    assert "compiled" not in rl_line(m) and "compiled" not in rl_line(m | {"perf/compiled_graphs": 0})
+    assert rl_line(m | {"perf/compiled_graphs": 2}).endswith("| compiled 2 graphs")

@@ -41,7 +41,7 @@ from trainer.critic import Critic
 from trainer.lifeline import die_with_agent
 from trainer.lora import LoraSpec
 from trainer.metrics import MetricsLog, generation_seconds, length_metrics, memory_metrics, mfu, timed
-from trainer.model import adamw, build_actor, packed_attention
+from trainer.model import adamw, build_actor, compiled_graphs, log_recompiles, packed_attention
 from trainer.publish import publish_adapter, publish_version
 from trainer.run_lock import RunLock, RunLocked
 from trainer.validation import ValidationLog, validation_due
@@ -125,6 +125,8 @@ class Trainer:
         self.lora = LoraSpec.of(cfg.actor_rollout_ref.model)
         self.base_checksum = base_checksum(self.model_path) if self.lora else None
         compiled = cfg.trainer.compile_layers
+        if compiled:
+            log_recompiles()
         self.model = build_actor(
             self.model_path,
             device,
@@ -426,6 +428,7 @@ class Trainer:
     def train_step(self, samples: list, group_index: list[int] | None = None) -> dict:
         """`group_index`: the step-wide number of each sample's group (None: this rank's groups
         in order of appearance, numbered as rank 0 deals them)."""
+        graphs = compiled_graphs() if self.cfg.trainer.compile_layers else 0
         batch = collate(samples, self.pad_id).to(self.device)
         if group_index is None:
             order = {g: i for i, g in enumerate(dict.fromkeys(batch.group_ids))}
@@ -498,6 +501,8 @@ class Trainer:
             metrics["perf/mfu/actor"] = self.mfu(self.model, samples, timing["timing_s/update_actor"], actor.ppo_epochs)
             if reuse:
                 metrics |= mismatch(old)
+        if self.cfg.trainer.compile_layers:  # graphs compiled in this step (a recompile after step 1)
+            metrics["perf/compiled_graphs"] = compiled_graphs() - graphs
         return metrics | timing
 
     def old_from_update(self) -> bool:

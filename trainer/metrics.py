@@ -28,6 +28,7 @@ def rl_line(m: dict) -> str:
         + (f"mismatch KL {m['rollout/mismatch_kl']:.1e} | " if "rollout/mismatch_kl" in m else "")
         + f"{m['samples/step']} samples, {m['tokens/step']} tokens | "
         f"step {m['time/step_s']:.2f} s (wait {m['time/wait_s']:.2f} s)"
+        + (f" | compiled {m['perf/compiled_graphs']} graphs" if m.get("perf/compiled_graphs") else "")
     )
 
 
