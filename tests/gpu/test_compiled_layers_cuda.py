@@ -2,8 +2,8 @@
 (trainer.model.build_actor: FSDP2, bf16 compute, fp32 master weights, packed rows through the
 varlen kernel): compiled decoder layers give the eager layers' logprobs and gradients within
 bf16's own error, across packed lengths that differ every call (dynamic shapes: no failure, no
-graph break in a layer and no recompile after the first length, a short one included), and one fused AdamW step moves the weights
-as torch's default one.
+graph break in a layer and no recompile after the first length, a short one included), and one
+fused AdamW step moves the weights as torch's default one.
 
 Why a GPU test: both are GPU-only speed choices (the fused optimizer is used on CUDA only; the
 compile pays ~1 min on CPU for nothing). Tolerances, measured rather than guessed: the compiled
