@@ -172,7 +172,9 @@ def parse_args(argv):
         type=int,
         default=3,
         help="start a worker or the validator that died again, at most this many times each "
-        "(default 3; 0: a death ends the run); one that refused to run (exit code 2) is never restarted",
+        "(default 3; 0: a death ends the run); one that refused to run (exit code 2) is never restarted. "
+        "The trainer and SFT: torchrun's --max-restarts, as on SLURM and Ray (every rank again, resumed "
+        "from the last checkpoint; torchrun cannot tell a refusal, so one repeats its refusal that often)",
     )
     p.add_argument(
         "--reward-model",
@@ -447,6 +449,7 @@ def run_sft(run: TrainerRun, args, argv: list[str], signals: Signals) -> str:
             "torch.distributed.run",
             "--standalone",
             f"--nproc_per_node={args.nproc}",
+            f"--max-restarts={args.max_restarts}",  # as on SLURM and Ray: every rank again, resumed
             "-m",
             "trainer.sft",
             *argv,
@@ -671,6 +674,7 @@ def start_children(
             "torch.distributed.run",
             "--standalone",
             f"--nproc_per_node={args.nproc}",
+            f"--max-restarts={args.max_restarts}",  # as on SLURM and Ray: every rank again, resumed
             "-m",
             "trainer.main",
             *trainer_args,

@@ -1033,3 +1033,55 @@ def test_a_stop_request_checkpoints_and_a_restart_resumes(experience):
         for s in from_table(decode(f.read_bytes()))
     }
     assert len(trained) == len(set(trained)) and set(trained) == committed
+
+
+# --- 12. launch.local: a trainer rank that dies is restarted with the others, as on SLURM -------
+
+
+def test_launch_local_restarts_the_trainer_after_a_rank_dies(tmp_path):
+    """A native crash of one rank (here SIGKILL by pid, after step 2): torchrun stops the other
+    rank and starts both again (launch.local passes its --max-restarts, as SLURM and Ray do);
+    they resume from the last checkpoint and the run ends well, every step on the final
+    timeline, no sample trained twice. Before the fix the run ended with the trainer's failure."""
+    import glob
+    import json
+    import subprocess
+
+    from conftest import subprocess_env
+
+    root, steps = tmp_path / "run", 5
+    out_path = tmp_path / "launch.out"  # a file, not a pipe: nobody reads a pipe while the test waits
+    with open(out_path, "w") as out_file:
+        proc = subprocess.Popen(
+            launch_local("--root", str(root), "--steps", str(steps), "--test-freq", "0", "--timeout", "900",
+                         "--trainer", "trainer.log_sample_ids=true", "--trainer", "trainer.save_freq=2"),
+            stdout=out_file, stderr=subprocess.STDOUT, text=True, start_new_session=True, env=subprocess_env(),
+        )  # fmt: skip
+    try:
+        deadline = time.monotonic() + 600
+        metrics = root / "metrics.jsonl"
+        while not metrics.exists() or metrics.read_text().count("\n") < 2:
+            assert proc.poll() is None, out_path.read_text()[-3000:]
+            assert time.monotonic() < deadline, "no step 2 within 600 s"
+            time.sleep(0.1)
+        torchrun = next(
+            pid for pid in descendants(proc.pid) if b"trainer.main" in open(f"/proc/{pid}/cmdline", "rb").read()
+        )
+        ranks = [int(c) for f in glob.glob(f"/proc/{torchrun}/task/*/children") for c in open(f).read().split()]
+        os.kill(ranks[-1], 9)  # a rank (a child of torchrun's agent), as a native crash would end it
+        proc.wait(timeout=900)
+    finally:
+        if proc.poll() is None:
+            for pid in [*descendants(proc.pid), proc.pid]:
+                try:
+                    os.kill(pid, 9)
+                except ProcessLookupError:
+                    pass
+            proc.wait(timeout=60)
+    assert proc.returncode == 0, out_path.read_text()[-3000:]
+    rows, _ = split_metrics([json.loads(line) for line in (root / "metrics.jsonl").read_text().splitlines()])
+    final = {r["step"]: r for r in rows}  # a step logged twice (before the kill, resumed): the later line
+    assert sorted(final) == list(range(1, steps + 1))
+    trained = [i for r in final.values() for i in r["samples/ids"]]
+    assert len(trained) == len(set(trained))
+    assert "restart" in (root / "logs" / "trainer.log").read_text().lower()  # torchrun said so
