@@ -1,7 +1,8 @@
 """Issue 15's fixes and later issues' (30.<item>: issue 30; 26a-f: weight deltas; 26g-m: the
 trainer's chunk-server processes; 26n: a delta chain in memory; 26o: a network worker waits for
 the version in flight; 25a: the row boundaries handed to the attention; 25b:
-trainer.checkpoint_every; 27w-a..e: adapter-only versions on the workers), each removed in turn:
+trainer.checkpoint_every; 27w-a..e: adapter-only versions on the workers; x1: a rank leaves without
+the interpreter's teardown; x2: launch.local restarts a trainer whose rank died), each removed in turn:
 its tests must fail without it and pass with it.
 
     python scripts/fail_before_fix.py [--only 2,5b] [--no-pass-run] [--timeout 1800] [--check]
@@ -598,6 +599,25 @@ CASES = [
         "buffer.weights_serve_processes unbounded",
         [("buffer/config.py", "        ge=-1,\n        le=64,\n", "")],
         [P + "test_serve_processes_refused_early_with_the_field_named"],
+    ),
+    Case(
+        "x1",
+        "a rank's normal end goes through the interpreter's teardown (leave() calls sys.exit)",
+        [("trainer/lifeline.py", "    os._exit(code)\n", "    sys.exit(code)\n")],
+        ["tests/test_lifeline.py::test_a_rank_that_leaves_is_not_aborted_by_a_gloo_thread_at_teardown"],
+    ),
+    Case(
+        "x2",
+        "launch.local's trainer torchrun without --max-restarts (a dead rank ends the run)",
+        [
+            (
+                "launch/local.py",
+                '            f"--max-restarts={args.max_restarts}",  # as on SLURM and Ray: every rank again, resumed\n'
+                '            "-m",\n            "trainer.main",\n',
+                '            "-m",\n            "trainer.main",\n',
+            )
+        ],
+        [F + "test_launch_local_restarts_the_trainer_after_a_rank_dies"],
     ),
 ]
 

@@ -38,7 +38,7 @@ from trainer import algo, checkpoint, lora, update
 from trainer.batch import collate
 from trainer.config import TrainerConfig, device_problem
 from trainer.critic import Critic
-from trainer.lifeline import die_with_agent
+from trainer.lifeline import die_with_agent, leave, trace_native_crashes
 from trainer.lora import LoraSpec
 from trainer.metrics import MetricsLog, generation_seconds, length_metrics, memory_metrics, mfu, timed
 from trainer.model import adamw, build_actor, compiled_graphs, log_recompiles, packed_attention
@@ -805,6 +805,7 @@ class Trainer:
 
 def main(argv: list[str] | None = None) -> int:
     die_with_agent()
+    trace_native_crashes()
     cfg = parse_cli(
         TrainerConfig,
         argv,
@@ -865,4 +866,4 @@ def hold_run(root: str) -> RunLock | None:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    leave(main())

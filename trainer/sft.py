@@ -30,6 +30,7 @@ from protocol.config import parse_cli, to_dict
 from protocol.weights import base_checksum
 from trainer import algo, checkpoint, lora
 from trainer.attention import attn_implementation
+from trainer.lifeline import leave, trace_native_crashes
 from trainer.lora import LoraSpec
 from trainer.main import init_distributed, say_restart
 from trainer.metrics import MetricsLog
@@ -302,6 +303,7 @@ def load_data(cfg: SFTConfig) -> tuple[Sequences, Sequences | None]:
 
 
 def main(argv: list[str] | None = None) -> int:
+    trace_native_crashes()
     cfg = parse_cli(
         SFTConfig,
         argv,
@@ -338,4 +340,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    leave(main())
