@@ -36,7 +36,7 @@ from buffer.channel import TOKEN_ENV
 from buffer.run import TrainerRun, setup_trainer_run
 from buffer.storage import respect_umask
 from buffer.weights.fs import hf_folder_problem
-from launch import status
+from launch import status, torchrun
 from protocol.config import ConfigError, file_values, load, split_argv
 from protocol.fields import _flatten, _read_yaml
 from rollout import builtin_task
@@ -350,6 +350,7 @@ class Child:
         Path(log_path).parent.mkdir(parents=True, exist_ok=True)
         self.log = open(log_path, "ab")
         self.env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", TOKENIZERS_PARALLELISM="false")
+        self.env.update(torchrun.ENV)  # read by the trainer's and SFT's torchrun only
         if gpus is not None:
             self.env["CUDA_VISIBLE_DEVICES"] = gpus
         self.proc = self._start()

@@ -31,6 +31,8 @@ import subprocess
 import sys
 import time
 
+from launch import torchrun
+
 log = logging.getLogger("launch.ray_driver")
 MODULES = {
     "rollout": "rollout.worker",
@@ -148,7 +150,7 @@ class Group:
         visible = os.environ.get("CUDA_VISIBLE_DEVICES", "")
         self.procs = []
         for p in procs:
-            env = {**os.environ, **p.env(visible)}
+            env = {**os.environ, **torchrun.ENV, **p.env(visible)}  # torchrun.ENV: read by torchrun only
             self.procs.append(subprocess.Popen(p.argv, env=env, preexec_fn=_die_with_parent))
             log.info("started pid %d: %s", self.procs[-1].pid, " ".join(p.argv))
 

@@ -2,7 +2,8 @@
 trainer's chunk-server processes; 26n: a delta chain in memory; 26o: a network worker waits for
 the version in flight; 25a: the row boundaries handed to the attention; 25b:
 trainer.checkpoint_every; 27w-a..e: adapter-only versions on the workers; x1: a rank leaves without
-the interpreter's teardown; x2: launch.local restarts a trainer whose rank died), each removed in turn:
+the interpreter's teardown; x2: launch.local restarts a trainer whose rank died;
+x3: a restart meets in a fresh rendezvous store), each removed in turn:
 its tests must fail without it and pass with it.
 
     python scripts/fail_before_fix.py [--only 2,5b] [--no-pass-run] [--timeout 1800] [--check]
@@ -618,6 +619,12 @@ CASES = [
             )
         ],
         [F + "test_launch_local_restarts_the_trainer_after_a_rank_dies"],
+    ),
+    Case(
+        "x3",
+        "torchrun's rendezvous store shared with the ranks across restarts (launch/torchrun.py's ENV empty)",
+        [("launch/torchrun.py", 'ENV = {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}', "ENV: dict[str, str] = {}")],
+        ["tests/test_torchrun.py::test_a_restarted_attempt_forms_its_group_with_the_launchers_environment"],
     ),
 ]
 

@@ -1053,23 +1053,23 @@ def test_launch_local_restarts_the_trainer_after_a_rank_dies(tmp_path):
     out_path = tmp_path / "launch.out"  # a file, not a pipe: nobody reads a pipe while the test waits
     with open(out_path, "w") as out_file:
         proc = subprocess.Popen(
-            launch_local("--root", str(root), "--steps", str(steps), "--test-freq", "0", "--timeout", "900",
+            launch_local("--root", str(root), "--steps", str(steps), "--test-freq", "0", "--timeout", "400",
                          "--trainer", "trainer.log_sample_ids=true", "--trainer", "trainer.save_freq=2"),
             stdout=out_file, stderr=subprocess.STDOUT, text=True, start_new_session=True, env=subprocess_env(),
         )  # fmt: skip
     try:
-        deadline = time.monotonic() + 600
+        deadline = time.monotonic() + 300
         metrics = root / "metrics.jsonl"
         while not metrics.exists() or metrics.read_text().count("\n") < 2:
             assert proc.poll() is None, out_path.read_text()[-3000:]
-            assert time.monotonic() < deadline, "no step 2 within 600 s"
+            assert time.monotonic() < deadline, "no step 2 within 300 s"
             time.sleep(0.1)
         torchrun = next(
             pid for pid in descendants(proc.pid) if b"trainer.main" in open(f"/proc/{pid}/cmdline", "rb").read()
         )
         ranks = [int(c) for f in glob.glob(f"/proc/{torchrun}/task/*/children") for c in open(f).read().split()]
         os.kill(ranks[-1], 9)  # a rank (a child of torchrun's agent), as a native crash would end it
-        proc.wait(timeout=900)
+        proc.wait(timeout=450)
     finally:
         if proc.poll() is None:
             for pid in [*descendants(proc.pid), proc.pid]:

@@ -76,7 +76,19 @@ def init_distributed(device_pref: str, timeout_s: float) -> torch.device:
 
 
 def say_restart(name: str) -> None:
-    """One line when torchrun has restarted this job's ranks (--max-restarts) after one died."""
+    """One line when torchrun has restarted this job's ranks (--max-restarts) after one died, and
+    one when a restart could hang in its rendezvous: a torchrun that lends its store to the ranks
+    (launch/torchrun.py says why; tandem's launchers set what prevents it)."""
+    restarts = os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0")
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True" and restarts not in ("", "0"):
+        log.warning(
+            "%s: torchrun shares its rendezvous store with the ranks and may restart them (--max-restarts "
+            "%s): a restarted rank can read the dead attempt's peer address and fail or hang in its "
+            "rendezvous (pytorch/pytorch#135712); start torchrun with TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 "
+            "(tandem's launchers do: launch/torchrun.py)",
+            name,
+            restarts,
+        )
     count = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
     if count:
         log.warning(

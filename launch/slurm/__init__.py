@@ -18,6 +18,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from launch import torchrun
+
 HERE = Path(__file__).resolve().parent
 TASK_SCRIPT = HERE / "rollout_task.sh"
 REWARD_TASK_SCRIPT = HERE / "reward_task.sh"
@@ -111,6 +113,7 @@ def _common(spec: JobSpec, role: str) -> dict:
         "optional_lines": "\n".join(optional),
         "python": shlex.quote(spec.python),
         "omp_threads": max(1, spec.cpus_per_task // max(1, spec.nproc_per_node if role in TORCHRUN_ROLES else 1)),
+        "torchrun_env": " ".join(f"{k}={shlex.quote(v)}" for k, v in torchrun.ENV.items()),
     }
 
 
