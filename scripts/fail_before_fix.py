@@ -3,7 +3,7 @@ trainer's chunk-server processes; 26n: a delta chain in memory; 26o: a network w
 the version in flight; 25a: the row boundaries handed to the attention; 25b:
 trainer.checkpoint_every; 27w-a..e: adapter-only versions on the workers; x1: a rank leaves without
 the interpreter's teardown; x2: launch.local restarts a trainer whose rank died;
-x3: a restart meets in a fresh rendezvous store), each removed in turn:
+x3: a restart meets in a fresh rendezvous store; x4: a stopping worker scores its batch), each removed in turn:
 its tests must fail without it and pass with it.
 
     python scripts/fail_before_fix.py [--only 2,5b] [--no-pass-run] [--timeout 1800] [--check]
@@ -625,6 +625,19 @@ CASES = [
         "torchrun's rendezvous store shared with the ranks across restarts (launch/torchrun.py's ENV empty)",
         [("launch/torchrun.py", 'ENV = {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}', "ENV: dict[str, str] = {}")],
         ["tests/test_torchrun.py::test_a_restarted_attempt_forms_its_group_with_the_launchers_environment"],
+    ),
+    Case(
+        "x4",
+        "a worker's stop cuts its batch's scoring before the first call (groups a live server would score dropped)",
+        [
+            (
+                "buffer/reward/net_client.py",
+                "        while True:\n            self._refresh()\n",
+                "        while True:\n            if should_stop():\n                return None\n"
+                "            self._refresh()\n",
+            )
+        ],
+        ["tests/test_reward_server.py::test_a_stop_still_scores_a_group_a_live_server_answers"],
     ),
 ]
 

@@ -198,6 +198,23 @@ def test_an_unreachable_server_is_waited_for_by_address_and_nothing_is_lost(
         client.close()
 
 
+def test_a_stop_still_scores_a_group_a_live_server_answers(tmp_path, monkeypatch, scorer, rm_dir):
+    """A worker told to stop finishes its batch: the stop cuts a wait for a server, not a call
+    that a live one answers (launch.local's end of run cut the batch in scoring: the killed-
+    server test's groups_unscored was 32 in a loaded full run)."""
+    monkeypatch.setenv("TANDEM_GRPC_TOKEN", TOKEN)
+    root = str(tmp_path / "run")
+    served = Served(root, scorer, model_checksum(rm_dir), "r0")
+    try:
+        client = worker_run(root).reward_client([], wait_s=30, call_timeout_s=10, max_inflight=2)
+        replies = client.score_groups([("g0", Q, RESPONSES), ("g1", Q, RESPONSES[1:])], should_stop=lambda: True)
+        assert [r is not None and r.scores == pytest.approx(scorer.score(Q, rs), abs=1e-5) for r, rs in
+                zip(replies, (RESPONSES, RESPONSES[1:]))] == [True, True]  # fmt: skip
+        client.close()
+    finally:
+        served.stop()
+
+
 def test_a_stop_while_waiting_gives_the_group_back_unscored(tmp_path, monkeypatch):
     monkeypatch.setenv("TANDEM_GRPC_TOKEN", TOKEN)
     buffer = build(WorkerConfig, {"root": str(tmp_path), "data.train_files": "[a]"}).buffer

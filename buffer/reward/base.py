@@ -50,8 +50,9 @@ class RewardClient(abc.ABC):
     ) -> ScoreReply | None:
         """One score per response and the scorer's checksum. Waits while no server can be
         reached (saying which addresses it waits for), at most the client's wait; then
-        TimeoutError. None when `should_stop()` says so first (nothing was scored: the group is
-        the caller's still). RewardServiceError for a refusal retrying cannot change."""
+        TimeoutError. None when `should_stop()` says so while it waits (nothing was scored: the
+        group is the caller's still); a stop never cuts a call that a live server answers.
+        RewardServiceError for a refusal retrying cannot change."""
 
     def score_groups(
         self, groups: list[tuple[str, list[dict], list[str]]], should_stop: ShouldStop = lambda: False

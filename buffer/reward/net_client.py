@@ -145,8 +145,6 @@ class GrpcRewardClient(RewardClient):
         request = rw.ScoreRequest(group_id=group_id, messages=messages, responses=responses)
         start, noted = time.monotonic(), None
         while True:
-            if should_stop():
-                return None
             self._refresh()
             server = self._pick()
             if server is not None:
@@ -155,6 +153,10 @@ class GrpcRewardClient(RewardClient):
                     if noted is not None:
                         log.info("reward server %s answers (after %.0f s)", server.address, time.monotonic() - start)
                     return reply
+            # A stop ends the wait for a server, not a call a live one answers: a worker told to
+            # stop finishes its batch (its groups scored and written) unless scoring must wait.
+            if should_stop():
+                return None
             waited = time.monotonic() - start
             if waited > self.wait_s:
                 raise TimeoutError(
