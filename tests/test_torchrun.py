@@ -46,7 +46,5 @@ def test_a_restarted_attempt_forms_its_group_with_the_launchers_environment(tmp_
     )
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out[-3000:]
-    assert {line for line in out.splitlines() if line.startswith("attempt 1")} == {
-        "attempt 1 rank 0: group up",
-        "attempt 1 rank 1: group up",
-    }, out[-3000:]
+    # the two ranks share one pipe: their lines may run together, so each is looked for as text
+    assert "attempt 1 rank 0: group up" in out and "attempt 1 rank 1: group up" in out, out[-3000:]
