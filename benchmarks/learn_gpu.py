@@ -376,8 +376,7 @@ def rl(res: Path, prof: dict, args) -> None:
         *placement,
         *[x for s in trainer + args.trainer for x in ("--trainer", s)],
         *[x for s in worker + args.worker for x in ("--worker", s)],
-        "--validator",
-        f"data.val_batch_size={prof['eval_batch']}",
+        *[x for s in [f"data.val_batch_size={prof['eval_batch']}", *args.validator] for x in ("--validator", s)],
     ]
     try:
         _run(cmd, None, res / f"rl-{args.mode}.log")
@@ -454,6 +453,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="sft: extra setting")
     p.add_argument("--trainer", action="append", default=[], metavar="KEY=VALUE", help="rl: extra trainer setting")
     p.add_argument("--worker", action="append", default=[], metavar="KEY=VALUE", help="rl: extra worker setting")
+    p.add_argument(
+        "--validator",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="rl: extra validator setting, after the profile's (e.g. data.val_batch_size=128: at the "
+        "default 512 its transformers engine held 57 GiB, too much beside the trainer and the vLLM "
+        "worker on one 80 GB card, 2026-12-06)",
+    )
     args = p.parse_args(argv)
     if not 0 < args.worker_memory < 1:
         p.error(f"--worker-memory {args.worker_memory}: a fraction of the GPU in (0, 1)")

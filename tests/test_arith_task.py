@@ -180,7 +180,10 @@ def test_experiment_script_runs_every_step_on_cpu(tmp_path):
     assert set(accuracy) == {"2", "4"}
     assert (tmp_path / "a" / "start").resolve().parent == tmp_path / "a" / "sft" / "weights"
     res = tmp_path / "b"
-    _step(res, "rl", "s1", "--import", str(hand1), "--export", str(hand2))
+    # --validator: an extra validator setting after the profile's (a smaller batch of held-out
+    # prompts than the profile's, as an 80 GB card needs on the GPU), passed through to launch.local
+    out = _step(res, "rl", "s1", "--import", str(hand1), "--export", str(hand2), "--validator", "data.val_batch_size=5")
+    assert "--validator data.val_batch_size=64 --validator data.val_batch_size=5" in out, out[-3000:]
     assert json.loads((res / "sft" / "accuracy.json").read_text()) == accuracy
     train, vals = split_metrics([json.loads(x) for x in open(res / "rl-s1" / "metrics.jsonl")])
     assert [r["step"] for r in train] == [1, 2, 3] and train[-1]["samples/consumed"] == 3 * 4 * 4
