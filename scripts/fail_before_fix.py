@@ -3,7 +3,8 @@ trainer's chunk-server processes; 26n: a delta chain in memory; 26o: a network w
 the version in flight; 25a: the row boundaries handed to the attention; 25b:
 trainer.checkpoint_every; 27w-a..e: adapter-only versions on the workers; x1: a rank leaves without
 the interpreter's teardown; x2: launch.local restarts a trainer whose rank died;
-x3: a restart meets in a fresh rendezvous store; x4: a stopping worker scores its batch), each removed in turn:
+x3: a restart meets in a fresh rendezvous store; x4: a stopping worker scores its batch;
+x5: learn_gpu rl passes --validator settings on), each removed in turn:
 its tests must fail without it and pass with it.
 
     python scripts/fail_before_fix.py [--only 2,5b] [--no-pass-run] [--timeout 1800] [--check]
@@ -638,6 +639,12 @@ CASES = [
             )
         ],
         ["tests/test_reward_server.py::test_a_stop_still_scores_a_group_a_live_server_answers"],
+    ),
+    Case(
+        "x5",
+        "learn_gpu rl drops --validator's settings (no way to shrink the validator's held-out batch on an 80 GB card)",
+        [("benchmarks/learn_gpu.py", ", *args.validator] for x in", "] for x in")],
+        ["tests/test_arith_task.py::test_experiment_script_runs_every_step_on_cpu"],
     ),
 ]
 
