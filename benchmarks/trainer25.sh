@@ -18,7 +18,7 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
-OUT=${1:?usage: trainer25.sh OUT [--cpu] [compile]}
+OUT=${1:?usage: trainer25.sh OUT [--cpu] [compile|h100]}
 CPU="" SET=acceptance
 for a in "${@:2}"; do case $a in --cpu) CPU=--cpu ;; compile) SET=compile ;; h100) SET=h100 ;; *) echo "unknown: $a" >&2; exit 2 ;; esac; done
 PY=${PYTHON:-python3}
@@ -48,8 +48,9 @@ if [ "$SET" = compile ]; then  # seen on H200 (2026-12-04): 36, 97, 149 s (c2, c
   exit 0
 fi
 if [ "$SET" = h100 ]; then  # 80 GB: half the 1.5B's tokens per micro-batch; the 4B (60 GiB of
-  # weights, gradients and Adam state alone) only with every layer checkpointed, at 16k tokens
-  stage 1-0.5b 130 --shape 0.5b --paths packed,padded
+  # weights, gradients and Adam state alone) only with every layer checkpointed, at 16k tokens;
+  # the padded path at 2 rows per micro-batch (8 and 4 ran out of memory on 80 GB, 2026-12-06)
+  stage 1-0.5b 130 --shape 0.5b --paths packed,padded --padded-micro 2
   stage 2-1.5b-compile-16k 150 --shape 1.5b --paths packed --compile --steps 8 --token-budget 16384
   stage 3-4b-compile-ckpt-16k 260 --shape 4b --paths packed --grad-ckpt --token-budget 16384 --compile --steps 8
   "$PY" -m benchmarks.trainer_mix --table "$OUT"
