@@ -104,3 +104,45 @@ def test_compiled_graphs_counts_each_compile_and_the_step_line_names_them():
          "tokens/step": 100, "time/step_s": 16.4, "time/wait_s": 0.0}  # fmt: skip
     assert "compiled" not in rl_line(m) and "compiled" not in rl_line(m | {"perf/compiled_graphs": 0})
     assert rl_line(m | {"perf/compiled_graphs": 2}).endswith("| compiled 2 graphs")
+
+
+def test_one_rank_reduces_gradients_once_per_optimizer_step(tmp_path, one_rank):
+    """With one rank, update.optimize accumulates a mini-batch's passes unsharded and has FSDP
+    reduce once, at its last pass (trainer.update.gradient_sync: per pass the reduce only
+    copies). Seen from the loss function: no sharded gradient exists before any pass of a
+    mini-batch, where reducing every pass leaves the first pass's. The gradient each optimizer
+    step sees equals one backward of the summed loss: float32 on CPU sums in another order, and
+    1e-5 of a tensor's largest gradient leaves room for that (~1e-7 relative) and none for a pass
+    lost or counted twice."""
+    from trainer import update
+
+    builtin_task.write_model(tmp_path / "m", seed=0)
+    ids = torch.randint(0, 14, (3, 7), generator=torch.Generator().manual_seed(0))  # vocabulary 14
+
+    def run(passes: list) -> tuple[list, list]:
+        model = build_actor(str(tmp_path / "m"), torch.device("cpu"))
+        seen, grads = [], []
+
+        def loss_fn(rows, mb):
+            seen.append(all(p.grad is None for p in model.parameters()))
+            logits = model(input_ids=ids[rows]).logits.float()
+            return logits.pow(2).mean(-1).sum(), [float(len(rows))]
+
+        class Recording(torch.optim.SGD):  # the real SGD step, its gradients kept
+            def step(self, closure=None):
+                grads.append({n: p.grad.full_tensor().clone() for n, p in model.named_parameters()})
+                return super().step(closure)
+
+        mbs = [update.MiniBatch(passes, 21, 3), update.MiniBatch(passes, 21, 3)]
+        totals, _ = update.optimize(model, Recording(model.parameters(), lr=0.1), mbs, 0.1, 1e9, loss_fn)
+        assert totals.tolist() == [6.0]
+        return grads, seen
+
+    split, seen = run([torch.tensor([0]), torch.tensor([1]), torch.tensor([2])])
+    assert seen == [True] * 6, seen  # reducing every pass: [True, False, False] twice
+    whole, _ = run([torch.tensor([0, 1, 2])])
+    assert len(split) == len(whole) == 2
+    for a, b in zip(split, whole):
+        for k in a:
+            scale = b[k].abs().max().item()
+            assert scale > 0 and (a[k] - b[k]).abs().max().item() <= 1e-5 * scale, k

@@ -38,6 +38,7 @@ from trainer.model import adamw, build_actor
 from trainer.publish import publish_version
 from trainer.sft_config import SFTConfig
 from trainer.sft_data import Packed, Sequences, SFTDataError, load_sequences, micro_batches, pack, split_by_tokens
+from trainer.update import gradient_sync
 
 log = logging.getLogger("trainer.sft")
 
@@ -173,9 +174,11 @@ class SFTTrainer:
     def _passes(self, indices: list[int], split: str, seqs: Sequences, scale: float, backward: bool) -> float:
         """Forward (and backward) over this rank's micro-batches; the nll sum over all ranks."""
         total = torch.zeros(1, dtype=torch.float64, device=self.device)
-        for mb in self.plan(indices, split):
+        plan, sync = self.plan(indices, split), gradient_sync(self.model)
+        for i, mb in enumerate(plan):
             nll = packed_nll(self.model, (pack(seqs, mb) if mb else self.dummy).to(self.device))
             if backward:
+                sync(i == len(plan) - 1)  # one rank: reduce once, at the last pass
                 (nll * (scale if mb else 0.0)).backward()
             if mb:
                 total += nll.detach()
