@@ -1,7 +1,8 @@
 """Issue 15's fixes and later issues' (30.<item>: issue 30; 26a-f: weight deltas; 26g-m: the
 trainer's chunk-server processes; 26n: a delta chain in memory; 26o: a network worker waits for
 the version in flight; 25a: the row boundaries handed to the attention; 25b:
-trainer.checkpoint_every; 27w-a..e: adapter-only versions on the workers; x1: a rank leaves without
+trainer.checkpoint_every; 25c: one rank reduces once per optimizer step; 27w-a..e: adapter-only
+versions on the workers; x1: a rank leaves without
 the interpreter's teardown; x2: launch.local restarts a trainer whose rank died;
 x3: a restart meets in a fresh rendezvous store; x4: a stopping worker scores its batch;
 x5: learn_gpu rl passes --validator settings on), each removed in turn:
@@ -595,6 +596,12 @@ CASES = [
             "tests/test_model.py::test_gradient_checkpointing_recomputes_each_layer_in_backward[True-2]",
             "tests/test_model.py::test_compile_layers_compiles_each_decoder_layer_before_sharding",
         ],
+    ),
+    Case(
+        "25c",
+        "one rank reduces gradients after every pass (FSDP's reduce: copies only)",
+        [("trainer/update.py", "            sync(i == len(mb.passes) - 1)\n", "")],
+        ["tests/test_model.py::test_one_rank_reduces_gradients_once_per_optimizer_step"],
     ),
     Case(
         "26l",
