@@ -5,6 +5,9 @@
 #   bash benchmarks/trainer25.sh OUT compile  # a second call: trainer.compile_layers (fused element-
 #                                             # wise work) against eager, 1.5B and 4B, side by side
 #                                             # (the 4B also without checkpointing, and every other layer)
+#   bash benchmarks/trainer25.sh OUT reduce   # one rank reducing gradients once per optimizer step
+#                                             # against after every pass (25c), same process, 1.5B
+#                                             # and 4B at settings that fit 80 GB as well
 #   bash benchmarks/trainer25.sh OUT h100     # what fits one 80 GB H100 (not the acceptance set, which
 #                                             # is an H200's: its 1.5B and 4B rows peak at 94.5 and 127 GiB)
 # The acceptance set: each row at the settings that measured best on H200 (2026-12-04), side by
@@ -18,9 +21,9 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
-OUT=${1:?usage: trainer25.sh OUT [--cpu] [compile|h100]}
+OUT=${1:?usage: trainer25.sh OUT [--cpu] [compile|h100|reduce]}
 CPU="" SET=acceptance
-for a in "${@:2}"; do case $a in --cpu) CPU=--cpu ;; compile) SET=compile ;; h100) SET=h100 ;; *) echo "unknown: $a" >&2; exit 2 ;; esac; done
+for a in "${@:2}"; do case $a in --cpu) CPU=--cpu ;; compile | h100 | reduce) SET=$a ;; *) echo "unknown: $a" >&2; exit 2 ;; esac; done
 PY=${PYTHON:-python3}
 mkdir -p "$OUT"
 WORK=${TANDEM_BENCH_WORK:-/tmp/trainer25}
@@ -44,6 +47,13 @@ if [ "$SET" = compile ]; then  # seen on H200 (2026-12-04): 36, 97, 149 s (c2, c
   stage c5-4b-compile-ckpt2 110 --shape 4b --paths packed --grad-ckpt --ckpt-every 2 --token-budget 16384 --compile
   # last: a call cut at its limit loses this row only (the table is rebuilt from the stage JSONs)
   stage c3-4b-compile 160 --shape 4b --paths packed --grad-ckpt --token-budget 32768 --compile
+  "$PY" -m benchmarks.trainer_mix --table "$OUT"
+  exit 0
+fi
+if [ "$SET" = reduce ]; then  # each shape: the old way first, then once per step, 8 timed steps each
+  stage r1-1.5b-compile-16k 150 --shape 1.5b --paths packed-every-pass,packed --compile --steps 8 --token-budget 16384
+  stage r2-4b-compile-ckpt-16k 300 --shape 4b --paths packed-every-pass,packed --grad-ckpt --token-budget 16384 \
+    --compile --steps 8
   "$PY" -m benchmarks.trainer_mix --table "$OUT"
   exit 0
 fi

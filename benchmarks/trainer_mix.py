@@ -10,7 +10,9 @@ long-tailed (64 + lognormal, median 400, clipped at --max-response), the same sa
 path. Paths, in one process on the same model:
   packed  use_remove_padding, token-budget micro-batches (--token-budget real tokens, first
           fit), chunked lm_head logprobs, varlen attention;
-  padded  today's: micro-batches of --padded-micro rows padded to the longest, full logits.
+  padded  today's: micro-batches of --padded-micro rows padded to the longest, full logits;
+  packed-every-pass  packed, with FSDP reducing the gradients after every pass, as before
+          trainer.update.gradient_sync (one rank: once per optimizer step): its A/B.
 Reported per path: tokens/s (prompt + response tokens trained per second), peak memory, MFU
 under 6·N per trained token (the usual convention), and MFU counting every forward (pi_old,
 the recompute of activation checkpointing) plus causal attention, against the dense bf16 peak.
@@ -133,7 +135,7 @@ def use_path(trainer, path: str, packed_attn: str, pi_old_pass: bool = False) ->
     (one mini-batch, one epoch here) unless `pi_old_pass`."""
     from trainer import algo
 
-    packed = path == "packed"
+    packed = path.startswith("packed")
     trainer.cfg.actor_rollout_ref.actor.old_log_prob_from_update = packed and not pi_old_pass
     trainer.packed = packed
     trainer.logprob_chunk = algo.LOGPROB_CHUNK_TOKENS if packed else None
@@ -175,6 +177,28 @@ def run_path(
 
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     use_path(trainer, path, packed_attn, pi_old_pass)
+    with reduce_every_pass(path == "packed-every-pass"):
+        return _timed_steps(trainer, path, steps_samples, device, sync, profile)
+
+
+@contextlib.contextmanager
+def reduce_every_pass(on: bool):
+    """With `on`: trainer.update.optimize has FSDP reduce after every pass (the trainer before
+    gradient_sync), for the A/B in one process on the same compiled model."""
+    from trainer import update
+
+    kept = update.gradient_sync
+    if on:
+        update.gradient_sync = lambda model: lambda reduce: None
+    try:
+        yield
+    finally:
+        update.gradient_sync = kept
+
+
+def _timed_steps(trainer, path, steps_samples, device, sync, profile) -> dict:
+    import torch
+
     if device.type == "cuda":
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(device)
@@ -262,6 +286,7 @@ def write_table(folder: str) -> str:
         f"{r['samples_per_step']} samples/step, max response {r['max_response']}, token budget {r['token_budget']}, "
         f"padded micro {r['padded_micro']}, "
         f"pi_old max |packed - padded| {r['pi_old_max_abs_diff_packed_vs_padded']:.3g}"
+        + (f", reduce once / every pass {r['once_over_every_pass']:.3f}" if "once_over_every_pass" in r else "")
         for r in results
     ]
     text = "\n".join(rows + [""] + notes) + "\n"
@@ -275,7 +300,9 @@ def write_table(folder: str) -> str:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--shape", default="0.5b", choices=sorted(SHAPES))
-    ap.add_argument("--paths", default="packed,padded", help="comma-separated: packed, padded")
+    ap.add_argument(
+        "--paths", default="packed,padded", help="comma-separated: packed, padded, packed-every-pass (docstring)"
+    )
     ap.add_argument("--samples", type=int, default=64, help="samples per step (groups of 8)")
     ap.add_argument("--steps", type=int, default=4, help="timed steps per path, after one warm-up step")
     ap.add_argument("--max-response", type=int, default=4096)
@@ -403,6 +430,8 @@ def main(argv=None) -> int:
     p = result["paths"]
     if "tokens_per_s" in p.get("packed", {}) and "tokens_per_s" in p.get("padded", {}):
         result["packed_over_padded"] = p["packed"]["tokens_per_s"] / p["padded"]["tokens_per_s"]
+    if "tokens_per_s" in p.get("packed", {}) and "tokens_per_s" in p.get("packed-every-pass", {}):
+        result["once_over_every_pass"] = p["packed"]["tokens_per_s"] / p["packed-every-pass"]["tokens_per_s"]
     with open(args.out, "w") as f:
         json.dump(result, f, indent=1)
     trainer.close()
