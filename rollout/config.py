@@ -188,7 +188,9 @@ class WorkerSection(EngineProcessSection):
 
 
 @dataclasses.dataclass
-class WorkerConfig:
+class EngineProcessConfig:
+    """The sections every process with an engine (worker, validator) reads from one config."""
+
     root: str = F(
         doc="the run folder shared with the trainer (local path or fsspec URL); with "
         "buffer.transport=grpc this process's own local folder (weight cache, shard-number "
@@ -199,6 +201,10 @@ class WorkerConfig:
     custom_reward_function: RewardFunctionConfig = F(factory=RewardFunctionConfig)
     reward_model: RewardModelConfig = F(factory=RewardModelConfig)
     buffer: BufferConfig = F(factory=BufferConfig)
+
+
+@dataclasses.dataclass
+class WorkerConfig(EngineProcessConfig):
     worker: WorkerSection = F(factory=WorkerSection)
 
     def check(self) -> None:
@@ -213,18 +219,8 @@ class ValidatorSection(EngineProcessSection):
 
 
 @dataclasses.dataclass
-class ValidatorConfig:
-    root: str = F(
-        doc="the run folder shared with the trainer (local path or fsspec URL); with "
-        "buffer.transport=grpc this process's own local folder (weight cache, shard-number "
-        "claim, logs): everything else goes through the trainer's run service"
-    )
-    data: DataConfig = F(factory=DataConfig)
-    actor_rollout_ref: ActorRolloutRefConfig = F(factory=ActorRolloutRefConfig)
-    custom_reward_function: RewardFunctionConfig = F(factory=RewardFunctionConfig)
-    reward_model: RewardModelConfig = F(factory=RewardModelConfig)
+class ValidatorConfig(EngineProcessConfig):
     validator: ValidatorSection = F(factory=ValidatorSection)
-    buffer: BufferConfig = F(factory=BufferConfig)
 
     def check(self) -> None:
         if not self.data.val_files:
