@@ -16,8 +16,9 @@
 # process, same samples), 1.5B packed with compiled layers (and torch.profiler over one more
 # step: OUT/profile-1.5b-compile.txt), 4B packed with compiled layers, no checkpointing, 16k tokens
 # per micro-batch; 8 timed steps each after a warm-up step (4 steps of the mix spread 3.5 % run
-# to run at 4B). Stage limits 130 + 150 + 260 s (seen on H200: 96, ~90, 101 s; the 4B's first
-# compile did not end within 100 s once). PYTHON: the interpreter (python3).
+# to run at 4B); the 1.5B and 4B each first with the logprob blocks eager (their compile's A/B,
+# same process). Stage limits 130 + 170 + 300 s (seen on H200 without the A/B: 96, ~90, 101 s;
+# the 4B's first compile did not end within 100 s once). PYTHON: the interpreter (python3).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
@@ -67,6 +68,7 @@ if [ "$SET" = h100 ]; then  # 80 GB: half the 1.5B's tokens per micro-batch; the
   exit 0
 fi
 stage 1-0.5b 130 --shape 0.5b --paths packed,padded
-stage 2-1.5b-compile 150 --shape 1.5b --paths packed --compile --steps 8 --profile "$OUT/profile-1.5b-compile.txt"
-stage 3-4b-compile-nockpt 260 --shape 4b --paths packed --token-budget 16384 --compile --steps 8
+stage 2-1.5b-compile 170 --shape 1.5b --paths packed-eager-logprob,packed --compile --steps 8 \
+  --profile "$OUT/profile-1.5b-compile.txt"
+stage 3-4b-compile-nockpt 300 --shape 4b --paths packed-eager-logprob,packed --token-budget 16384 --compile --steps 8
 "$PY" -m benchmarks.trainer_mix --table "$OUT"

@@ -12,7 +12,9 @@ path. Paths, in one process on the same model:
           fit), chunked lm_head logprobs, varlen attention;
   padded  today's: micro-batches of --padded-micro rows padded to the longest, full logits;
   packed-every-pass  packed, with FSDP reducing the gradients after every pass, as before
-          trainer.update.gradient_sync (one rank: once per optimizer step): its A/B.
+          trainer.update.gradient_sync (one rank: once per optimizer step): its A/B;
+  packed-eager-logprob  packed, the logprob blocks' element-wise work eager even with --compile
+          (as before it was compiled with trainer.compile_layers): its A/B.
 Reported per path: tokens/s (prompt + response tokens trained per second), peak memory, MFU
 under 6·N per trained token (the usual convention), and MFU counting every forward (pi_old,
 the recompute of activation checkpointing) plus causal attention, against the dense bf16 peak.
@@ -137,6 +139,7 @@ def use_path(trainer, path: str, packed_attn: str, pi_old_pass: bool = False) ->
 
     packed = path.startswith("packed")
     trainer.cfg.actor_rollout_ref.actor.old_log_prob_from_update = packed and not pi_old_pass
+    trainer.logprob_compiled = packed and trainer.cfg.trainer.compile_layers and path != "packed-eager-logprob"
     trainer.packed = packed
     trainer.logprob_chunk = algo.LOGPROB_CHUNK_TOKENS if packed else None
     trainer.cfg.actor_rollout_ref.actor.use_dynamic_bsz = packed
@@ -287,6 +290,11 @@ def write_table(folder: str) -> str:
         f"padded micro {r['padded_micro']}, "
         f"pi_old max |packed - padded| {r['pi_old_max_abs_diff_packed_vs_padded']:.3g}"
         + (f", reduce once / every pass {r['once_over_every_pass']:.3f}" if "once_over_every_pass" in r else "")
+        + (
+            f", logprob blocks compiled / eager {r['compiled_over_eager_logprob']:.3f}"
+            if "compiled_over_eager_logprob" in r
+            else ""
+        )
         for r in results
     ]
     text = "\n".join(rows + [""] + notes) + "\n"
@@ -301,7 +309,9 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--shape", default="0.5b", choices=sorted(SHAPES))
     ap.add_argument(
-        "--paths", default="packed,padded", help="comma-separated: packed, padded, packed-every-pass (docstring)"
+        "--paths",
+        default="packed,padded",
+        help="comma-separated: packed, padded, packed-every-pass, packed-eager-logprob (docstring)",
     )
     ap.add_argument("--samples", type=int, default=64, help="samples per step (groups of 8)")
     ap.add_argument("--steps", type=int, default=4, help="timed steps per path, after one warm-up step")
@@ -432,6 +442,8 @@ def main(argv=None) -> int:
         result["packed_over_padded"] = p["packed"]["tokens_per_s"] / p["padded"]["tokens_per_s"]
     if "tokens_per_s" in p.get("packed", {}) and "tokens_per_s" in p.get("packed-every-pass", {}):
         result["once_over_every_pass"] = p["packed"]["tokens_per_s"] / p["packed-every-pass"]["tokens_per_s"]
+    if "tokens_per_s" in p.get("packed", {}) and "tokens_per_s" in p.get("packed-eager-logprob", {}):
+        result["compiled_over_eager_logprob"] = p["packed"]["tokens_per_s"] / p["packed-eager-logprob"]["tokens_per_s"]
     with open(args.out, "w") as f:
         json.dump(result, f, indent=1)
     trainer.close()

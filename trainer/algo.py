@@ -15,6 +15,7 @@ a row's response (see trainer/batch.py).
 
 from __future__ import annotations
 
+import functools
 import math
 
 import numpy as np
@@ -26,7 +27,12 @@ LOGPROB_CHUNK_TOKENS = 2048  # verl's entropy_from_logits_chunk_size: a (2048, v
 
 
 def response_logprobs(
-    model, batch: Batch, with_entropy: bool = False, entropy_grad: bool = True, chunk: int | None = LOGPROB_CHUNK_TOKENS
+    model,
+    batch: Batch,
+    with_entropy: bool = False,
+    entropy_grad: bool = True,
+    chunk: int | None = LOGPROB_CHUNK_TOKENS,
+    compiled: bool = False,
 ):
     """log pi(response token) at the sampling temperature, shape (B, R); with the entropy of
     each position's distribution as well when asked (else None), differentiable or, for a
@@ -35,7 +41,8 @@ def response_logprobs(
     `chunk` tokens at a time: the lm_head runs on the response positions' hidden states only,
     block by block through `LinearLogSoftmax`, each block's logits recomputed in backward instead
     of kept, so no (tokens x vocab) tensor is ever whole and autograd records no per-element op
-    over one. None: the full logits (the path before chunking)."""
+    over one. None: the full logits (the path before chunking). `compiled`: each block's
+    element-wise work through torch.compile (trainer.compile_layers; LinearLogSoftmax)."""
     if chunk is None:
         return _full_logits_logprobs(model, batch, with_entropy, entropy_grad)
     head = model.get_output_embeddings()
@@ -50,7 +57,13 @@ def response_logprobs(
         h = hidden[rows, cols]  # (K, H): response positions only
         parts = [
             LinearLogSoftmax.apply(
-                h[a : a + chunk], head.weight, targets[a : a + chunk], temps[a : a + chunk], with_entropy, entropy_grad
+                h[a : a + chunk],
+                head.weight,
+                targets[a : a + chunk],
+                temps[a : a + chunk],
+                with_entropy,
+                entropy_grad,
+                compiled,
             )
             for a in range(0, len(h), chunk)
         ]
@@ -78,7 +91,8 @@ class LinearLogSoftmax(torch.autograd.Function):
     """One block of the lm_head fused with the log-softmax: (k, 2) fp32 [log pi(target), entropy]
     of k positions at their temperatures, as verl's entropy_from_logits (logsumexp - sum p * z).
 
-    forward(h (k, H), weight (V, H), targets (k,) int, temps (k,), with_entropy, entropy_grad);
+    forward(h (k, H), weight (V, H), targets (k,) int, temps (k,), with_entropy, entropy_grad,
+    compiled);
     z = (h @ weight.T) in fp32 / temps. No (k, V) tensor outlives a call: forward keeps h, weight,
     targets, temps, lse (k,) and, for a differentiable entropy, E_p[z] (k,); backward recomputes
     z (one matmul) and builds the logits' gradient in place. Without `with_entropy` the entropy
@@ -92,34 +106,76 @@ class LinearLogSoftmax(torch.autograd.Function):
     the matmuls in the forward's matmul dtype (bf16 under FSDP's policy or autocast)."""
 
     @staticmethod
-    def forward(ctx, h, weight, targets, temps, with_entropy: bool, entropy_grad: bool):
+    def forward(ctx, h, weight, targets, temps, with_entropy: bool, entropy_grad: bool, compiled: bool = False):
         entropy_grad = entropy_grad and with_entropy
         mm = h @ weight.t()  # the dtype autocast or the parameters give: kept for the recompute
-        z = _scaled(mm, temps)
-        target = z.gather(1, targets.unsqueeze(1)).squeeze(1)
-        lse, entropy = _lse_entropy(z, with_entropy)  # consumes z
+        # compiled: the element-wise work over mm (k, V) as one or two fused kernels that read
+        # mm (bf16 on GPU) and write only (k,) vectors, not ~8 passes over an fp32 (k, V) copy.
+        # k = 1 stays eager: dynamic shapes specialise sizes 0 and 1, a recompile mid-run.
+        fused = compiled and len(h) > 1
+        out, lse, mean_z = _kernel(_block_stats, fused)(mm, temps, targets, with_entropy)
         # autograd saves nothing when no input requires grad or under no_grad (ctx is dropped)
-        ctx.save_for_backward(h, weight, targets, temps, lse, *([lse - entropy] if entropy_grad else []))
-        ctx.mm_dtype, ctx.entropy_grad = mm.dtype, entropy_grad
-        return torch.stack([target - lse, entropy if entropy is not None else torch.zeros_like(lse)], dim=1)
+        ctx.save_for_backward(h, weight, targets, temps, lse, *([mean_z] if entropy_grad else []))
+        ctx.mm_dtype, ctx.entropy_grad, ctx.fused = mm.dtype, entropy_grad, fused
+        return out
 
     @staticmethod
     def backward(ctx, g):
         h, weight, targets, temps, lse, *mean_z = ctx.saved_tensors
         dt = ctx.mm_dtype
-        z = _scaled(h.to(dt) @ weight.to(dt).t(), temps)
-        g_lp, g_ent = g[:, :1], g[:, 1:]  # (k, 1) each
-        p = (z - lse.unsqueeze(1)).exp_()
-        if ctx.entropy_grad:  # p * (g_ent (E_p[z] - z) - g_lp), z's buffer reused for the factor
-            grad = p.mul_(z.neg_().add_(mean_z[0].unsqueeze(1)).mul_(g_ent).sub_(g_lp))
-        else:
-            grad = p.mul_(-g_lp)
-        grad.scatter_add_(1, targets.unsqueeze(1), g_lp)  # + g_lp onehot(target)
-        grad = grad.div_(temps.unsqueeze(1)).to(dt)
+        mm = h.to(dt) @ weight.to(dt).t()
+        grad = _kernel(_block_grad, ctx.fused)(mm, temps, targets, lse, mean_z[0] if mean_z else None, g, dt)
         need_h, need_w = ctx.needs_input_grad[:2]
         grad_h = (grad @ weight.to(dt)).to(h.dtype) if need_h else None
         grad_w = (grad.t() @ h.to(dt)).to(weight.dtype) if need_w else None
-        return grad_h, grad_w, None, None, None, None
+        return grad_h, grad_w, None, None, None, None, None
+
+
+def _block_stats(
+    mm: torch.Tensor, temps: torch.Tensor, targets: torch.Tensor, with_entropy: bool
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """One block's lm_head output mm (k, V) at the rows' temperatures temps (k,) -> (k, 2) fp32
+    [log pi(target), entropy (zeros without `with_entropy`)], lse (k,) and E_p[z] (k,) (None
+    without `with_entropy`)."""
+    z = _scaled(mm, temps)
+    target = z.gather(1, targets.unsqueeze(1)).squeeze(1)
+    lse, entropy = _lse_entropy(z, with_entropy)  # consumes z
+    if entropy is None:
+        return torch.stack([target - lse, torch.zeros_like(lse)], dim=1), lse, None
+    return torch.stack([target - lse, entropy], dim=1), lse, lse - entropy
+
+
+def _block_grad(
+    mm: torch.Tensor,
+    temps: torch.Tensor,
+    targets: torch.Tensor,
+    lse: torch.Tensor,
+    mean_z: torch.Tensor | None,
+    g: torch.Tensor,
+    dt: torch.dtype,
+) -> torch.Tensor:
+    """d loss / d mm (k, V) in dt from the recomputed mm, the forward's lse (k,), E_p[z] (k,)
+    when the entropy is in the loss (else None) and g (k, 2) = d loss / d [log pi, entropy]
+    (LinearLogSoftmax's docstring), in place over one fp32 copy of mm when eager."""
+    z = _scaled(mm, temps)
+    g_lp, g_ent = g[:, :1], g[:, 1:]  # (k, 1) each
+    p = (z - lse.unsqueeze(1)).exp_()
+    if mean_z is not None:  # p * (g_ent (E_p[z] - z) - g_lp), z's buffer reused for the factor
+        grad = p.mul_(z.neg_().add_(mean_z.unsqueeze(1)).mul_(g_ent).sub_(g_lp))
+    else:
+        grad = p.mul_(-g_lp)
+    grad.scatter_add_(1, targets.unsqueeze(1), g_lp)  # + g_lp onehot(target)
+    return grad.div_(temps.unsqueeze(1)).to(dt)
+
+
+@functools.cache
+def _compiled(fn):
+    return torch.compile(fn, dynamic=True)  # block lengths differ (each micro-batch's last block)
+
+
+def _kernel(fn, compiled: bool):
+    """fn itself, or its torch.compile'd form (built once per process, at its first call)."""
+    return _compiled(fn) if compiled else fn
 
 
 def _scaled(mm: torch.Tensor, temps: torch.Tensor) -> torch.Tensor:

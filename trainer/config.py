@@ -144,8 +144,9 @@ class TrainerSection:
     compile_layers: bool = F(
         False,
         "tandem: torch.compile each decoder layer of the actor, reference and critic (dynamic shapes, "
-        "before sharding) to fuse the element-wise work (RMSNorm, rotary, SwiGLU, casts: ~45% of a "
-        "1.5B step's GPU time, benchmarks/README.md); the first steps pay the compile",
+        "before sharding) and the logprob blocks' log-softmax over the vocabulary, to fuse the "
+        "element-wise work (RMSNorm, rotary, SwiGLU, casts, softmax: ~45% of a 1.5B step's GPU time, "
+        "benchmarks/README.md); the first steps pay the compile",
     )
     checkpoint_every: int = F(
         1,

@@ -175,6 +175,7 @@ class Trainer:
         self.stores = setup_trainer_run(cfg.root)  # the trainer's own run folder (it serves it to others)
         self.vocab_size = self.model.config.vocab_size
         self.logprob_chunk: int | None = algo.LOGPROB_CHUNK_TOKENS
+        self.logprob_compiled = compiled  # the logprob blocks' element-wise work, as the layers
         self.rank_reads = self._ranks_share_run()
         self._own: list[Group] = []  # rank 0: its own share of the step's groups
         self.store = self.stores.publisher
@@ -541,8 +542,9 @@ class Trainer:
 
     def logprobs(self, model, batch, **kwargs):
         """algo.response_logprobs, chunked by `self.logprob_chunk` tokens (None: full logits,
-        the path before issue 25, which benchmarks/trainer_bench.py sets to compare)."""
-        return algo.response_logprobs(model, batch, chunk=self.logprob_chunk, **kwargs)
+        the path before issue 25, which benchmarks/trainer_bench.py sets to compare), each
+        block's element-wise work compiled with trainer.compile_layers."""
+        return algo.response_logprobs(model, batch, chunk=self.logprob_chunk, compiled=self.logprob_compiled, **kwargs)
 
     def mfu(self, model, samples: list, seconds: float, epochs: int) -> float:
         """verl's perf/mfu/<role>: the mean over ranks of each rank's MFU of an update (epochs
