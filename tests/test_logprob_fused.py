@@ -175,3 +175,46 @@ def test_response_logprobs_chunked_with_a_metric_entropy_matches_full_logits():
         assert torch.allclose(a, b, rtol=1e-4, atol=1e-6)
     lp, ent = algo.response_logprobs(model, c, chunk=4)
     assert ent is None and torch.allclose(lp, grads[None][0], atol=1e-5)
+
+
+@pytest.mark.parametrize("entropy_grad", [True, False])
+def test_compiled_blocks_match_eager_and_compile_once(monkeypatch, entropy_grad):
+    """compiled=True (trainer.compile_layers) sends each block's element-wise work through
+    torch.compile: dynamo traces both functions whole (no graph break; the in-place chains
+    functionalised) and the values and gradients are eager's; blocks of other lengths reuse the
+    graphs (dynamic shapes: a micro-batch's last block is shorter), and a 1-row block stays eager
+    (a size-1 dimension would be specialised: a recompile mid-run). Backend aot_eager: dynamo's
+    tracing and functionalisation without inductor's C++ build (inductor itself, on CUDA, is
+    tests/gpu/test_compiled_layers_cuda.py's). Tolerance: the same as the fused-vs-plain test
+    above (functionalisation may reorder nothing but allocations: measured 0 difference)."""
+    from torch._dynamo.utils import counters
+
+    monkeypatch.setattr(algo, "COMPILE_BACKEND", "aot_eager")
+    before, graphs = int(counters["stats"]["unique_graphs"]), []
+    for k in (64, 257, 5, 1):
+        h, w, targets, temps = _inputs(k, seed=k)
+        g = torch.Generator().manual_seed(100 + k)
+        g_lp, g_ent = torch.randn(k, generator=g), torch.randn(k, generator=g)
+        runs = [
+            _run(
+                lambda *a, c=c: LinearLogSoftmax.apply(*a, True, entropy_grad, c),
+                h,
+                w,
+                targets,
+                temps,
+                g_lp,
+                g_ent,
+                entropy_grad,
+            )  # fmt: skip
+            for c in (False, True)
+        ]
+        graphs.append(int(counters["stats"]["unique_graphs"]))
+        (out, gh, gw, _), (want, wh, ww, logit_max) = runs[1], runs[0]
+        _assert_close(out[:, 0], want[:, 0], LP_RTOL, float(want[:, 0].abs().max()), "logprob")
+        _assert_close(out[:, 1], want[:, 1], ENT_RTOL, logit_max, "entropy")
+        _assert_close(gh, wh, GRAD_RTOL, float(wh.abs().max()), "grad_h")
+        _assert_close(gw, ww, GRAD_RTOL, float(ww.abs().max()), "grad_w")
+    assert not counters["graph_break"], dict(counters["graph_break"])
+    # the first block built the graphs (forward and backward; the forward's already cached when
+    # the other parametrisation ran first), the other lengths none
+    assert graphs[0] > before and graphs[1:] == [graphs[0]] * 3, (before, graphs)

@@ -168,14 +168,19 @@ def _block_grad(
     return grad.div_(temps.unsqueeze(1)).to(dt)
 
 
+# torch.compile's default; the CPU tests trace with "aot_eager" (dynamo and functionalisation
+# without inductor's C++ build, ~35 s on a 2-core box), tests/gpu with this one on CUDA.
+COMPILE_BACKEND = "inductor"
+
+
 @functools.cache
-def _compiled(fn):
-    return torch.compile(fn, dynamic=True)  # block lengths differ (each micro-batch's last block)
+def _compiled(fn, backend: str):
+    return torch.compile(fn, dynamic=True, backend=backend)  # block lengths differ (each micro-batch's last)
 
 
 def _kernel(fn, compiled: bool):
     """fn itself, or its torch.compile'd form (built once per process, at its first call)."""
-    return _compiled(fn) if compiled else fn
+    return _compiled(fn, COMPILE_BACKEND) if compiled else fn
 
 
 def _scaled(mm: torch.Tensor, temps: torch.Tensor) -> torch.Tensor:
