@@ -73,10 +73,20 @@ def test_ctrl_c_stops_every_process(tmp_path):
     )
     try:
         deadline = time.monotonic() + 240
-        while not (root / "metrics.jsonl").exists() or not (root / "metrics.jsonl").read_text():
-            assert proc.poll() is None and time.monotonic() < deadline, "no trainer step in 240 s"
+
+        def _beats() -> list:
+            found = [*(root / "workers").glob("*.json"), root / "validation" / "validator.json"]
+            return [p for p in found if p.exists()]
+
+        # One worker can fill the trainer's first step before the other (or the validator) has
+        # written its first heartbeat, so wait for a step and for all three beats.
+        metrics = root / "metrics.jsonl"
+        while not (metrics.exists() and metrics.read_text()) or len(_beats()) < 3:
+            assert proc.poll() is None and time.monotonic() < deadline, (
+                f"in 240 s: metrics.jsonl={metrics.exists()}, heartbeats={_beats()}"
+            )
             time.sleep(0.5)
-        beats = [*(root / "workers").glob("*.json"), root / "validation" / "validator.json"]
+        beats = _beats()
         pids = [json.loads(p.read_text())["pid"] for p in beats]
         assert len(pids) == 3
         proc.send_signal(signal.SIGINT)
