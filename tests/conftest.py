@@ -74,19 +74,43 @@ def make_group(
 # process would make it again), and the SLURM and Ray modules (one cluster, one Ray head, fixed
 # paths and ports). So at most one heavy run is beside any other test: the load of the "beside a
 # busy loop" runs every test must pass anyway.
+#
+# An xdist process builds its own copy of a module- or session-scoped fixture: the tests of one
+# module split over the two processes ran cli_results, reward_model and default_run twice (30-60
+# s each beside a busy loop, 2026-12-07). So the users of each costly shared fixture run in one
+# group (the heavy one when any of them is heavy).
 HEAVY_FIXTURES = {"status_run", "critic_reference", "slurm", "ray_head"}
 HEAVY_MODULES = {"test_slurm.py", "test_ray.py"}
+SHARED_FIXTURES = {"cli_results", "default_run", "lora_run", "padded_run", "reward_model"}
+
+
+def _heavy(item) -> bool:
+    return bool(
+        item.get_closest_marker("slow")
+        or item.get_closest_marker("chaos")
+        or HEAVY_FIXTURES & set(item.fixturenames)
+        or item.path.name in HEAVY_MODULES
+    )
+
+
+def xdist_groups(items) -> dict[str, str]:
+    """nodeid -> xdist group, for the tests that must share one process."""
+    heavy_shared = {f for item in items if _heavy(item) for f in SHARED_FIXTURES & set(item.fixturenames)}
+    groups = {}
+    for item in items:
+        shared = sorted(SHARED_FIXTURES & set(item.fixturenames))
+        if _heavy(item) or heavy_shared & set(shared):
+            groups[item.nodeid] = "heavy"
+        elif shared:
+            groups[item.nodeid] = f"shares-{shared[0]}"
+    return groups
 
 
 def pytest_collection_modifyitems(config, items):
+    groups = xdist_groups(items)
     for item in items:
-        if (
-            item.get_closest_marker("slow")
-            or item.get_closest_marker("chaos")
-            or HEAVY_FIXTURES & set(item.fixturenames)
-            or item.path.name in HEAVY_MODULES
-        ):
-            item.add_marker(pytest.mark.xdist_group("heavy"))
+        if item.nodeid in groups:
+            item.add_marker(pytest.mark.xdist_group(groups[item.nodeid]))
 
 
 def subprocess_env() -> dict[str, str]:
@@ -112,10 +136,17 @@ def model_cache(tmp_path_factory):
         os.environ[CACHE_ENV] = old
 
 
+# launch.local's trainer has 2 ranks by default; the tests' runs have one unless they say
+# --nproc. On CPU each FSDP rank of the tiny model costs about what one rank alone does (100
+# steps: 78 CPU-s for 2 ranks, 38 for 1, the whole run 120 against 76; 2026-12-07), and what
+# two ranks do has tests of its own: the local pipeline and Ctrl-C tests, a verl config end to
+# end, a rank that dies (all `--nproc 2`), the chaos soak, test_trainer's rank comparisons.
 def launch_local(*args: str) -> list[str]:
     """argv of `python -m launch.local ARGS` as the tests run it: without the HTML report at the
-    end (~2 s of plotting a run; tests/test_status_report.py checks the report of its run)."""
-    return [sys.executable, "-m", "launch.local", "--no-report", *args]
+    end (~2 s of plotting a run; tests/test_status_report.py checks the report of its run), on
+    one trainer rank unless ARGS has --nproc."""
+    ranks = [] if "--nproc" in args else ["--nproc", "1"]
+    return [sys.executable, "-m", "launch.local", "--no-report", *ranks, *args]
 
 
 # --- fixed experience for trainer tests: identical data for every run ------------------------

@@ -715,6 +715,8 @@ def test_launch_local_with_a_verl_config_runs_end_to_end(tmp_path):
             str(tmp_path / "train.parquet"),
             "--timeout",
             "500",
+            "--nproc",
+            "2",  # rank 0 alone prints the warnings
         ),
         cwd=REPO_ROOT,
         env=subprocess_env(),

@@ -861,7 +861,7 @@ os.makedirs(os.path.join(out, "logs"))
 subprocess.run(["mount", "--bind", os.path.join(out, "logs"), os.path.join(root, "logs")], check=True)
 log = open(os.path.join(out, "launch.log"), "w")
 run = subprocess.Popen([sys.executable, "-m", "launch.local", "--no-report", "--root", root, "--steps", str(steps),
-                        "--timeout", "1500", "--trainer", "trainer.save_freq=2",
+                        "--nproc", "1", "--timeout", "1500", "--trainer", "trainer.save_freq=2",
                         "--trainer", "trainer.log_sample_ids=true"], stdout=log, stderr=subprocess.STDOUT)
 
 def lines(name):
@@ -1053,8 +1053,8 @@ def test_launch_local_restarts_the_trainer_after_a_rank_dies(tmp_path):
     out_path = tmp_path / "launch.out"  # a file, not a pipe: nobody reads a pipe while the test waits
     with open(out_path, "w") as out_file:
         proc = subprocess.Popen(
-            launch_local("--root", str(root), "--steps", str(steps), "--test-freq", "0", "--timeout", "400",
-                         "--trainer", "trainer.log_sample_ids=true", "--trainer", "trainer.save_freq=2"),
+            launch_local("--root", str(root), "--steps", str(steps), "--test-freq", "0", "--timeout", "400", "--nproc",
+                         "2", "--trainer", "trainer.log_sample_ids=true", "--trainer", "trainer.save_freq=2"),
             stdout=out_file, stderr=subprocess.STDOUT, text=True, start_new_session=True, env=subprocess_env(),
         )  # fmt: skip
     try:

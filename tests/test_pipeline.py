@@ -20,7 +20,7 @@ def test_local_pipeline_runs_steps_and_reloads_weights(tmp_path):
     root = tmp_path / "run"
     steps = 6
     proc = subprocess.run(
-        launch_local("--root", str(root), "--steps", str(steps), "--timeout", "400"),
+        launch_local("--root", str(root), "--steps", str(steps), "--timeout", "400", "--nproc", "2"),
         capture_output=True,
         text=True,
         timeout=500,
@@ -65,7 +65,7 @@ def test_ctrl_c_stops_every_process(tmp_path):
     # suite run as `... &` would then send a Ctrl-C the launcher never sees. A terminal's Ctrl-C
     # reaches a process whose SIGINT is at its default, so start it that way.
     proc = subprocess.Popen(
-        launch_local("--root", str(root), "--steps", "500", "--timeout", "300"),
+        launch_local("--root", str(root), "--steps", "500", "--timeout", "300", "--nproc", "2"),
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,

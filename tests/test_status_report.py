@@ -109,6 +109,8 @@ def observe_run(tmp_path_factory) -> tuple[Path, dict]:
             str(FREQ),
             "--timeout",
             "900",
+            "--nproc",
+            "1",  # one trainer rank, as conftest.launch_local's runs
         ],
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
